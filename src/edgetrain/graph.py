@@ -1,0 +1,299 @@
+"""The framework-free cost model of a training chain: stages, their costs, and what a plan costs.
+
+Nothing in this module touches torch. A :class:`CostChain` is plain data (ints and floats) that the
+profiler fills in from measurements and every planner reads. :func:`simulate` is the single reference
+definition of what a schedule costs in memory and time; planners must agree with it exactly (their
+tests brute-force it).
+
+Memory model (bytes, for one micro-batch of ``m`` samples, stages ``0..n-1`` in forward order).
+``in_t`` is the input of stage ``t`` (``input_bytes`` for stage 0, else ``out_{t-1}``). A schedule cuts
+the chain into *groups*: a ``keep`` group is one stage whose saved tensors stay resident until its
+backward; a ``recompute`` group is a run of stages ``i..j`` executed as one checkpoint, which retains only
+its output and re-runs its forward during backward. Walking the groups forward with a resident prefix
+``P`` (initially ``input_bytes``):
+
+* keep stage ``i``: local peak ``P + saved_i + 2*out_i + in_i + ws_i`` (saved tensors, the output and
+  its gradient, the input gradient being produced, transient workspace); then ``P += saved_i + out_i``.
+* recompute group ``i..j``: local peak ``P + out_j + max_t (sum_{s=i..t}(saved_s + out_s) + out_t + in_t
+  + ws_t)`` (the retained output plus the re-materialised group up to stage ``t`` while ``t`` runs
+  backward); then ``P += out_j``.
+* after the last group, the loss needs ``P + out_{n-1}``.
+
+The activation peak is the largest of these; the predicted step peak adds ``fixed_bytes`` (parameters,
+gradients, optimizer state, the logical batch, runtime overhead measured by the profiler).
+
+Time model: a micro-batch of ``m`` samples costs ``sum_t (fwd_t + bwd_t) + sum_{t recomputed} fwd_t +
+loss``; a step over a logical batch ``B`` split into micro-batches of at most ``m`` adds them up and adds
+``step_fixed_s`` (the optimizer update). Every per-stage cost is affine in ``m`` (:class:`Linear`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+__all__ = [
+    "Linear", "StageCost", "CostChain", "ScheduleCost", "simulate", "micro_batch_sizes",
+    "KEEP", "RECOMPUTE", "PAGE", "POLICIES", "singleton_groups",
+]
+
+KEEP = "keep"
+RECOMPUTE = "recompute"
+PAGE = "page"
+POLICIES = (KEEP, RECOMPUTE, PAGE)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """An affine cost ``fixed + per_sample * m`` of a micro-batch of ``m`` samples."""
+
+    fixed: float = 0.0
+    per_sample: float = 0.0
+
+    def at(self, m: int) -> float:
+        """Value at micro-batch size ``m``."""
+        return self.fixed + self.per_sample * m
+
+    @staticmethod
+    def fit(m1: int, v1: float, m2: int, v2: float) -> "Linear":
+        """Line through two measurements, clamped so that neither part is negative.
+
+        Args:
+            m1, m2: two distinct micro-batch sizes.
+            v1, v2: the values measured at them.
+
+        Returns:
+            The fitted cost; a negative slope or intercept (measurement noise) is clamped to zero
+            while keeping the line above both points.
+        """
+        if m1 == m2:
+            return Linear(0.0, max(v1, v2) / max(m1, 1))
+        slope = (v2 - v1) / (m2 - m1)
+        if slope < 0:
+            return Linear(max(v1, v2), 0.0)
+        fixed = v1 - slope * m1
+        if fixed < 0:
+            return Linear(0.0, max(v1 / m1, v2 / m2))
+        return Linear(fixed, slope)
+
+    def scaled(self, factor: float) -> "Linear":
+        return Linear(self.fixed * factor, self.per_sample * factor)
+
+    def __add__(self, other: "Linear") -> "Linear":
+        return Linear(self.fixed + other.fixed, self.per_sample + other.per_sample)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Measured costs of one stage of the chain.
+
+    Attributes:
+        name: readable stage name (the modules it covers).
+        fwd_s: forward seconds.
+        bwd_s: backward seconds (input gradient and weight gradients together).
+        saved_bytes: bytes the stage saves for backward, excluding the storages of its input, its
+            output and the parameters.
+        out_bytes: bytes of the stage output (the one tensor that crosses to the next stage).
+        workspace_bytes: transient bytes above saved + output + gradients while the stage runs forward
+            or backward, measured as resident memory (so the allocator's slack is included).
+        flops: forward floating-point operations (0 when unknown), used to scale costs to other devices.
+        bwd_input_s: the input-gradient part of ``bwd_s`` where measured (else 0).
+    """
+
+    name: str
+    fwd_s: Linear
+    bwd_s: Linear
+    saved_bytes: Linear
+    out_bytes: Linear
+    workspace_bytes: Linear = Linear()
+    flops: Linear = Linear()
+    bwd_input_s: Linear = Linear()
+
+
+@dataclass(frozen=True)
+class CostChain:
+    """A chain of stages with the costs the planners need.
+
+    Attributes:
+        stages: the stages in forward order.
+        batch_size: the logical batch size ``B`` a step trains on.
+        input_bytes: bytes of the stage-0 input per micro-batch (a view of the batch for slices, but
+            counted: a gathered micro-batch may be a copy).
+        fixed_bytes: bytes independent of the schedule and micro-batch size (parameters, gradients,
+            optimizer state, the logical batch, measured runtime overhead).
+        loss_s: seconds of loss forward + backward per micro-batch.
+        step_fixed_s: seconds per logical step independent of micro-batching (optimizer update).
+        name: model name for reports.
+    """
+
+    stages: tuple[StageCost, ...]
+    batch_size: int
+    input_bytes: Linear
+    fixed_bytes: int
+    loss_s: Linear = Linear()
+    step_fixed_s: float = 0.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a CostChain needs at least one stage")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    @property
+    def n(self) -> int:
+        return len(self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "CostChain":
+        def lin(x: Any) -> Linear:
+            return x if isinstance(x, Linear) else Linear(**x)
+
+        stages = tuple(
+            StageCost(name=s["name"], **{k: lin(v) for k, v in s.items() if k != "name"})
+            for s in d["stages"])
+        return CostChain(stages=stages, batch_size=int(d["batch_size"]), input_bytes=lin(d["input_bytes"]),
+                         fixed_bytes=int(d["fixed_bytes"]), loss_s=lin(d.get("loss_s", {})),
+                         step_fixed_s=float(d.get("step_fixed_s", 0.0)), name=d.get("name", ""))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "CostChain":
+        return CostChain.from_dict(json.loads(text))
+
+    def with_batch_size(self, batch_size: int) -> "CostChain":
+        return CostChain(self.stages, batch_size, self.input_bytes, self.fixed_bytes, self.loss_s,
+                         self.step_fixed_s, self.name)
+
+
+@dataclass(frozen=True)
+class ScheduleCost:
+    """What :func:`simulate` predicts for one schedule."""
+
+    peak_bytes: int
+    activation_peak_bytes: int
+    step_time_s: float
+    micro_batch_time_s: float
+    recompute_time_s: float = 0.0
+    per_stage_peak_bytes: tuple[int, ...] = field(default=())
+
+
+def micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
+    """Sizes of the micro-batches a logical batch is split into (all ``m`` but a smaller last one)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    m = min(micro_batch_size, batch_size)
+    full, rest = divmod(batch_size, m)
+    return [m] * full + ([rest] if rest else [])
+
+
+def singleton_groups(n: int) -> tuple[int, ...]:
+    """Group ids that put every stage in its own group."""
+    return tuple(range(n))
+
+
+def _group_spans(groups: Sequence[int]) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for t in range(1, len(groups) + 1):
+        if t == len(groups) or groups[t] != groups[start]:
+            spans.append((start, t - 1))
+            start = t
+    return spans
+
+
+def _check_schedule(chain: CostChain, policies: Sequence[str], groups: Sequence[int]) -> list[tuple[int, int]]:
+    if len(policies) != chain.n or len(groups) != chain.n:
+        raise ValueError(f"schedule has {len(policies)} policies / {len(groups)} groups for {chain.n} stages")
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; expected one of {POLICIES}")
+    if any(b < a for a, b in zip(groups, groups[1:])):
+        raise ValueError("group ids must be non-decreasing along the chain")
+    spans = _group_spans(groups)
+    for i, j in spans:
+        kinds = {policies[t] for t in range(i, j + 1)}
+        if len(kinds) != 1:
+            raise ValueError(f"stages {i}..{j} share a group but have different policies {sorted(kinds)}")
+        if j > i and policies[i] != RECOMPUTE:
+            raise ValueError(f"only recompute groups may span several stages (stages {i}..{j} are {policies[i]!r})")
+    return spans
+
+
+def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
+                       groups: Sequence[int]) -> tuple[int, list[int]]:
+    """Activation peak (bytes) of one micro-batch of ``m`` samples and the local peak of every group.
+
+    ``page`` stages are costed here like ``keep`` (the paging planner owns their richer model).
+    """
+    spans = _check_schedule(chain, policies, groups)
+    st = chain.stages
+    out = [math.ceil(s.out_bytes.at(m)) for s in st]
+    saved = [math.ceil(s.saved_bytes.at(m)) for s in st]
+    ws = [math.ceil(s.workspace_bytes.at(m)) for s in st]
+    inp = [math.ceil(chain.input_bytes.at(m))] + out[:-1]
+    prefix = inp[0]
+    peak = 0
+    locals_: list[int] = []
+    for i, j in spans:
+        if policies[i] != RECOMPUTE:
+            local = saved[i] + 2 * out[i] + inp[i] + ws[i]
+            peak = max(peak, prefix + local)
+            prefix += saved[i] + out[i]
+        else:
+            run = 0
+            worst = 0
+            for t in range(i, j + 1):
+                run += saved[t] + out[t]
+                worst = max(worst, run + out[t] + inp[t] + ws[t])
+            local = out[j] + worst
+            peak = max(peak, prefix + local)
+            prefix += out[j]
+        locals_.append(local)
+    peak = max(peak, prefix + out[-1])
+    return peak, locals_
+
+
+def micro_batch_time(chain: CostChain, m: int, policies: Sequence[str]) -> tuple[float, float]:
+    """Seconds of one micro-batch of ``m`` samples, and the part of it spent recomputing."""
+    base = sum(s.fwd_s.at(m) + s.bwd_s.at(m) for s in chain.stages) + chain.loss_s.at(m)
+    rec = sum(s.fwd_s.at(m) for s, p in zip(chain.stages, policies) if p == RECOMPUTE)
+    return base + rec, rec
+
+
+def simulate(chain: CostChain, micro_batch_size: int, policies: Sequence[str],
+             groups: Sequence[int] | None = None) -> ScheduleCost:
+    """Predicted peak bytes and step seconds of a schedule (the reference semantics; see module doc).
+
+    Args:
+        chain: the profiled chain.
+        micro_batch_size: the largest micro-batch; the logical batch is split as
+            :func:`micro_batch_sizes` says.
+        policies: one of ``keep``/``recompute``/``page`` per stage.
+        groups: group id per stage (non-decreasing); consecutive stages with equal ids form one
+            recompute segment. ``None`` puts every stage in its own group.
+
+    Returns:
+        The predicted :class:`ScheduleCost`.
+    """
+    if groups is None:
+        groups = singleton_groups(chain.n)
+    sizes = micro_batch_sizes(chain.batch_size, micro_batch_size)
+    act, locals_ = activation_profile(chain, sizes[0], policies, groups)
+    total = chain.step_fixed_s
+    rec_total = 0.0
+    for mb in sizes:
+        t, r = micro_batch_time(chain, mb, policies)
+        total += t
+        rec_total += r
+    t0, _ = micro_batch_time(chain, sizes[0], policies)
+    return ScheduleCost(peak_bytes=int(chain.fixed_bytes + act), activation_peak_bytes=int(act),
+                        step_time_s=total, micro_batch_time_s=t0, recompute_time_s=rec_total,
+                        per_stage_peak_bytes=tuple(locals_))
