@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import memory  # noqa: F401  (records the budget baseline, tunes malloc)
 from .errors import BudgetError, CaptureError, EdgetrainError, InputError, ProfileError
 from .graph import CostChain, Linear, StageCost, simulate
 from .plan import Plan
@@ -13,3 +14,13 @@ __all__ = [
     "BudgetError", "CaptureError", "EdgetrainError", "InputError", "ProfileError",
     "CostChain", "Linear", "StageCost", "simulate", "Plan", "format_bytes", "parse_bytes",
 ]
+
+from .api import TrainStep, prepare  # noqa: E402
+from .memory import measure_peak  # noqa: E402
+
+__all__ += ["TrainStep", "prepare", "measure_peak"]
+
+from . import planners  # noqa: E402,F401  (imported now so its import is not charged to a budget)
+
+memory.warm_torch_imports()
+memory.record_baseline()

@@ -1,0 +1,269 @@
+"""Filtered Conv2d: exact forward, backward on r x r patch-averaged maps (the maths of gradient filtering).
+
+Notation (one spatial axis; the 2-D operator is the product of the two axes' operators). A Conv2d with
+kernel ``k``, stride ``s``, dilation ``d`` and left (top) padding ``P`` maps an input of length ``H``
+to an output of length ``H_o`` by ``y[i] = sum_p W[p] x[s*i + d*p - P]`` (``x`` is 0 outside
+``[0, H)``). Cut both maps into patches of ``r`` positions, ``I = floor(i / r)``, ``U = floor(u / r)``,
+``H_o' = ceil(H_o / r)`` and ``H' = ceil(H / r)`` patches; a last patch may be partial (ceil mode), and
+every average below divides by the number of *real* positions in the patch (``n_I``, ``n_U``).
+
+* ``X[U] = mean_{u in U} x[u]`` is the only activation saved (``H' x W'`` per channel: ``r^2`` fewer).
+* ``G[I] = mean_{i in I} gy[i]`` is the filtered output gradient (patch average of ``dL/dy``).
+* The approximation: ``x~ = P_in x`` and ``gy~ = P_out gy``, where ``P`` replaces every value by its
+  patch mean (``P = up o mean``, an orthogonal projection). The backward returns the *exact* gradients
+  of the surrogate layer ``y_s = P_out conv_W(P_in x)``::
+
+      dW[p]   = sum_i gy~[i] * x~[s*i + d*p - P]
+      dx      = P_in conv_W^T(gy~)            (i.e. dx[u] = (1 / n_U) sum_{u' in U} conv_W^T(gy~)[u'])
+      dbias   = sum_i gy[i]                   (exact: P_out keeps sums)
+
+  while the forward output is the exact ``conv_W(x)``. With ``r = 1`` both projections are the
+  identity, so this *is* exact backprop.
+
+Computing it on the ``H' x W'`` grids. Write a fine output position as ``i = r*I + a`` (``0 <= a < r``).
+It reads ``u = s*r*I + t`` with ``t = s*a + d*p - P``, which lies in patch ``U = s*I + m`` with
+``m = floor(t / r)`` (``s*r*I`` is a multiple of ``r``). Hence::
+
+      dW[p] = sum_m A[p, m] sum_I G[I] X[s*I + m]        A[p, m] = #{a : floor((s*a + d*p - P) / r) = m}
+
+a *coarse* correlation with stride ``s``, dilation 1 and ``K' = m_max - m_min + 1`` taps, then a tiny
+contraction with the count matrix ``A`` (``k x K'``). The input gradient is the matching transposed
+coarse convolution with the folded kernel ``W'[m] = sum_p A[p, m] W[p]``, divided by ``n_U`` and
+replicated over each patch. In 2-D, ``A_h[p, m] * A_w[q, n]`` weights tap ``(p, q)``. For a 3x3
+convolution ``K' = 3`` for every stride and radius (e.g. ``r = 2, s = 1, P = 1``:
+``W' = [W0, W0 + 2 W1 + W2, W2]`` per axis), so both gradients cost ``r^2`` fewer multiply-adds.
+
+Stride ``s`` is exact here: the paper's code pools the input over ``(s*r)^2`` positions and drops the
+``1 / s^2`` this introduces; here the input keeps its own ``r``-grid and ``s`` stays the coarse stride.
+Partial patches (a map not divisible by ``r``): a fine output beyond ``H_o`` gets no gradient and a
+read of a position in ``[H, r*H')`` (inside the last input patch but past the map) reads 0. Both only
+change ``A`` for the last one or two patch rows/columns, so those rows are computed as separate small
+blocks with their own ``A``; the result is exactly the formula above, with no cropping.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.utils import _pair
+
+__all__ = ["filtered_conv2d", "conv2d_backward_flops", "pooled_shape"]
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """The coarse geometry of one spatial axis (see the module docstring)."""
+
+    n_in_c: int                          # H' = ceil(H / r)
+    n_out_c: int                         # H_o' = ceil(H_o / r)
+    stride: int                          # coarse stride (= the conv's stride)
+    k_c: int                             # K' coarse taps
+    left: int                            # zero padding before the coarse input (= -m_min)
+    length: int                          # padded coarse input length
+    blocks: tuple[tuple[int, int, int], ...]  # (first patch row, stop, index into tables)
+    tables: tuple[tuple[tuple[int, ...], ...], ...]  # A[p][m] per block kind
+    counts: tuple[int, ...]              # n_U: real positions per input patch
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis(n_in: int, n_out: int, k: int, s: int, d: int, pad: int, r: int) -> _Axis:
+    n_in_c, n_out_c = -(-n_in // r), -(-n_out // r)
+    m_lo = (-pad) // r
+    m_hi = (s * (r - 1) + d * (k - 1) - pad) // r
+    k_c = m_hi - m_lo + 1
+    rows: list[tuple[tuple[int, ...], ...]] = []
+    for big_i in range(n_out_c):
+        table = [[0] * k_c for _ in range(k)]
+        for a in range(min(r, n_out - r * big_i)):  # real output positions of this patch only
+            for p in range(k):
+                u = s * (r * big_i + a) + d * p - pad
+                if n_in <= u < r * n_in_c:  # past the map inside a partial last patch: reads 0
+                    continue
+                table[p][u // r - s * big_i - m_lo] += 1  # u < 0 or u >= r*H' hit the zero padding
+        rows.append(tuple(tuple(row) for row in table))
+    kinds: list[tuple[tuple[int, ...], ...]] = []
+    blocks: list[tuple[int, int, int]] = []
+    for big_i, row in enumerate(rows):
+        if blocks and kinds[blocks[-1][2]] == row:
+            start, _, kind = blocks[-1]
+            blocks[-1] = (start, big_i + 1, kind)
+            continue
+        if row not in kinds:
+            kinds.append(row)
+        blocks.append((big_i, big_i + 1, kinds.index(row)))
+    length = max(s * (n_out_c - 1) + k_c, -m_lo + n_in_c)
+    counts = tuple(min(r, n_in - r * u) for u in range(n_in_c))
+    return _Axis(n_in_c, n_out_c, s, k_c, -m_lo, length, tuple(blocks), tuple(kinds), counts)
+
+
+def pooled_shape(shape: tuple[int, ...] | torch.Size, radius: int) -> tuple[int, ...]:
+    """Shape of the patch-averaged map of ``[N, C, H, W]``: ``[N, C, ceil(H/r), ceil(W/r)]``."""
+    n, c, h, w = shape
+    return (n, c, -(-h // radius), -(-w // radius))
+
+
+def _axes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
+          stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+          radius: int) -> tuple[_Axis, _Axis]:
+    return tuple(_axis(x_shape[2 + j], y_shape[2 + j], w_shape[2 + j], stride[j], dilation[j],
+                       padding[j], radius) for j in (0, 1))  # type: ignore[return-value]
+
+
+def _mean_pool(t: torch.Tensor, radius: int) -> torch.Tensor:
+    # ceil_mode with no padding divides each window by the number of real positions in it
+    return t if radius == 1 else F.avg_pool2d(t, radius, radius, ceil_mode=True)
+
+
+class _FilteredConv2dFn(torch.autograd.Function):
+    """Exact conv2d forward; saves only the patch-averaged input; filtered backward on coarse maps."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, radius):  # type: ignore[override]
+        y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Only what backward needs: the pooled input for dW, the weight (a parameter) for dx.
+        ctx.save_for_backward(_mean_pool(x, radius) if need_w else None, weight if need_x else None)
+        ctx.geometry = (tuple(x.shape), tuple(weight.shape), tuple(y.shape), stride, padding,
+                        dilation, groups, radius)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):  # type: ignore[override]
+        x_pooled, weight = ctx.saved_tensors
+        x_shape, w_shape, y_shape, stride, padding, dilation, groups, radius = ctx.geometry
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gb = gy.sum((0, 2, 3)) if need_b else None
+        if not (need_x or need_w):
+            return None, None, gb, None, None, None, None, None
+        ah, aw = _axes(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
+        g = _mean_pool(gy, radius)
+        n, c = x_shape[0], x_shape[1]
+        opts = dict(dtype=gy.dtype, device=gy.device)
+        pad = (aw.left, aw.length - aw.left - aw.n_in_c, ah.left, ah.length - ah.left - ah.n_in_c)
+        # coarse input, zero padded so every block's window exists; a placeholder when dW is not needed
+        xp = F.pad(x_pooled, pad) if need_w else torch.zeros((n, c, ah.length, aw.length), **opts)
+        gxp = torch.zeros((n, c, ah.length, aw.length), **opts) if need_x else None
+        gw = torch.zeros(w_shape, **opts) if need_w else None
+        w_ref = weight if need_x else torch.zeros(w_shape, **opts)
+        for h0, h1, th in ah.blocks:
+            a_h = torch.tensor(ah.tables[th], **opts)
+            rows = slice(ah.stride * h0, ah.stride * (h1 - 1) + ah.k_c)
+            for w0, w1, tw in aw.blocks:
+                a_w = torch.tensor(aw.tables[tw], **opts)
+                cols = slice(aw.stride * w0, aw.stride * (w1 - 1) + aw.k_c)
+                w_coarse = torch.einsum("ocpq,pm,qn->ocmn", w_ref, a_h, a_w)
+                gi, gwc, _ = torch.ops.aten.convolution_backward(
+                    g[:, :, h0:h1, w0:w1], xp[:, :, rows, cols], w_coarse, None, stride, (0, 0),
+                    (1, 1), False, (0, 0), groups, (need_x, need_w, False))
+                if need_x:
+                    gxp[:, :, rows, cols] += gi
+                if need_w:
+                    gw += torch.einsum("ocmn,pm,qn->ocpq", gwc, a_h, a_w)
+        gx = None
+        if need_x:
+            gxc = gxp[:, :, ah.left:ah.left + ah.n_in_c, aw.left:aw.left + aw.n_in_c]
+            if radius > 1:
+                # dx[u] = (1 / n_U) * (gradient of the patch mean), replicated over the patch
+                cnt = torch.outer(torch.tensor(ah.counts, **opts), torch.tensor(aw.counts, **opts))
+                gxc = gxc / cnt
+                gxc = gxc[:, :, :, None, :, None].expand(-1, -1, -1, radius, -1, radius)
+                gxc = gxc.reshape(n, c, ah.n_in_c * radius, aw.n_in_c * radius)
+            gx = gxc[:, :, :x_shape[2], :x_shape[3]].contiguous()
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _explicit_padding(x: torch.Tensor, weight: torch.Tensor, padding: str | int | tuple[int, int],
+                      dilation: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Turn ``'valid'`` / ``'same'`` into numbers (asymmetric 'same' pads ``x`` explicitly)."""
+    if not isinstance(padding, str):
+        return x, _pair(padding)
+    if padding == "valid":
+        return x, (0, 0)
+    if padding != "same":
+        raise ValueError(f"padding must be an int, a pair, 'valid' or 'same'; got {padding!r}")
+    totals = [dilation[j] * (weight.shape[2 + j] - 1) for j in (0, 1)]
+    lefts = [t // 2 for t in totals]
+    if all(t == 2 * left for t, left in zip(totals, lefts)):
+        return x, (lefts[0], lefts[1])
+    return F.pad(x, (lefts[1], totals[1] - lefts[1], lefts[0], totals[0] - lefts[0])), (0, 0)
+
+
+def filtered_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    stride: int | tuple[int, int] = 1, padding: str | int | tuple[int, int] = 0,
+                    dilation: int | tuple[int, int] = 1, groups: int = 1, radius: int = 2,
+                    ) -> torch.Tensor:
+    """``F.conv2d`` whose backward uses gradient filtering with patch size ``radius x radius``.
+
+    The output is exactly ``F.conv2d(x, weight, bias, ...)``. For backward it saves only the
+    ``radius x radius`` patch means of ``x`` (ceil mode: partial edge patches average their real
+    positions), and returns the exact gradients of ``P_out o conv o P_in`` (``P``: replace each value by
+    its patch mean), computed on the pooled maps; see this module's docstring for the formulas.
+    ``radius=1`` is exact backprop.
+
+    Args:
+        x: input ``[N, C, H, W]``.
+        weight: ``[O, C / groups, kH, kW]``.
+        bias: ``[O]`` or None.
+        stride: as in ``F.conv2d``.
+        padding: as in ``F.conv2d`` (ints, a pair, ``'valid'`` or ``'same'``; zeros).
+        dilation: as in ``F.conv2d``.
+        groups: as in ``F.conv2d`` (depthwise when ``groups == C``).
+        radius: patch side ``r >= 1``.
+
+    Returns:
+        The convolution output ``[N, O, H_o, W_o]``.
+
+    Raises:
+        ValueError: when ``radius`` is not an integer >= 1 or ``padding`` is not understood.
+    """
+    if isinstance(radius, bool) or not isinstance(radius, int) or radius < 1:
+        raise ValueError(f"radius must be an integer >= 1 (patch side in pixels); got {radius!r}")
+    stride, dilation = _pair(stride), _pair(dilation)
+    x, padding = _explicit_padding(x, weight, padding, dilation)
+    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if not (torch.is_grad_enabled() and wants_grad):
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return _FilteredConv2dFn.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation),
+                                   groups, radius)
+
+
+def conv2d_backward_flops(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
+                          stride: tuple[int, int], padding: tuple[int, int],
+                          dilation: tuple[int, int], radius: int | None, need_x: bool = True,
+                          need_w: bool = True, need_b: bool = False) -> int:
+    """Floating-point operations of one Conv2d backward (a multiply-add counts 2).
+
+    Args:
+        x_shape: input ``[N, C, H, W]``.
+        w_shape: weight ``[O, C / groups, kH, kW]``.
+        y_shape: output ``[N, O, H_o, W_o]``.
+        stride: the conv's stride pair.
+        padding: the conv's (top, left) padding pair.
+        dilation: the conv's dilation pair.
+        radius: None for exact backprop; else the filter's patch side.
+        need_x: the input gradient is computed.
+        need_w: the weight gradient is computed.
+        need_b: the bias gradient is computed (``N * O * H_o * W_o`` additions either way).
+
+    Returns:
+        The count. Filtered: both coarse convolutions, plus pooling ``dL/dy`` (one add per element)
+        and scaling ``dx`` (one per pooled element); the tiny count-matrix contractions are ignored.
+    """
+    n, o, ho, wo = y_shape
+    per_position = 2 * n * o * w_shape[1]
+    flops = n * o * ho * wo if need_b else 0
+    if radius is None:
+        return flops + (int(need_x) + int(need_w)) * per_position * w_shape[2] * w_shape[3] * ho * wo
+    ah, aw = _axes(tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding, dilation, radius)
+    coarse = per_position * ah.k_c * aw.k_c * ah.n_out_c * aw.n_out_c
+    flops += (int(need_x) + int(need_w)) * coarse
+    if need_x or need_w:
+        flops += n * o * ho * wo if radius > 1 else 0
+    if need_x and radius > 1:
+        flops += n * x_shape[1] * ah.n_in_c * aw.n_in_c
+    return flops

@@ -1,0 +1,249 @@
+"""ElasticTrainer for PyTorch: train only the most important parameter tensors that fit a step-time budget.
+
+At attach time, and again every ``interval_steps`` steps, :class:`ElasticSelector` scores every trainable
+tensor by its first-order loss decrease on a small probe batch, then picks exactly the set of maximum
+total importance whose predicted step time (measured per tensor on this machine by
+:mod:`.elastic_timing`, solved by :mod:`.elastic_select`) is at most ``1 / speedup`` of a full
+fine-tuning step. Unselected tensors get ``requires_grad = False`` and ``grad = None``, so autograd
+computes nothing below the deepest selected tensor, layers below it save no activations, and the
+optimizer (SGD, Adam, ... skip parameters whose ``grad`` is None) neither updates them nor touches their
+state. Usage from a plain PyTorch loop::
+
+    sel = ElasticSelector(ElasticConfig(speedup=2.0, interval_steps=200))
+    sel.attach(model, optimizer, example_batch=(x0, y0), loss_fn=nn.CrossEntropyLoss())
+    for step, (x, y) in enumerate(loader):
+        sel.maybe_reselect(step, (x, y))
+        optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import EdgetrainError, InputError
+from .elastic_select import SpeedupPlan, plan_for_speedup
+from .elastic_state import TrainingSnapshot
+from .elastic_timing import TensorTiming, batch_loss, measure_timing, slice_batch
+
+__all__ = ["ElasticConfig", "ElasticSelector", "tensor_importance"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ElasticConfig:
+    """Settings of elastic tensor selection.
+
+    Attributes:
+        speedup: requested step-time speed-up over full fine-tuning (>= 1; ``math.inf`` asks for the
+            largest reachable one). Requests beyond reach are lowered to it with a warning.
+        interval_steps: re-evaluate importance and re-select every this many steps.
+        probe_batch_size: samples of the current batch used for the importance probe.
+        time_units: resolution of the exact selection (``O(N * time_units)``); costs are rounded up, so
+            at most one unit per selected tensor of the budget goes unused.
+        timing_repeats: repetitions per isolated layer timing (medians).
+        timing_cut_repeats: repetitions per whole-model timing.
+        timing_max_cuts: layers at which the frozen model's backward is timed (calibration points).
+        timing_cache_path: optional JSON file caching measured timings across runs.
+    """
+
+    speedup: float = 2.0
+    interval_steps: int = 100
+    probe_batch_size: int = 32
+    time_units: int = 10_000
+    timing_repeats: int = 5
+    timing_cut_repeats: int = 3
+    timing_max_cuts: int = 24
+    timing_cache_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.speedup >= 1.0:
+            raise InputError(f"speedup must be >= 1.0, got {self.speedup}")
+        for name in ("interval_steps", "probe_batch_size", "time_units", "timing_repeats",
+                     "timing_cut_repeats", "timing_max_cuts"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                      loss_fn: Callable[[Any, Any], torch.Tensor], names: Sequence[str]) -> list[float]:
+    """First-order loss decrease ``-sum(g * delta_w)`` of each named tensor over one probe step.
+
+    ``g`` is the gradient on ``batch`` and ``delta_w`` the update the optimizer makes from it (all named
+    tensors trainable for the probe). A positive value means the update lowers the loss. Everything
+    the probe touches (parameters, gradients, flags, buffers, optimizer state, RNG) is restored
+    bit-exactly afterwards.
+
+    Args:
+        model: the model.
+        optimizer: its optimizer (the probe takes one real step with it).
+        batch: the probe batch ``(inputs, target)``.
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        names: parameter names (as in ``model.named_parameters()``) to score.
+
+    Returns:
+        One importance per name (0 for tensors the loss does not reach).
+    """
+    by_name = dict(model.named_parameters())
+    tensors = [by_name[n] for n in names]
+    with TrainingSnapshot(model, optimizer):
+        for p in model.parameters():
+            p.grad = None
+        for p in tensors:
+            p.requires_grad_(True)
+        batch_loss(model, batch, loss_fn).backward()
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in tensors]
+        before = [p.detach().clone() for p in tensors]
+        optimizer.step()
+        return [0.0 if g is None else -float((g.double() * (p.detach().double() - b.double())).sum())
+                for p, g, b in zip(tensors, grads, before)]
+
+
+class ElasticSelector:
+    """Runtime tensor selection for a requested speed-up (ElasticTrainer, MobiSys'23, in PyTorch).
+
+    Args:
+        config: the settings (defaults: 2x, re-select every 100 steps).
+
+    Attributes after :meth:`attach`:
+        timing: the measured :class:`TensorTiming`.
+        plan: the current :class:`SpeedupPlan`.
+        importance: the latest importance of every candidate tensor, by name.
+    """
+
+    def __init__(self, config: ElasticConfig | None = None) -> None:
+        self.config = config or ElasticConfig()
+        self.timing: TensorTiming | None = None
+        self.plan: SpeedupPlan | None = None
+        self.importance: dict[str, float] = {}
+        self.reselections = 0
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._loss_fn: Callable | None = None
+        self._tensors: list[nn.Parameter] = []
+        self._last_step = 0
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
+               loss_fn: Callable[[Any, Any], torch.Tensor]) -> "ElasticSelector":
+        """Measure the per-tensor costs, make the first selection and apply it.
+
+        The candidates are the parameters with ``requires_grad`` that the forward pass uses; parameters
+        the user froze stay frozen. Measuring runs real steps and then restores the training state.
+
+        Args:
+            model: the model, in training mode.
+            optimizer: the optimizer over the model's parameters.
+            example_batch: a real ``(inputs, target)`` batch of the training batch size.
+            loss_fn: ``loss_fn(model(inputs), target) -> scalar``.
+
+        Returns:
+            self, for chaining.
+
+        Raises:
+            ProfileError: the model has no trainable tensor or could not be timed.
+        """
+        cfg = self.config
+        self._model, self._optimizer, self._loss_fn = model, optimizer, loss_fn
+        self.timing = measure_timing(model, example_batch, loss_fn, optimizer, repeats=cfg.timing_repeats,
+                                     cut_repeats=cfg.timing_cut_repeats, max_cuts=cfg.timing_max_cuts,
+                                     cache_path=cfg.timing_cache_path)
+        by_name = dict(model.named_parameters())
+        self._tensors = [by_name[n] for n in self.timing.names]
+        self.reselect(example_batch, step_idx=0)
+        return self
+
+    def maybe_reselect(self, step_idx: int, batch: Any) -> bool:
+        """Re-select when ``interval_steps`` steps have passed since the last selection.
+
+        Call it before the step's forward pass. Returns True when it re-selected.
+        """
+        if step_idx - self._last_step < self.config.interval_steps:
+            return False
+        self.reselect(batch, step_idx)
+        return True
+
+    def reselect(self, batch: Any, step_idx: int | None = None) -> SpeedupPlan:
+        """Re-evaluate importance on the first ``probe_batch_size`` samples of ``batch``, select, apply.
+
+        Raises:
+            EdgetrainError: :meth:`attach` was not called.
+        """
+        timing, model = self._require()
+        probe = slice_batch(batch, self.config.probe_batch_size)
+        imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names)
+        self.importance = dict(zip(timing.names, imp))
+        with warnings.catch_warnings():
+            if self.reselections > 0:   # the reachability warning is raised once, then only logged
+                warnings.simplefilter("ignore")
+            self.plan = plan_for_speedup(imp, timing.train_s, timing.depth_s, timing.fixed_s,
+                                         timing.full_step_s, self.config.speedup, self.config.time_units)
+        self.reselections += 1
+        if step_idx is not None:
+            self._last_step = step_idx
+        self.apply()
+        logger.info("elastic selection %d: %d/%d tensors, deepest %s, predicted %.2fx (requested %.2fx, "
+                    "reachable %.2fx)", self.reselections, len(self.plan.selection.indices),
+                    len(timing.names), self.deepest_selected, self.plan.predicted_speedup,
+                    self.plan.requested_speedup, self.plan.reachable_speedup)
+        return self.plan
+
+    def apply(self) -> None:
+        """Make exactly the selected tensors trainable; unselected ones get ``grad = None``."""
+        self._require()
+        chosen = set(self.plan.selection.indices) if self.plan is not None else set()
+        for k, p in enumerate(self._tensors):
+            p.requires_grad_(k in chosen)
+            if k not in chosen:
+                p.grad = None
+
+    def release(self) -> None:
+        """Make every candidate tensor trainable again (full fine-tuning) until :meth:`apply` or the next
+        re-selection; the current plan is kept."""
+        for p in self._tensors:
+            p.requires_grad_(True)
+
+    # -------------------------------------------------------------------------------------- report
+    @property
+    def selected(self) -> list[str]:
+        """Names of the selected tensors, in forward order."""
+        timing, _ = self._require()
+        return [timing.names[k] for k in self.plan.selection.indices] if self.plan else list(timing.names)
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Predicted full-step time over selected-step time."""
+        return self.plan.predicted_speedup if self.plan else 1.0
+
+    @property
+    def reachable_speedup(self) -> float:
+        """The largest speed-up any selection can reach on this model and machine."""
+        return self.plan.reachable_speedup if self.plan else 1.0
+
+    @property
+    def deepest_selected(self) -> str | None:
+        """Name of the input-most selected tensor (backpropagation stops at its layer)."""
+        names = self.selected
+        return names[0] if names else None
+
+    def frozen_layers(self) -> list[str]:
+        """Modules, in forward order, that run before the deepest selected tensor's layer: they need no
+        gradient and save no activations (what the memory planner may drop)."""
+        timing, _ = self._require()
+        if not self.plan:
+            return []
+        deepest_layer = timing.layers[self.plan.selection.indices[0]]
+        first = timing.layers.index(deepest_layer)
+        return list(dict.fromkeys(timing.layers[:first]))
+
+    def _require(self) -> tuple[TensorTiming, nn.Module]:
+        if self.timing is None or self._model is None:
+            raise EdgetrainError("ElasticSelector is not attached: call attach(model, optimizer, "
+                                 "example_batch, loss_fn) first")
+        return self.timing, self._model

@@ -1,0 +1,73 @@
+"""Batches as edgetrain sees them: a tensor, or a tuple/dict of tensors, batched on dim 0."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .errors import InputError
+
+__all__ = ["batch_size_of", "slice_batch", "split_batch", "batch_nbytes", "batch_signature"]
+
+
+def _leaves(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            yield from _leaves(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _leaves(v)
+
+
+def batch_size_of(*parts: Any) -> int:
+    """The common dim-0 size of every tensor in ``parts``.
+
+    Raises:
+        InputError: there is no tensor, a tensor is 0-dimensional, or the sizes disagree.
+    """
+    sizes = {t.shape[0] if t.dim() > 0 else None for p in parts for t in _leaves(p)}
+    if not sizes:
+        raise InputError("the batch holds no tensor; pass tensors batched on dim 0")
+    if None in sizes:
+        raise InputError("a batch tensor is 0-dimensional; every input and target must be batched on dim 0")
+    if len(sizes) != 1:
+        raise InputError(f"inputs and targets disagree on the batch size (dim 0): {sorted(sizes)}")
+    return sizes.pop()
+
+
+def slice_batch(x: Any, start: int, stop: int) -> Any:
+    """``x[start:stop]`` on dim 0 of every tensor (views, no copies); other values pass through."""
+    if isinstance(x, torch.Tensor):
+        return x[start:stop]
+    if isinstance(x, Mapping):
+        return {k: slice_batch(v, start, stop) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(slice_batch(v, start, stop) for v in x)
+    return x
+
+
+def split_batch(x: Any, sizes: list[int]) -> list[Any]:
+    out, start = [], 0
+    for s in sizes:
+        out.append(slice_batch(x, start, start + s))
+        start += s
+    return out
+
+
+def batch_nbytes(x: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in _leaves(x):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def batch_signature(x: Any) -> tuple[Any, ...]:
+    """Per-sample shapes and dtypes (dim 0 dropped): what must match between example and real batches."""
+    return tuple((tuple(t.shape[1:]), str(t.dtype), t.device.type) for t in _leaves(x))

@@ -1,0 +1,330 @@
+"""Cut a model into a chain of stages with a single tensor crossing each cut.
+
+torch.fx traces the model; a submodule whose forward cannot be traced (data-dependent control flow) is
+retried as an opaque leaf, innermost first. Cuts go at every point of the graph where exactly one tensor
+(besides the model's own inputs and non-tensor values such as sizes) is produced before and used after;
+skip connections therefore stay inside a stage. Adjacent cut points are merged until at most
+``max_stages`` stages remain, balancing the activation bytes per stage. A model that fx cannot trace at
+all becomes a single stage (micro-batching still applies) unless ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import fx, nn
+
+from ._state import preserved_model_state, rng_state, set_rng_state
+from .errors import CaptureError
+
+__all__ = ["Stage", "Chain", "capture", "bind_inputs"]
+
+log = logging.getLogger(__name__)
+OUTPUT_KEY = "__output__"
+
+
+@dataclass
+class Stage:
+    """One stage of the chain: a callable over named values of the running environment.
+
+    Attributes:
+        index: position in the chain.
+        name: readable name (first and last module it covers).
+        fn: callable taking ``inputs`` positionally and returning a tuple of ``outputs``.
+        inputs: names of the values it reads.
+        outputs: names of the values it produces that later stages (or the loss) read.
+        modules: the submodules whose code runs inside the stage.
+    """
+
+    index: int
+    name: str
+    fn: Callable[..., tuple[Any, ...]]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    modules: tuple[nn.Module, ...] = ()
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return self.fn(*args)
+
+
+@dataclass
+class Chain:
+    """A model as a chain of stages (the result of :func:`capture`)."""
+
+    stages: list[Stage]
+    input_names: tuple[str, ...]
+    method: str
+    leaf_modules: tuple[str, ...] = ()
+    last_use: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def run(self, env: dict[str, Any]) -> Any:
+        """Run every stage plainly on an environment of model inputs and return the model output."""
+        for st in self.stages:
+            outs = st(*(env[k] for k in st.inputs))
+            env.update(zip(st.outputs, outs))
+            self.release(env, st.index)
+        return env[OUTPUT_KEY]
+
+    def release(self, env: dict[str, Any], stage_index: int) -> None:
+        """Drop values no stage after ``stage_index`` reads (so memory follows the plan)."""
+        for k in [k for k in env if k != OUTPUT_KEY and self.last_use.get(k, -1) <= stage_index]:
+            del env[k]
+
+
+def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
+    """Name the model inputs the way ``model.forward``'s signature does (tensor, tuple or dict)."""
+    sig = inspect.signature(model.forward)
+    try:
+        if isinstance(inputs, Mapping):
+            bound = sig.bind(**inputs)
+        elif isinstance(inputs, (tuple, list)):
+            bound = sig.bind(*inputs)
+        else:
+            bound = sig.bind(inputs)
+    except TypeError as e:
+        raise CaptureError(f"the inputs do not match {type(model).__name__}.forward{sig}: {e}. "
+                           "Pass a tensor, a tuple of positional inputs, or a dict of keyword inputs.") from e
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+class _RetryTracer(fx.Tracer):
+    """fx tracer that remembers the innermost module whose forward failed to trace."""
+
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+        self.failed_at: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                try:
+                    self.failed_at = self.path_of_module(m)
+                except Exception:  # module not registered under the root
+                    self.failed_at = ""
+            raise
+
+
+def _trace(model: nn.Module, concrete: dict[str, Any], max_retries: int = 64) -> tuple[fx.GraphModule, set[str]]:
+    leaves: set[str] = set()
+    last_err: Exception | None = None
+    for _ in range(max_retries):
+        tracer = _RetryTracer(leaves)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+            return fx.GraphModule(model, graph, type(model).__name__), leaves
+        except Exception as e:  # any tracing failure: retry with the failing module as a leaf
+            last_err = e
+            if not tracer.failed_at or tracer.failed_at in leaves:
+                break
+            log.debug("fx could not trace %s (%s); treating it as a leaf", tracer.failed_at, e)
+            leaves.add(tracer.failed_at)
+    raise CaptureError(f"torch.fx cannot trace {type(model).__name__}.forward: {last_err}")
+
+
+def _node_values(gm: fx.GraphModule, env: dict[str, Any]) -> dict[fx.Node, Any]:
+    """Run the traced graph once, returning every node's value (for shapes and tensor-ness)."""
+    values: dict[fx.Node, Any] = {}
+
+    class _Rec(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n.op == "placeholder":
+                v = env[n.target] if n.target in env else (n.args[0] if n.args else None)
+            else:
+                v = super().run_node(n)
+            values[n] = v
+            return v
+
+    _Rec(gm).run(*[env.get(n.target) for n in gm.graph.nodes if n.op == "placeholder"])
+    return values
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (tuple, list)):
+        return sum(_nbytes(x) for x in v)
+    if isinstance(v, dict):
+        return sum(_nbytes(x) for x in v.values())
+    return 0
+
+
+def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any]) -> list[int]:
+    """Indices p such that exactly one non-input tensor is produced at or before p and used after p."""
+    index = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
+    cuts: list[int] = []
+    live: set[fx.Node] = set()
+    for p, n in enumerate(nodes):
+        if n.op == "output":
+            break
+        if n.op not in ("placeholder", "get_attr") and isinstance(values.get(n), torch.Tensor):
+            live.add(n)
+        live = {x for x in live if last_use[x] > p}
+        nxt = nodes[p + 1] if p + 1 < len(nodes) else None
+        if len(live) == 1 and nxt is not None and nxt.op != "output":
+            cuts.append(p)
+    return cuts
+
+
+def _coarsen(cuts: list[int], nodes: list[fx.Node], values: dict[fx.Node, Any], max_stages: int) -> list[int]:
+    if len(cuts) + 1 <= max_stages:
+        return cuts
+    weight = [_nbytes(values.get(n)) if n.op not in ("placeholder", "get_attr", "output") else 0 for n in nodes]
+    prefix = [0]
+    for w in weight:
+        prefix.append(prefix[-1] + w)
+    total = prefix[-1] or 1
+    target = total / max_stages
+    chosen: list[int] = []
+    last = 0
+    for p in cuts:
+        if prefix[p + 1] - last >= target and len(chosen) < max_stages - 1:
+            chosen.append(p)
+            last = prefix[p + 1]
+    return chosen
+
+
+def _stage_name(nodes: Sequence[fx.Node]) -> str:
+    mods = [str(n.target) for n in nodes if n.op == "call_module"]
+    if not mods:
+        ops = [getattr(n.target, "__name__", str(n.target)) for n in nodes if n.op in ("call_function", "call_method")]
+        return "+".join(ops[:2]) or "stage"
+    return mods[0] if len(mods) == 1 else f"{mods[0]}..{mods[-1]}"
+
+
+def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int]) -> tuple[list[Stage], dict[str, int]]:
+    bounds = [-1] + cuts + [len(nodes) - 2]  # the last node is the output node
+    out_node = nodes[-1]
+    owner: dict[fx.Node, int] = {}
+    for s in range(len(bounds) - 1):
+        for n in nodes[bounds[s] + 1: bounds[s + 1] + 1]:
+            owner[n] = s
+    stages: list[Stage] = []
+    last_use: dict[str, int] = {}
+    n_stages = len(bounds) - 1
+    for s in range(n_stages):
+        members = [n for n in nodes[bounds[s] + 1: bounds[s + 1] + 1] if n.op != "placeholder"]
+        g = fx.Graph()
+        local: dict[fx.Node, fx.Node] = {}
+        inputs: list[str] = []
+
+        def fetch(a: fx.Node) -> fx.Node:
+            if a in local:
+                return local[a]
+            if a.op == "get_attr":
+                local[a] = g.get_attr(a.target)  # parameters/buffers are shared with the user's model
+            else:
+                key = str(a.target) if a.op == "placeholder" else a.name
+                local[a] = g.placeholder(key)
+                inputs.append(key)
+                last_use[key] = max(last_use.get(key, -1), s)
+            return local[a]
+
+        for n in members:
+            for a in n.all_input_nodes:
+                if a not in local and (a.op == "get_attr" or owner.get(a) != s or a.op == "placeholder"):
+                    fetch(a)
+            local[n] = g.node_copy(n, lambda a: local[a])
+        last = s == n_stages - 1
+        outputs = [n for n in members if n.op != "get_attr" and any(
+            (u.op != "output" and owner.get(u, n_stages) > s) or (u.op == "output" and not last) for u in n.users)]
+        out_vals: list[Any] = [local[n] for n in outputs]
+        out_names = [n.name for n in outputs]
+        if last:
+            out_vals.append(fx.node.map_arg(out_node.args[0], lambda a: fetch(a) if a not in local else local[a]))
+            out_names.append(OUTPUT_KEY)
+        g.output(tuple(out_vals))
+        sub = fx.GraphModule(gm, g, f"stage{s}")
+        mods = tuple(gm.get_submodule(str(n.target)) for n in members if n.op == "call_module")
+        stages.append(Stage(index=s, name=_stage_name(members), fn=sub, inputs=tuple(inputs),
+                            outputs=tuple(out_names), modules=mods))
+    return stages, last_use
+
+
+def _single_stage(model: nn.Module, names: tuple[str, ...]) -> Chain:
+    def fn(*vals: Any) -> tuple[Any, ...]:
+        return (model(**dict(zip(names, vals))),)
+
+    st = Stage(0, type(model).__name__, fn, names, (OUTPUT_KEY,), tuple(model.modules()))
+    return Chain([st], names, "single", (), {k: 0 for k in names})
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b)
+
+
+def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False) -> Chain:
+    """Cut ``model`` into a :class:`Chain` of stages, checked on ``example_inputs``.
+
+    Args:
+        model: any ``nn.Module``; its parameters and buffers are shared, never copied.
+        example_inputs: a (small) batch: a tensor, a tuple of positional inputs or a dict of keyword inputs.
+        max_stages: merge cut points until at most this many stages remain.
+        strict: raise :class:`CaptureError` instead of falling back to a single stage.
+
+    Returns:
+        The chain. ``chain.method`` is ``"fx"`` or ``"single"``.
+
+    Raises:
+        CaptureError: the example batch does not run through the model, or (``strict``) no cut is possible.
+    """
+    env = bind_inputs(model, example_inputs)
+    names = tuple(env)
+    with preserved_model_state(model), torch.no_grad():
+        state = rng_state()
+        try:
+            reference = model(**env)
+        except Exception as e:
+            raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
+                               "Check the example's shapes and dtypes against the model.") from e
+        try:
+            concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
+            gm, leaves = _trace(model, concrete)
+        except CaptureError as e:
+            if strict:
+                raise
+            log.warning("%s; training it as a single stage (micro-batching only). %s", e,
+                        "Make the forward fx-traceable to let edgetrain recompute inside it.")
+            return _single_stage(model, names)
+        set_rng_state(state)
+        values = _node_values(gm, env)
+    nodes = list(gm.graph.nodes)
+    out_val = values.get(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], fx.Node) else \
+        fx.node.map_aggregate(nodes[-1].args[0], lambda a: values.get(a) if isinstance(a, fx.Node) else a)
+    if not _same(out_val, reference):
+        msg = (f"the traced graph of {type(model).__name__} does not reproduce its output on the example batch "
+               "(data-dependent Python control flow?)")
+        if strict:
+            raise CaptureError(msg)
+        log.warning("%s; training it as a single stage", msg)
+        return _single_stage(model, names)
+    cuts = _coarsen(_cut_points(nodes, values), nodes, values, max_stages)
+    if not cuts and strict:
+        raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
+                           "it cannot be cut into stages")
+    stages, last_use = _build_stages(gm, nodes, cuts)
+    for k in names:
+        last_use.setdefault(k, -1)
+    if leaves:
+        log.info("modules kept opaque (not fx-traceable): %s", ", ".join(sorted(leaves)))
+    return Chain(stages, names, "fx", tuple(sorted(leaves)), last_use)

@@ -1,0 +1,248 @@
+"""Shared pieces of the keep/recompute planners: per-micro-batch sizes, exact feasibility, errors.
+
+Everything here restates :mod:`edgetrain.graph`'s memory model in array form so the planners can search
+it quickly; :func:`edgetrain.graph.simulate` stays the reference, and the planners' tests brute-force it.
+For one micro-batch size ``m`` a schedule is a path through the *group boundaries* ``0..n``: from boundary
+``t`` with resident prefix ``P`` a keep group ``t`` needs ``P + keep_local[t] <= A`` and moves to ``t+1``
+with ``P + keep_add[t]``; a recompute group ``t..j`` needs ``P + seg_local[t, j] <= A`` and moves to
+``j+1`` with ``P + out[j]``; at ``n`` the loss needs ``P + out[n-1] <= A``. ``A`` is the budget minus the
+chain's fixed bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import BudgetError
+from ..graph import KEEP, RECOMPUTE, CostChain, micro_batch_sizes, micro_batch_time, simulate
+from ..units import format_bytes
+
+__all__ = [
+    "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
+    "keep_time_s", "schedule_from_groups", "min_prefix_path", "min_peak_schedule", "better",
+    "fixed_state_error",
+]
+
+#: Step times within this relative distance count as ties (then fewer recomputed stages win, then a
+#: larger micro-batch), so that float summation order never decides a plan.
+TIME_RTOL = 1e-9
+
+# Larger than any byte count a chain can produce; marks impossible (stage, segment) pairs.
+_BIG = np.int64(2**62)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Integer byte costs of one micro-batch of ``m`` samples, in the path form of the module doc.
+
+    Attributes:
+        m: micro-batch size.
+        inp0: bytes of the stage-0 input (the initial resident prefix).
+        keep_local: per stage, the local peak of keeping it (above the prefix).
+        keep_add: per stage, what keeping it adds to the prefix (saved + output).
+        out: per stage, output bytes (what a recompute group ending there adds to the prefix).
+        seg_local: ``[t, j]`` local peak of recompute group ``t..j`` (``_BIG`` where ``j < t``).
+        seg_worst: ``[t, j]`` the re-materialised part of ``seg_local`` (non-decreasing in ``j``; once
+            it exceeds the budget every longer segment from ``t`` does too).
+    """
+
+    m: int
+    inp0: int
+    keep_local: np.ndarray
+    keep_add: np.ndarray
+    out: np.ndarray
+    seg_local: np.ndarray
+    seg_worst: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.out)
+
+    def gcd(self) -> int:
+        """Greatest common divisor of every size the constraints use (0 when all are zero)."""
+        valid = self.seg_local[self.seg_local < _BIG]
+        parts = [np.array([self.inp0], dtype=np.int64), self.keep_local, self.keep_add, self.out, valid]
+        return int(np.gcd.reduce(np.concatenate(parts)))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A keep/recompute schedule as the planners pass it around."""
+
+    m: int
+    policies: tuple[str, ...]
+    groups: tuple[int, ...]
+
+    @property
+    def recomputed(self) -> int:
+        return sum(p == RECOMPUTE for p in self.policies)
+
+
+def candidate_micro_batches(chain: CostChain, micro_batch_sizes: Sequence[int] | None = None) -> list[int]:
+    """Micro-batch sizes to search, largest first.
+
+    Args:
+        chain: the chain (its ``batch_size`` is the logical batch ``B``).
+        micro_batch_sizes: sizes the user allows; ``None`` means, for every number of micro-batches
+            ``k`` in ``1..B``, the balanced size ``ceil(B / k)`` (an unbalanced split with the same ``k``
+            has the same predicted time and a larger peak, so it never wins).
+
+    Returns:
+        Distinct sizes in ``1..B``, sorted descending.
+
+    Raises:
+        ValueError: a size is not a positive integer, or the list is empty.
+    """
+    b = chain.batch_size
+    if micro_batch_sizes is None:
+        return sorted({-(-b // k) for k in range(1, b + 1)}, reverse=True)
+    sizes = list(micro_batch_sizes)
+    if not sizes:
+        raise ValueError("micro_batch_sizes is empty: pass at least one size, or None to search all")
+    for m in sizes:
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise ValueError(f"micro-batch sizes must be positive integers, got {m!r}")
+    return sorted({min(int(m), b) for m in sizes}, reverse=True)
+
+
+@functools.lru_cache(maxsize=512)
+def sizes_at(chain: CostChain, m: int) -> Sizes:
+    """The integer costs of :func:`edgetrain.graph.activation_profile` at micro-batch ``m`` (cached)."""
+    st = chain.stages
+    out = np.array([math.ceil(s.out_bytes.at(m)) for s in st], dtype=np.int64)
+    saved = np.array([math.ceil(s.saved_bytes.at(m)) for s in st], dtype=np.int64)
+    ws = np.array([math.ceil(s.workspace_bytes.at(m)) for s in st], dtype=np.int64)
+    inp0 = int(math.ceil(chain.input_bytes.at(m)))
+    inp = np.concatenate([[inp0], out[:-1]]).astype(np.int64)
+    keep_add = saved + out
+    keep_local = saved + 2 * out + inp + ws
+    # Recompute group t..j: worst over u in t..j of run(t..u) + out_u + in_u + ws_u, where
+    # run(t..u) = S[u+1] - S[t]; so worst = cummax_u(S[u+1] + e_u) - S[t], then add the kept out_j.
+    n = len(out)
+    s_pref = np.concatenate([[0], np.cumsum(keep_add)]).astype(np.int64)
+    f = s_pref[1:] + out + inp + ws
+    tri = np.triu(np.ones((n, n), dtype=bool))
+    fm = np.where(tri, f[None, :], np.iinfo(np.int64).min)
+    worst = np.maximum.accumulate(fm, axis=1) - s_pref[:-1, None]
+    seg_worst = np.where(tri, worst, _BIG)
+    seg_local = np.where(tri, worst + out[None, :], _BIG)
+    for a in (out, keep_add, keep_local, seg_local, seg_worst):
+        a.setflags(write=False)
+    return Sizes(m, inp0, keep_local, keep_add, out, seg_local, seg_worst)
+
+
+def recompute_costs(chain: CostChain, m: int) -> np.ndarray:
+    """Seconds per step that recomputing each stage adds (its forward, summed over the micro-batches)."""
+    sizes = micro_batch_sizes(chain.batch_size, m)
+    return np.array([sum(s.fwd_s.at(mb) for mb in sizes) for s in chain.stages], dtype=np.float64)
+
+
+def keep_time_s(chain: CostChain, m: int) -> float:
+    """Predicted step seconds with nothing recomputed: a lower bound for every schedule at ``m``."""
+    keep = [KEEP] * chain.n
+    return chain.step_fixed_s + sum(micro_batch_time(chain, mb, keep)[0]
+                                    for mb in micro_batch_sizes(chain.batch_size, m))
+
+
+def schedule_from_groups(m: int, n: int, spans: Sequence[tuple[int, int, str]]) -> Schedule:
+    """Turn ``(first, last, policy)`` spans covering ``0..n-1`` in order into a :class:`Schedule`."""
+    policies: list[str] = []
+    groups: list[int] = []
+    for gid, (i, j, pol) in enumerate(spans):
+        policies.extend([pol] * (j - i + 1))
+        groups.extend([gid] * (j - i + 1))
+    if len(policies) != n:
+        raise AssertionError(f"spans cover {len(policies)} of {n} stages")
+    return Schedule(m, tuple(policies), tuple(groups))
+
+
+def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> Schedule | None:
+    """Exact feasibility of activation budget ``act_budget`` at ``sz.m``, with a witness schedule.
+
+    Because every constraint is ``P + local <= A`` and ``P`` only grows, a smaller prefix at a group
+    boundary is never worse for the rest of the chain; so the smallest reachable prefix at each
+    boundary (a shortest path over boundaries, ``O(n^2)``) decides feasibility exactly.
+
+    Returns:
+        The schedule reaching the last boundary with the smallest prefix, or ``None`` if none fits.
+    """
+    n = sz.n
+    pmin = np.full(n + 1, _BIG, dtype=np.int64)
+    pmin[0] = sz.inp0
+    pred = np.full(n + 1, -1, dtype=np.int64)   # start boundary of the group ending at each boundary
+    pkeep = np.zeros(n + 1, dtype=bool)
+    for s in range(n):
+        p = pmin[s]
+        if p >= _BIG:
+            continue
+        if allow_segments:
+            ok = p + sz.seg_local[s, s:] <= act_budget
+            cand = np.where(ok, p + sz.out[s:], _BIG)
+            better_ = cand < pmin[s + 1:]
+            pmin[s + 1:] = np.where(better_, cand, pmin[s + 1:])
+            pred[s + 1:][better_] = s
+            pkeep[s + 1:][better_] = False
+        elif p + sz.seg_local[s, s] <= act_budget and p + sz.out[s] < pmin[s + 1]:
+            pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.out[s], s, False
+        # Keep wins ties against a recompute group ending at s (fewer recomputed stages).
+        if p + sz.keep_local[s] <= act_budget and p + sz.keep_add[s] <= pmin[s + 1]:
+            pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.keep_add[s], s, True
+    if pmin[n] + sz.out[-1] > act_budget:
+        return None
+    spans: list[tuple[int, int, str]] = []
+    t = n
+    while t > 0:
+        s = int(pred[t])
+        spans.append((s, t - 1, KEEP if pkeep[t] else RECOMPUTE))
+        t = s
+    return schedule_from_groups(sz.m, n, spans[::-1])
+
+
+@functools.lru_cache(maxsize=512)
+def min_peak_schedule(chain: CostChain, m: int, allow_segments: bool = True) -> tuple[int, Schedule]:
+    """The smallest activation peak of any keep/recompute schedule at ``m``, and one that reaches it.
+
+    Bisection over the integer budget with :func:`min_prefix_path` as the exact oracle; every feasible
+    probe tightens the upper end to the witness's own peak. Cached per (chain, m).
+    """
+    sz = sizes_at(chain, m)
+    best = min_prefix_path(sz, int(_BIG) - 1, allow_segments)
+    assert best is not None
+    hi = simulate(chain, m, best.policies, best.groups).activation_peak_bytes
+    lo = -1   # infeasible
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        sched = min_prefix_path(sz, mid, allow_segments)
+        if sched is None:
+            lo = mid
+        else:
+            best = sched
+            hi = simulate(chain, m, sched.policies, sched.groups).activation_peak_bytes
+    return hi, best
+
+
+def better(time_a: float, rec_a: int, m_a: int, time_b: float, rec_b: int, m_b: int) -> bool:
+    """Whether plan a beats plan b: faster (beyond :data:`TIME_RTOL`), then fewer recomputed, then larger m."""
+    tol = TIME_RTOL * max(abs(time_a), abs(time_b))
+    if time_a < time_b - tol:
+        return True
+    if time_a > time_b + tol:
+        return False
+    return (rec_a, -m_a) < (rec_b, -m_b)
+
+
+def fixed_state_error(chain: CostChain, budget_bytes: int, solver: str) -> BudgetError | None:
+    """The error for a budget below the chain's fixed bytes (no schedule can help), else ``None``."""
+    if budget_bytes >= chain.fixed_bytes:
+        return None
+    return BudgetError(
+        f"{solver}: the parameters, gradients, optimizer state and batch alone need "
+        f"{format_bytes(chain.fixed_bytes)}, above the budget of {format_bytes(budget_bytes)}; no schedule of "
+        "activations can fit. Raise the budget well above that, or use a smaller model or an optimizer "
+        "with less state (e.g. SGD without momentum).",
+        budget_bytes=budget_bytes, min_feasible_bytes=None)

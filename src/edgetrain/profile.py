@@ -1,0 +1,289 @@
+"""Measure every stage of a captured chain on this machine and fit per-sample costs (a CostChain).
+
+Each stage runs in isolation, one at a time (its input detached, its output gradient all ones), so that
+profiling itself needs only one stage's memory, never the whole model's. For two micro-batch sizes we
+record forward and backward seconds, the bytes the stage saves for backward (unique storages seen by
+``saved_tensors_hooks``, minus parameters, the stage input and the stage output), the output bytes, and
+the resident-memory peak of the stage (``VmHWM`` reset before it), whose excess over the tensors we can
+name is the stage's transient workspace, the allocator's slack included. Costs are fitted as
+``fixed + per_sample * m`` (:class:`edgetrain.graph.Linear`).
+
+Results are cached per model structure, input shape, sizes and machine, in memory and on disk under
+``$EDGETRAIN_CACHE_DIR`` (default ``~/.cache/edgetrain``); ``EDGETRAIN_NO_CACHE=1`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import memory
+from ._state import preserved_model_state
+from .batch import batch_signature, slice_batch
+from .capture import OUTPUT_KEY, Chain
+from .errors import ProfileError
+from .graph import CostChain, Linear, StageCost
+
+__all__ = ["StageSample", "profile_chain", "optimizer_state_bytes", "cache_dir"]
+
+log = logging.getLogger(__name__)
+_MEMO: dict[str, dict[str, Any]] = {}
+
+
+@dataclass
+class StageSample:
+    """One measurement of one stage at one micro-batch size."""
+
+    fwd_s: float
+    bwd_s: float
+    saved_bytes: int
+    out_bytes: int
+    in_grad_bytes: int
+    peak_bytes: int
+
+    @property
+    def workspace_bytes(self) -> int:
+        return max(0, self.peak_bytes - (self.saved_bytes + 2 * self.out_bytes + self.in_grad_bytes))
+
+    @property
+    def local_bytes(self) -> int:
+        return max(self.peak_bytes, self.saved_bytes + 2 * self.out_bytes + self.in_grad_bytes)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EDGETRAIN_CACHE_DIR", Path.home() / ".cache" / "edgetrain"))
+
+
+def _tensor_bytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state that the first ``step()`` will still allocate.
+
+    Learned by stepping a fresh optimizer of the same class and hyper-parameters on a tiny parameter and
+    counting its per-element state tensors; falls back to two tensors per parameter (Adam's) if that fails.
+    """
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    probe = torch.zeros(8, requires_grad=True)
+    probe.grad = torch.ones(8)
+    try:
+        opt = type(optimizer)([probe], **group)
+        opt.step()
+        per_elem = sum(v.numel() for v in opt.state[probe].values()
+                       if isinstance(v, torch.Tensor) and v.numel() == probe.numel()) / probe.numel()
+    except Exception as e:  # an optimizer we cannot replay: assume Adam-like state
+        log.info("could not probe %s state size (%s); assuming 2 tensors per parameter",
+                 type(optimizer).__name__, e)
+        per_elem = 2.0
+    total = 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p.requires_grad and not optimizer.state.get(p):
+                total += int(per_elem * p.numel() * p.element_size())
+    return total
+
+
+def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[int]) -> tuple[StageSample, dict[str, Any]]:
+    """Forward and backward one stage in isolation; returns its sample and detached outputs."""
+    args = []
+    grad_inputs: list[torch.Tensor] = []
+    for k in stage.inputs:
+        v = env[k]
+        if k in produced and isinstance(v, torch.Tensor) and v.is_floating_point():
+            v = v.detach().requires_grad_(True)
+            grad_inputs.append(v)
+        args.append(v)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
+        return t
+
+    memory.reset_peak()
+    rss0 = memory.rss_bytes()
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = stage(*args)
+    t1 = time.perf_counter()
+    exclude = set(params) | {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
+    out_tensors = [o for o in outs if isinstance(o, torch.Tensor)]
+    exclude |= {_storage_key(o) for o in out_tensors}
+    saved = sum(b for k, b in seen.items() if k not in exclude)
+    out_bytes = sum(_tensor_bytes(o) for o in out_tensors)
+    diff = [o for o in out_tensors if o.requires_grad]
+    bwd = 0.0
+    if diff:
+        grads = [torch.ones_like(o) for o in diff]
+        t2 = time.perf_counter()
+        torch.autograd.backward(diff, grads)
+        bwd = time.perf_counter() - t2
+        del grads
+    peak = max(0, memory.peak_rss_bytes() - rss0)
+    sample = StageSample(fwd_s=t1 - t0, bwd_s=bwd, saved_bytes=saved, out_bytes=out_bytes,
+                         in_grad_bytes=sum(_tensor_bytes(g) for g in grad_inputs), peak_bytes=peak)
+    return sample, {k: (o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(stage.outputs, outs)}
+
+
+def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: Callable[..., torch.Tensor],
+               m: int, params: set[int]) -> tuple[list[StageSample], float]:
+    env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
+    produced: set[str] = set()
+    samples = []
+    for st in chain.stages:
+        s, outs = _run_stage(st, env, produced, params)
+        samples.append(s)
+        env.update(outs)
+        produced.update(outs)
+        chain.release(env, st.index)
+    out = env[OUTPUT_KEY]
+    if isinstance(out, torch.Tensor) and out.is_floating_point():
+        out = out.detach().requires_grad_(True)
+    t0 = time.perf_counter()
+    loss = loss_fn(out, slice_batch(targets, 0, m))
+    if loss.requires_grad:
+        loss.backward()
+    return samples, time.perf_counter() - t0
+
+
+def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...]) -> str:
+    h = hashlib.sha256()
+    parts = [type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+             str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
+             str(memory.allocator_tuned())]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
+    parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
+    for p in parts:
+        h.update(p.encode())
+    return h.hexdigest()[:32]
+
+
+def _load_cached(key: str) -> dict[str, Any] | None:
+    if os.environ.get("EDGETRAIN_NO_CACHE"):
+        return None
+    if key in _MEMO:
+        return _MEMO[key]
+    path = cache_dir() / "profiles" / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    _MEMO[key] = data
+    return data
+
+
+def _store_cached(key: str, data: dict[str, Any]) -> None:
+    _MEMO[key] = data
+    if os.environ.get("EDGETRAIN_NO_CACHE"):
+        return
+    path = cache_dir() / "profiles" / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home is no reason to fail
+        log.debug("profile cache not written (%s)", e)
+
+
+def _fit(chain: Chain, lo: int, s_lo: list[StageSample], hi: int, s_hi: list[StageSample]) -> list[StageCost]:
+    costs = []
+    for st, a, b in zip(chain.stages, s_lo, s_hi):
+        costs.append(StageCost(
+            name=st.name,
+            fwd_s=Linear.fit(lo, a.fwd_s, hi, b.fwd_s),
+            bwd_s=Linear.fit(lo, a.bwd_s, hi, b.bwd_s),
+            saved_bytes=Linear.fit(lo, a.saved_bytes, hi, b.saved_bytes),
+            out_bytes=Linear.fit(lo, a.out_bytes, hi, b.out_bytes),
+            workspace_bytes=Linear.fit(lo, a.workspace_bytes, hi, b.workspace_bytes)))
+    return costs
+
+
+def _min_samples(runs: list[list[StageSample]]) -> list[StageSample]:
+    """Per stage: fastest times, largest bytes over repeated runs (robust to noise, conservative in memory)."""
+    out = []
+    for per in zip(*runs):
+        out.append(StageSample(fwd_s=min(s.fwd_s for s in per), bwd_s=min(s.bwd_s for s in per),
+                               saved_bytes=max(s.saved_bytes for s in per), out_bytes=max(s.out_bytes for s in per),
+                               in_grad_bytes=max(s.in_grad_bytes for s in per),
+                               peak_bytes=max(s.peak_bytes for s in per)))
+    return out
+
+
+def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], targets: Any,
+                  loss_fn: Callable[..., torch.Tensor], *, batch_size: int, fixed_bytes: int,
+                  budget_bytes: int | None = None, repeats: int = 2, use_cache: bool = True,
+                  name: str = "") -> CostChain:
+    """Profile ``chain`` on this machine and return its :class:`CostChain`.
+
+    Args:
+        chain: the captured chain of ``model``.
+        model: the model (its buffers, gradients and the RNG are restored afterwards, bit for bit).
+        inputs_env: the example inputs by name (a full logical batch; slices of it are profiled).
+        targets: the example targets, batched like the inputs.
+        loss_fn: ``loss_fn(output, targets) -> scalar``.
+        batch_size: the logical batch size.
+        fixed_bytes: bytes independent of the schedule (parameters, gradients, optimizer state, batch).
+        budget_bytes: the memory budget; profiling sizes are chosen so no profiled stage exceeds it.
+        repeats: timed repetitions per size (the fastest is kept).
+        use_cache: read/write the profile cache.
+        name: model name for reports.
+
+    Returns:
+        The fitted cost chain.
+
+    Raises:
+        ProfileError: a stage failed to run forward or backward.
+    """
+    params = {_storage_key(p) for p in model.parameters()}
+    with preserved_model_state(model):
+        try:
+            # Warm-up at m=1: allocates parameter gradients, loads kernels; then m=1 and m=2 for sizes.
+            _run_chain(chain, inputs_env, targets, loss_fn, 1, params)
+            small = [_run_chain(chain, inputs_env, targets, loss_fn, m, params)[0] for m in (1, min(2, batch_size))]
+        except Exception as e:
+            raise ProfileError(f"profiling failed: {type(e).__name__}: {e}") from e
+        per_sample = [max(0, b.local_bytes - a.local_bytes) for a, b in zip(*small)] if batch_size > 1 else \
+            [a.local_bytes for a in small[0]]
+        base = [a.local_bytes for a in small[0]]
+        hi = batch_size
+        if budget_bytes is not None:
+            room = budget_bytes - fixed_bytes
+            while hi > 1 and max(b + (hi - 1) * p for b, p in zip(base, per_sample)) * 1.5 > room:
+                hi = max(1, hi // 2)
+        lo = max(1, hi // 4)
+        sizes = (lo, hi)
+        key = _cache_key(chain, model, inputs_env, sizes)
+        cached = _load_cached(key) if use_cache else None
+        if cached is None:
+            try:
+                runs_lo = [_run_chain(chain, inputs_env, targets, loss_fn, lo, params) for _ in range(repeats)]
+                runs_hi = [_run_chain(chain, inputs_env, targets, loss_fn, hi, params) for _ in range(repeats)]
+            except Exception as e:
+                raise ProfileError(f"profiling failed at micro-batch {hi}: {type(e).__name__}: {e}") from e
+            s_lo, s_hi = _min_samples([r[0] for r in runs_lo]), _min_samples([r[0] for r in runs_hi])
+            loss_lo, loss_hi = min(r[1] for r in runs_lo), min(r[1] for r in runs_hi)
+            stages = _fit(chain, lo, s_lo, hi, s_hi)
+            cached = {"stages": [CostChain(tuple(stages), 1, Linear(), 0).to_dict()["stages"]][0],
+                      "loss_s": Linear.fit(lo, loss_lo, hi, loss_hi).__dict__, "sizes": list(sizes)}
+            if use_cache:
+                _store_cached(key, cached)
+        else:
+            log.debug("profile cache hit %s", key)
+    data = {"stages": cached["stages"], "batch_size": batch_size, "input_bytes": {"fixed": 0, "per_sample": 0},
+            "fixed_bytes": fixed_bytes, "loss_s": cached["loss_s"], "name": name}
+    return CostChain.from_dict(data)

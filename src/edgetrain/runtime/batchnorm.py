@@ -1,0 +1,160 @@
+"""BatchNorm running statistics that stay exact under recomputation and micro-batching.
+
+Two problems, two mechanisms:
+
+* Recomputation re-runs a stage's forward during backward; a training-mode BatchNorm would update its
+  running statistics a second time (pytorch#96136). :class:`RecomputeGuard` is the context entered around
+  every recomputation: it snapshots the running statistics of the BatchNorm layers inside the recomputed
+  stages and restores them on exit, so each real forward updates them exactly once.
+* Micro-batching normalises each micro-batch with its own statistics (unavoidable without a second pass),
+  and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
+  accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
+  logical batch (Chan's parallel update, in float64), and at the end of the step sets the running statistics to exactly what one
+  full-batch forward would have set: ``running = (1 - momentum) * running + momentum * stat`` with the
+  unbiased full-batch variance, and ``num_batches_tracked`` advanced once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .._state import batchnorm_modules
+
+__all__ = ["RecomputeGuard", "FullBatchStats"]
+
+_BN = nn.modules.batchnorm._BatchNorm
+
+
+def _stats_of(mods: Iterable[nn.Module]) -> list[_BN]:
+    out: list[_BN] = []
+    seen: set[int] = set()
+    for m in mods:
+        for sub in m.modules():
+            if isinstance(sub, _BN) and sub.track_running_stats and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+    return out
+
+
+class RecomputeGuard:
+    """Context manager (one per recomputed group) that undoes running-statistics updates on exit."""
+
+    def __init__(self, modules: Iterable[nn.Module], owner: "FullBatchStats | None" = None) -> None:
+        self.bns = _stats_of(modules)
+        self.owner = owner
+        self._saved: list[tuple[torch.Tensor, ...]] = []
+
+    def __enter__(self) -> "RecomputeGuard":
+        if self.owner is not None:
+            self.owner.recomputing += 1
+        self._saved = [(b.running_mean.clone() if b.running_mean is not None else None,
+                        b.running_var.clone() if b.running_var is not None else None,
+                        b.num_batches_tracked.clone() if b.num_batches_tracked is not None else None)
+                       for b in self.bns]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for b, (mean, var, nbt) in zip(self.bns, self._saved):
+                if mean is not None:
+                    b.running_mean.copy_(mean)
+                if var is not None:
+                    b.running_var.copy_(var)
+                if nbt is not None:
+                    b.num_batches_tracked.copy_(nbt)
+        if self.owner is not None:
+            self.owner.recomputing -= 1
+
+
+class FullBatchStats:
+    """Makes BatchNorm running statistics of a micro-batched step equal those of one full-batch forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.bns = [m for _, m in batchnorm_modules(model)]
+        self.recomputing = 0
+        self._active = False
+        self._acc: dict[int, list[torch.Tensor | int]] = {}
+        self._snap: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        self._handles = [b.register_forward_pre_hook(self._hook) for b in self.bns]
+
+    @property
+    def has_batchnorm(self) -> bool:
+        return any(b.training for b in self.bns)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, mod: _BN, args: tuple[Any, ...]) -> None:
+        if not self._active or self.recomputing or not mod.training:
+            return
+        x = args[0].detach()
+        dims = [d for d in range(x.dim()) if d != 1]
+        n = x.numel() // x.shape[1]
+        var_k, mean_k = torch.var_mean(x, dim=dims, correction=0)
+        mean_k = mean_k.to(torch.float64)
+        m2_k = var_k.to(torch.float64) * n
+        acc = self._acc.get(id(mod))
+        if acc is None:  # [count, mean, sum of squared deviations]: Chan et al.'s parallel update
+            self._acc[id(mod)] = [n, mean_k, m2_k]
+            return
+        n_a, mean_a, m2_a = acc
+        total = n_a + n  # type: ignore[operator]
+        delta = mean_k - mean_a  # type: ignore[operator]
+        acc[0] = total
+        acc[1] = mean_a + delta * (n / total)  # type: ignore[operator]
+        acc[2] = m2_a + m2_k + delta * delta * (n_a * n / total)  # type: ignore[operator]
+
+    def begin(self, accumulate: bool = True) -> None:
+        """Start a step: snapshot running statistics; ``accumulate`` for a micro-batched step."""
+        self._active = accumulate
+        self._acc = {}
+        self._snap = {id(b): (None if b.running_mean is None else b.running_mean.clone(),
+                              None if b.running_var is None else b.running_var.clone(),
+                              None if b.num_batches_tracked is None else b.num_batches_tracked.clone())
+                      for b in self.bns if b.training}
+
+    def abort(self) -> None:
+        """Put the running statistics back as they were at :meth:`begin`."""
+        self._restore()
+        self._active = False
+        self._acc = {}
+
+    def _restore(self) -> None:
+        with torch.no_grad():
+            for b in self.bns:
+                snap = self._snap.get(id(b))
+                if snap is None:
+                    continue
+                for buf, val in zip((b.running_mean, b.running_var, b.num_batches_tracked), snap):
+                    if buf is not None and val is not None:
+                        buf.copy_(val)
+
+    def finish(self) -> None:
+        """End the step; if micro-batched, replace the per-micro-batch updates by one full-batch update."""
+        if not self._active:
+            self._snap = {}
+            return
+        self._restore()
+        with torch.no_grad():
+            for b in self.bns:
+                acc = self._acc.get(id(b))
+                if acc is None or id(b) not in self._snap:
+                    continue
+                n, mean, m2 = acc
+                var = m2 / max(n - 1, 1)  # type: ignore[operator]  # unbiased, as BatchNorm stores it
+                if b.num_batches_tracked is not None:
+                    b.num_batches_tracked.add_(1)
+                momentum = b.momentum
+                if momentum is None:  # cumulative moving average
+                    momentum = 1.0 / float(b.num_batches_tracked.item())
+                if b.running_mean is not None:
+                    b.running_mean.mul_(1 - momentum).add_(mean.to(b.running_mean.dtype), alpha=momentum)
+                if b.running_var is not None:
+                    b.running_var.mul_(1 - momentum).add_(var.to(b.running_var.dtype), alpha=momentum)
+        self._active = False
+        self._acc = {}

@@ -1,0 +1,94 @@
+"""Execute a Plan over a captured chain: the only code that touches autograd for recomputation.
+
+A ``keep`` group runs its stage as written. A ``recompute`` group (one or more consecutive stages) runs
+under ``torch.utils.checkpoint`` in its non-reentrant form: saved tensors are dropped during forward and
+rebuilt by re-running the group when backward first needs one. The CPU (and CUDA) RNG state is replayed
+so dropout masks are identical, and a :class:`RecomputeGuard` undoes BatchNorm running-statistics
+updates made by the replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch.utils.checkpoint import checkpoint
+
+from ..capture import OUTPUT_KEY, Chain
+from ..graph import RECOMPUTE
+from ..plan import Plan
+from .batchnorm import FullBatchStats, RecomputeGuard
+
+__all__ = ["Executor"]
+
+
+@dataclass
+class _Group:
+    first: int
+    last: int
+    policy: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    modules: tuple[Any, ...]
+
+
+class Executor:
+    """Runs the forward pass of one micro-batch according to a plan (backward is autograd's)."""
+
+    def __init__(self, chain: Chain, plan: Plan, bn: FullBatchStats | None = None) -> None:
+        if plan.num_stages != len(chain):
+            raise ValueError(f"plan has {plan.num_stages} stages, the captured chain {len(chain)}; "
+                             "re-run edgetrain.prepare for this model")
+        self.chain = chain
+        self.plan = plan
+        self.bn = bn
+        self.groups = self._make_groups()
+
+    def _make_groups(self) -> list[_Group]:
+        groups: list[_Group] = []
+        gids = self.plan.groups
+        start = 0
+        for t in range(1, len(gids) + 1):
+            if t < len(gids) and gids[t] == gids[start]:
+                continue
+            i, j = start, t - 1
+            produced: set[str] = set()
+            inputs: list[str] = []
+            for st in self.chain.stages[i:j + 1]:
+                inputs.extend(k for k in st.inputs if k not in produced and k not in inputs)
+                produced.update(st.outputs)
+            outputs = tuple(k for k in produced
+                            if k == OUTPUT_KEY or self.chain.last_use.get(k, -1) > j)
+            mods = tuple(m for st in self.chain.stages[i:j + 1] for m in st.modules)
+            groups.append(_Group(i, j, self.plan.policies[i], tuple(inputs), outputs, mods))
+            start = t
+        return groups
+
+    def _group_fn(self, g: _Group) -> Callable[..., tuple[Any, ...]]:
+        stages = self.chain.stages[g.first:g.last + 1]
+
+        def run(*args: Any) -> tuple[Any, ...]:
+            env = dict(zip(g.inputs, args))
+            for st in stages:
+                env.update(zip(st.outputs, st(*(env[k] for k in st.inputs))))
+            return tuple(env[k] for k in g.outputs)
+
+        return run
+
+    def forward(self, env: dict[str, Any]) -> Any:
+        """Run every group on ``env`` (model inputs by name, one micro-batch); returns the model output."""
+        for g in self.groups:
+            if g.policy == RECOMPUTE:
+                def ctx(g: _Group = g) -> tuple[Any, Any]:
+                    return contextlib.nullcontext(), RecomputeGuard(g.modules, self.bn)
+
+                outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
+                                  preserve_rng_state=True, context_fn=ctx)
+                env.update(zip(g.outputs, outs))
+                self.chain.release(env, g.last)
+            else:
+                for st in self.chain.stages[g.first:g.last + 1]:
+                    env.update(zip(st.outputs, st(*(env[k] for k in st.inputs))))
+                    self.chain.release(env, st.index)
+        return env[OUTPUT_KEY]

@@ -1,0 +1,169 @@
+"""A prepared step computes exactly what plain PyTorch computes on the same logical batch."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import edgetrain
+from _models import convnet, mlp
+
+
+def plain_step(model, opt, loss_fn, x, y, seed):
+    torch.manual_seed(seed)
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def assert_state_close(a: nn.Module, b: nn.Module, rtol: float, atol: float = 0.0) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if rtol == 0 and atol == 0:
+            assert torch.equal(sa[k], sb[k]), k
+        else:
+            torch.testing.assert_close(sa[k], sb[k], rtol=rtol, atol=atol, msg=k)
+
+
+def twins(make, opt_cls=torch.optim.SGD, **opt_kw):
+    ref = make()
+    ours = copy.deepcopy(ref)
+    return ref, opt_cls(ref.parameters(), **opt_kw), ours, opt_cls(ours.parameters(), **opt_kw)
+
+
+@pytest.mark.parametrize("solver,micro", [("recompute_all", None), ("chen_sqrt", None), ("no_saving", 5),
+                                          ("recompute_all", 7)])
+def test_no_batchnorm_matches_full_batch(solver, micro):
+    ref, opt_r, ours, opt_o = twins(lambda: mlp(dropout=0.0), torch.optim.Adam, lr=1e-2)
+    x, y = torch.randn(24, 16), torch.randint(0, 5, (24,))
+    loss_fn = nn.CrossEntropyLoss()
+    step = edgetrain.prepare(ours, opt_o, loss_fn, (x, y), solver=solver, micro_batch_size=micro)
+    assert step.plan.micro_batch_size == (micro or 24)
+    for i in range(3):
+        xb, yb = torch.randn(24, 16), torch.randint(0, 5, (24,))
+        lr = plain_step(ref, opt_r, loss_fn, xb, yb, i)
+        lo = step(xb, yb)
+        assert lo == pytest.approx(lr, rel=1e-5)
+    assert_state_close(ours, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_dropout_replayed_under_recomputation():
+    ref, opt_r, ours, opt_o = twins(lambda: mlp(dropout=0.3), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 16), torch.randint(0, 5, (16,))
+    loss_fn = nn.CrossEntropyLoss()
+    step = edgetrain.prepare(ours, opt_o, loss_fn, (x, y), solver="recompute_all")
+    assert "recompute" in step.plan.policies
+    for i in range(3):
+        lr = plain_step(ref, opt_r, loss_fn, x, y, i)
+        torch.manual_seed(i)
+        lo = step(x, y)
+        assert lo == lr
+    assert_state_close(ours, ref, rtol=0)
+
+
+def test_batchnorm_without_micro_batching_is_identical():
+    ref, opt_r, ours, opt_o = twins(convnet, lr=0.05, momentum=0.9)
+    x, y = torch.randn(12, 3, 16, 16), torch.randint(0, 5, (12,))
+    loss_fn = nn.CrossEntropyLoss()
+    step = edgetrain.prepare(ours, opt_o, loss_fn, (x, y), solver="recompute_all")
+    assert step.plan.num_micro_batches == 1 and not step.plan.bn_micro_batched
+    for i in range(3):
+        lr = plain_step(ref, opt_r, loss_fn, x, y, i)
+        torch.manual_seed(i)
+        assert step(x, y) == lr
+    assert_state_close(ours, ref, rtol=0)  # running statistics and num_batches_tracked included
+
+
+def test_batchnorm_micro_batched_running_stats_are_full_batch():
+    """One update per step from the statistics of the whole logical batch, not one per micro-batch.
+
+    Layers after the first see inputs normalised per micro-batch, so the reference for them is the
+    full-batch statistics of the inputs they actually saw; the first layer's input is the raw batch,
+    so it must also equal a plain full-batch forward.
+    """
+    ref, _, ours, opt_o = twins(convnet, lr=0.0)
+    ours.eval()
+    ours[6].train(False)  # dropout off, BatchNorm layers below back to training
+    for i in (1, 4, 8):
+        ours[i].train()
+    x, y = torch.randn(20, 3, 16, 16), torch.randint(0, 5, (20,))
+    with pytest.warns(UserWarning, match="micro-batch"):
+        step = edgetrain.prepare(ours, opt_o, nn.CrossEntropyLoss(), (x, y), solver="recompute_all",
+                                 micro_batch_size=6)
+    assert step.plan.bn_micro_batched and step.plan.num_micro_batches == 4
+    seen = {i: [] for i in (1, 4, 8)}
+    hooks = [ours[i].register_forward_pre_hook(lambda m, a, i=i: seen[i].append(a[0].detach().clone()))
+             for i in seen]
+    before = {i: (ours[i].running_mean.clone(), ours[i].running_var.clone(), int(ours[i].num_batches_tracked))
+              for i in seen}
+    step(x, y)
+    for h in hooks:
+        h.remove()
+    for i, xs in seen.items():
+        inp = torch.cat(xs[0::2])  # forward, then its replay in backward, per micro-batch
+        assert inp.shape[0] == 20
+        mean = inp.mean(dim=(0, 2, 3))
+        var = inp.var(dim=(0, 2, 3), unbiased=True)
+        bn = ours[i]
+        mom = bn.momentum if bn.momentum is not None else 1.0 / (before[i][2] + 1)
+        torch.testing.assert_close(bn.running_mean, (1 - mom) * before[i][0] + mom * mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bn.running_var, (1 - mom) * before[i][1] + mom * var, rtol=1e-5, atol=1e-6)
+        assert int(bn.num_batches_tracked) == before[i][2] + 1
+    ref(x)  # the first layer sees the raw batch: identical to one plain full-batch forward
+    torch.testing.assert_close(ours[1].running_mean, ref[1].running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours[1].running_var, ref[1].running_var, rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_as_dict_and_tuple():
+    class TwoIn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, left, right):
+            return self.head(torch.relu(self.a(left) + self.b(right)))
+
+    ref, opt_r, ours, opt_o = twins(TwoIn, lr=0.1)
+    l, r, y = torch.randn(10, 4), torch.randn(10, 4), torch.randint(0, 3, (10,))
+    loss_fn = nn.CrossEntropyLoss()
+    step = edgetrain.prepare(ours, opt_o, loss_fn, ({"left": l, "right": r}, y), micro_batch_size=3)
+    step({"left": l, "right": r}, y)
+    opt_r.zero_grad()
+    loss_fn(ref(l, r), y).backward()
+    opt_r.step()
+    assert_state_close(ours, ref, rtol=1e-5, atol=1e-7)
+    step2 = edgetrain.prepare(ours, opt_o, loss_fn, ((l, r), y))
+    step2((l, r), y)
+
+
+def test_wrong_batches_get_clear_errors():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y))
+    with pytest.raises(edgetrain.InputError, match="does not match"):
+        step(torch.randn(8, 15), y)
+    with pytest.raises(edgetrain.InputError, match="larger than"):
+        step(torch.randn(9, 16), torch.randint(0, 5, (9,)))
+    with pytest.raises(edgetrain.InputError, match="disagree"):
+        step(torch.randn(8, 16), torch.randint(0, 5, (7,)))
+    with pytest.raises(edgetrain.InputError, match="pair"):
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), x)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert step(x[:5], y[:5]) > 0  # a smaller last batch is fine
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_budget_error_names_smallest_feasible_budget():
+    model = mlp(d=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    with pytest.raises(edgetrain.BudgetError) as e:
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget=1000)
+    assert isinstance(e.value, ValueError)
+    assert e.value.min_feasible_bytes and e.value.min_feasible_bytes > 1000
+    assert edgetrain.format_bytes(e.value.min_feasible_bytes) in str(e.value)
