@@ -18,6 +18,15 @@ pytest.importorskip("mlxtend")
 pytest.importorskip("sklearn")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops on cores shared with other processes run far slower with two threads spinning.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def mnist() -> Digits:
     return load_mnist(seed=0)
@@ -197,6 +206,8 @@ def test_digits_validates_its_fields() -> None:
         Digits(images.float(), labels, images, labels, classes=(0,))
     with pytest.raises(ValueError, match="int64"):
         Digits(images, labels[:3], images, labels, classes=(0,))
+    with pytest.raises(ValueError, match="labels must index classes"):
+        Digits(images, labels + 1, images, labels, classes=(0,))
     with pytest.raises(ValueError, match="std"):
         Digits(images, labels, images, labels, classes=(0,))  # all-black images cannot be normalised
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -17,7 +18,8 @@ from .capture import bind_inputs, capture
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
-from .profile import optimizer_state_bytes, profile_chain
+from ._state import preserved_model_state
+from .profile import optimizer_costs, profile_chain
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import Executor
 from .units import format_bytes, parse_bytes
@@ -123,6 +125,35 @@ class TrainStep:
         self._bn.close()
 
 
+@dataclass(frozen=True)
+class _Measured:
+    """One validation run, in bytes above the import baseline."""
+
+    rss_before: int
+    peak: int
+    rss_after: int
+
+
+def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
+              loss_fn: Callable[..., torch.Tensor]) -> _Measured:
+    """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
+    executor = Executor(chain, plan)
+    sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
+    base = memory.baseline_rss_bytes()
+    with preserved_model_state(model):
+        memory.reset_peak()
+        before = memory.rss_bytes()
+        start = 0
+        for size in sizes:
+            env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
+            loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
+            (loss * (size / plan.batch_size)).backward()
+            del loss, env
+            start += size
+        peak = memory.peak_rss_bytes()
+    return _Measured(before - base, peak - base, memory.rss_bytes() - base)
+
+
 def _candidate_sizes(batch: int) -> list[int]:
     return sorted({math.ceil(batch / k) for k in range(1, batch + 1)}, reverse=True)
 
@@ -172,25 +203,31 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         memory.tune_allocator()
     rss_start = memory.rss_bytes()
     in_use = max(0, rss_start - memory.baseline_rss_bytes())
-    fixed = in_use + _grad_bytes_missing(model) + optimizer_state_bytes(optimizer)
+    opt_costs = optimizer_costs(optimizer)
+    fixed = in_use + _grad_bytes_missing(model) + opt_costs.state_bytes
     margin = 0 if budget is None else int(budget * safety_margin)
     plan_budget = None if budget is None else budget - margin
-    if plan_budget is not None and fixed >= plan_budget:
-        need = math.ceil(fixed / (1 - safety_margin))
-        raise BudgetError(
-            f"the model, its gradients, optimizer state and the batch already need {format_bytes(fixed)}, "
-            f"more than the budget {format_bytes(budget)} allows (after a {safety_margin:.0%} margin); "
-            f"the smallest budget that could work is above {format_bytes(need)}",
-            budget_bytes=budget, min_feasible_bytes=need)
     env = bind_inputs(model, inputs)
     chain = capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages)
+    has_bn = any(m.training for _, m in batchnorm_modules(model))
+    min_micro = 2 if has_bn and batch >= 2 else 1
     costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
-                          budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__)
+                          budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__,
+                          min_micro_batch=min_micro)
     overhead = max(0, memory.rss_bytes() - rss_start)
     costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
                       costs.step_fixed_s, costs.name)
-    has_bn = any(m.training for _, m in batchnorm_modules(model))
-    plan = _plan(costs, plan_budget, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm)
+    planner = _Planner(costs, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm, min_micro,
+                       opt_costs.update_bytes)
+    planner.reprofile = lambda b: profile_chain(
+        chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=costs.fixed_bytes, budget_bytes=b,
+        use_cache=use_cache, name=name or type(model).__name__, min_micro_batch=min_micro)
+    if plan_budget is None:
+        plan = planner.plan(None)
+    else:
+        grads = _grad_bytes_missing(model)
+        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn),
+                                             grads + opt_costs.state_bytes, grads)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
@@ -202,26 +239,139 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                      signature=batch_signature((inputs, targets)), solver=solver)
 
 
-def _plan(costs: CostChain, plan_budget: int | None, budget: int | None, margin: int, solver: str,
-          micro_batch_size: int | None, prefer_full_batch: bool) -> Plan:
-    from .planners import solve
+class _Planner:
+    """Plans, validates plans by running them once, and names the smallest feasible budget when none fits.
 
-    if plan_budget is None:
-        sizes = [micro_batch_size or costs.batch_size]
-        return solve(costs, 2**62, solver=solver, micro_batch_sizes=sizes).replace(budget_bytes=None)
-    sizes = [micro_batch_size] if micro_batch_size is not None else _candidate_sizes(costs.batch_size)
-    attempts = [[costs.batch_size], sizes] if prefer_full_batch and micro_batch_size is None else [sizes]
-    err: BudgetError | None = None
-    for cand in attempts:
+    Validation measures what the cost model cannot see (kernel caches for new tensor shapes, allocator
+    slack); the excess is added to the fixed bytes and the plan is made again, so the steps that follow
+    stay inside the budget. The same correction applies to the smallest feasible budget a BudgetError
+    names: it is the budget at which a plan was actually run and measured.
+    """
+
+    def __init__(self, costs: CostChain, budget: int | None, margin: int, solver: str,
+                 micro_batch_size: int | None, prefer_full_batch: bool, min_micro: int, update_bytes: int) -> None:
+        self.costs = costs
+        self.budget = budget
+        self.margin = margin
+        self.solver = solver
+        self.micro_batch_size = micro_batch_size
+        self.prefer_full_batch = prefer_full_batch
+        self.min_micro = min_micro
+        self.update_bytes = update_bytes
+        self.reprofile: Callable[[int], CostChain] | None = None
+
+    def _with_fixed(self, extra: int) -> None:
+        c = self.costs
+        self.costs = CostChain(c.stages, c.batch_size, c.input_bytes, c.fixed_bytes + extra, c.loss_s,
+                               c.step_fixed_s, c.name)
+
+    def _sizes(self) -> list[list[int]]:
+        b = self.costs.batch_size
+        if self.micro_batch_size is not None:
+            return [[min(self.micro_batch_size, b)]]
+        lo = min(self.min_micro, b)  # and no trailing micro-batch smaller than that (BatchNorm needs 2)
+        sizes = [m for m in _candidate_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
+        return [[b], sizes] if self.prefer_full_batch else [sizes]
+
+    def _min_needed(self) -> int:
+        """Smallest plan budget for the current cost model."""
         try:
-            plan = solve(costs, plan_budget, solver=solver, micro_batch_sizes=cand)
-            return plan.replace(budget_bytes=budget)
+            self._solve(0)
         except BudgetError as e:
-            err = e
-    assert err is not None
-    need = None if err.min_feasible_bytes is None else math.ceil((err.min_feasible_bytes + 1) * budget / plan_budget)
-    hint = "" if micro_batch_size is None else " or let the planner choose micro_batch_size"
-    raise BudgetError(
-        f"no {solver} plan trains this batch of {costs.batch_size} within {format_bytes(budget)}: "
-        f"the smallest feasible budget is {format_bytes(need) if need else 'unknown'}. Raise memory_budget to at "
-        f"least that, use a smaller batch{hint}.", budget_bytes=budget, min_feasible_bytes=need) from err
+            return int(e.min_feasible_bytes or 0)
+        return 0
+
+    def _solve(self, plan_budget: int) -> Plan:
+        from .planners import solve
+
+        update_peak = self.costs.fixed_bytes + self.update_bytes
+        err: BudgetError | None = None
+        for cand in self._sizes():
+            try:
+                plan = solve(self.costs, plan_budget, solver=self.solver, micro_batch_sizes=cand)
+            except BudgetError as e:
+                err = e
+                continue
+            if update_peak <= plan_budget:
+                return plan.replace(peak_bytes=max(plan.peak_bytes, update_peak), budget_bytes=self.budget)
+            err = BudgetError("the optimizer update does not fit", min_feasible_bytes=plan.peak_bytes)
+            break
+        assert err is not None
+        need = max(update_peak, int(err.min_feasible_bytes or 0))
+        raise BudgetError(str(err), budget_bytes=plan_budget, min_feasible_bytes=need)
+
+    def plan(self, plan_budget: int | None) -> Plan:
+        if plan_budget is None:
+            from .planners import solve
+
+            sizes = [self.micro_batch_size or self.costs.batch_size]
+            return solve(self.costs, 2**62, solver=self.solver, micro_batch_sizes=sizes).replace(budget_bytes=None)
+        return self._solve(plan_budget)
+
+    def plan_validated(self, run: Callable[[Plan], _Measured], unallocated: int,
+                       grads: int) -> tuple[Plan, CostChain]:
+        """Plan, run the plan once, correct the cost model by what was measured, and re-plan if needed.
+
+        Args:
+            run: runs a plan's micro-batches once (no optimizer step) and measures resident memory.
+            unallocated: bytes the real steps add that validation does not (gradients freed again
+                afterwards, optimizer state not yet created).
+            grads: gradient bytes allocated during validation.
+        """
+        assert self.budget is not None
+        plan_budget = self.budget - self.margin
+        for _ in range(4):
+            try:
+                plan = self._solve(plan_budget)
+            except BudgetError as e:
+                raise self._infeasible(e, run, unallocated, grads) from None
+            if self._correct(plan, run(plan), unallocated, grads) <= plan_budget:
+                return plan, self.costs
+        try:
+            return self._solve(plan_budget), self.costs
+        except BudgetError as e:
+            raise self._infeasible(e, run, unallocated, grads) from None
+
+    def _correct(self, plan: Plan, m: _Measured, unallocated: int, grads: int) -> int:
+        """Set the fixed bytes to what the process really holds, plus any activation under-prediction.
+
+        Returns the plan's peak under the corrected model.
+        """
+        act_pred = int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - self.costs.fixed_bytes))
+        act_meas = m.peak - m.rss_before - grads
+        act_excess = max(0, act_meas - act_pred)
+        fixed = m.rss_after + unallocated + act_excess
+        log.info("validation: activations measured %.1f MiB vs %.1f predicted; fixed %.1f MiB (was %.1f)",
+                 act_meas / 2**20, act_pred / 2**20, fixed / 2**20, self.costs.fixed_bytes / 2**20)
+        self._with_fixed(fixed - self.costs.fixed_bytes)
+        return max(fixed + act_pred, fixed + self.update_bytes)
+
+    def _infeasible(self, err: BudgetError, run: Callable[[Plan], _Measured], unallocated: int,
+                    grads: int) -> BudgetError:
+        need = int(err.min_feasible_bytes or 0)
+        # Do what a retry at the estimated budget would do (profile at the sizes it allows, run its plan once
+        # and correct), twice, so that the number we name is one at which a fresh run really works.
+        for _ in range(2):
+            try:
+                if self.reprofile is not None:
+                    fixed = self.costs.fixed_bytes
+                    self.costs = self.reprofile(int(need * 1.1))
+                    self._with_fixed(max(0, fixed - self.costs.fixed_bytes))
+                    need = self._min_needed()
+                plan = self._solve(need)
+                self._correct(plan, run(plan), unallocated, grads)
+                need = self._min_needed()
+            except BudgetError as e:
+                log.debug("could not refine the smallest feasible budget: %s", e)
+                break
+        assert self.budget is not None
+        # A fresh process profiling at larger sizes loads kernels for more tensor shapes than this failed
+        # attempt did; keep 3% for that, so that a retry at the named budget succeeds.
+        user_need = math.ceil(1.03 * need * self.budget / (self.budget - self.margin))
+        hint = "" if self.micro_batch_size is None else " or let the planner choose micro_batch_size"
+        return BudgetError(
+            f"no {self.solver} plan trains this batch of {self.costs.batch_size} within "
+            f"{format_bytes(self.budget)}: the smallest feasible budget is {format_bytes(user_need)} (the model, "
+            f"its gradients, optimizer state, batch and runtime take {format_bytes(self.costs.fixed_bytes)} before "
+            f"any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
+            budget_bytes=self.budget, min_feasible_bytes=user_need)

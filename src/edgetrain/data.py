@@ -66,6 +66,10 @@ class Digits:
         if self.train_images.shape[1:] != self.test_images.shape[1:]:
             raise ValueError("train and test images must have the same size")
         object.__setattr__(self, "classes", tuple(int(c) for c in self.classes))
+        for labels in (self.train_labels, self.test_labels):
+            if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < len(self.classes):
+                raise ValueError(f"labels must index classes (0..{len(self.classes) - 1}); got "
+                                 f"{int(labels.min())}..{int(labels.max())}")
         if np.isnan(self.mean) or np.isnan(self.std):
             pixels = self.train_images.double()
             object.__setattr__(self, "mean", float(pixels.mean()))

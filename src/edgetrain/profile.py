@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -34,7 +35,8 @@ from .capture import OUTPUT_KEY, Chain
 from .errors import ProfileError
 from .graph import CostChain, Linear, StageCost
 
-__all__ = ["StageSample", "profile_chain", "optimizer_state_bytes", "cache_dir"]
+__all__ = ["StageSample", "OptimizerCosts", "profile_chain", "optimizer_costs", "optimizer_state_bytes",
+           "cache_dir"]
 
 log = logging.getLogger(__name__)
 _MEMO: dict[str, dict[str, Any]] = {}
@@ -72,30 +74,63 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state that the first ``step()`` will still allocate.
+@dataclass(frozen=True)
+class OptimizerCosts:
+    """Memory an optimizer adds: state still to be allocated, and the transient peak of ``step()``."""
 
-    Learned by stepping a fresh optimizer of the same class and hyper-parameters on a tiny parameter and
-    counting its per-element state tensors; falls back to two tensors per parameter (Adam's) if that fails.
+    state_bytes: int
+    update_bytes: int
+    state_per_param: float
+    update_per_param: float
+
+
+_PROBE_ELEMS = 1 << 18
+
+
+def optimizer_costs(optimizer: torch.optim.Optimizer) -> OptimizerCosts:
+    """Learn the optimizer's memory from a probe of the same class and hyper-parameters.
+
+    A fresh optimizer steps a probe parameter of 256K elements twice: per parameter element we count the
+    state tensors it keeps, and from the resident-memory peak of the second step (above parameter, gradient
+    and state) the temporaries its update allocates (foreach kernels make whole-model temporaries, e.g.
+    Adam's square roots). Scaled to the user's trainable parameters. Falls back to Adam-like numbers
+    (2 state tensors, 2 temporaries) for an optimizer that cannot be replayed on a probe.
     """
     group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    probe = torch.zeros(8, requires_grad=True)
-    probe.grad = torch.ones(8)
     try:
+        probe = torch.zeros(_PROBE_ELEMS, requires_grad=True)
+        probe.grad = torch.full((_PROBE_ELEMS,), 1e-3)
         opt = type(optimizer)([probe], **group)
         opt.step()
         per_elem = sum(v.numel() for v in opt.state[probe].values()
                        if isinstance(v, torch.Tensor) and v.numel() == probe.numel()) / probe.numel()
+        memory.reset_peak()
+        rss0 = memory.rss_bytes()
+        opt.step()
+        transient = max(0, memory.peak_rss_bytes() - rss0) / (probe.numel() * probe.element_size())
+        transient = math.ceil(transient * 4) / 4  # page-granular reading: round up to a quarter tensor
+        if not memory.can_reset_peak():
+            transient = 2.0
+        del opt, probe
     except Exception as e:  # an optimizer we cannot replay: assume Adam-like state
-        log.info("could not probe %s state size (%s); assuming 2 tensors per parameter",
-                 type(optimizer).__name__, e)
-        per_elem = 2.0
-    total = 0
+        log.info("could not probe %s (%s); assuming Adam-like memory", type(optimizer).__name__, e)
+        per_elem, transient = 2.0, 2.0
+    state = update = 0
     for g in optimizer.param_groups:
         for p in g["params"]:
-            if p.requires_grad and not optimizer.state.get(p):
-                total += int(per_elem * p.numel() * p.element_size())
-    return total
+            if not p.requires_grad:
+                continue
+            nbytes = p.numel() * p.element_size()
+            update += nbytes
+            if not optimizer.state.get(p):
+                state += int(per_elem * nbytes)
+    return OptimizerCosts(state_bytes=state, update_bytes=int(math.ceil(transient * update)),
+                          state_per_param=per_elem, update_per_param=transient)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state that the first ``step()`` will still allocate."""
+    return optimizer_costs(optimizer).state_bytes
 
 
 def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[int]) -> tuple[StageSample, dict[str, Any]]:
@@ -227,7 +262,7 @@ def _min_samples(runs: list[list[StageSample]]) -> list[StageSample]:
 def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], targets: Any,
                   loss_fn: Callable[..., torch.Tensor], *, batch_size: int, fixed_bytes: int,
                   budget_bytes: int | None = None, repeats: int = 2, use_cache: bool = True,
-                  name: str = "") -> CostChain:
+                  name: str = "", min_micro_batch: int = 1) -> CostChain:
     """Profile ``chain`` on this machine and return its :class:`CostChain`.
 
     Args:
@@ -242,6 +277,8 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
         repeats: timed repetitions per size (the fastest is kept).
         use_cache: read/write the profile cache.
         name: model name for reports.
+        min_micro_batch: the smallest micro-batch the model accepts (2 with training-mode BatchNorm,
+            which cannot normalise a single sample of 1x1 maps).
 
     Returns:
         The fitted cost chain.
@@ -252,20 +289,23 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
     params = {_storage_key(p) for p in model.parameters()}
     with preserved_model_state(model):
         try:
-            # Warm-up at m=1: allocates parameter gradients, loads kernels; then m=1 and m=2 for sizes.
-            _run_chain(chain, inputs_env, targets, loss_fn, 1, params)
-            small = [_run_chain(chain, inputs_env, targets, loss_fn, m, params)[0] for m in (1, min(2, batch_size))]
+            # Warm-up at the smallest size allocates parameter gradients and loads kernels; then two small
+            # sizes give per-sample bytes, to choose profiling sizes that keep profiling inside the budget.
+            m0 = min(min_micro_batch, batch_size)
+            m1 = min(2 * m0, batch_size)
+            _run_chain(chain, inputs_env, targets, loss_fn, m0, params)
+            small = [_run_chain(chain, inputs_env, targets, loss_fn, m, params)[0] for m in (m0, m1)]
         except Exception as e:
             raise ProfileError(f"profiling failed: {type(e).__name__}: {e}") from e
-        per_sample = [max(0, b.local_bytes - a.local_bytes) for a, b in zip(*small)] if batch_size > 1 else \
-            [a.local_bytes for a in small[0]]
+        per_sample = [max(0, b.local_bytes - a.local_bytes) / (m1 - m0) for a, b in zip(*small)] \
+            if m1 > m0 else [a.local_bytes / m0 for a in small[0]]
         base = [a.local_bytes for a in small[0]]
         hi = batch_size
         if budget_bytes is not None:
             room = budget_bytes - fixed_bytes
-            while hi > 1 and max(b + (hi - 1) * p for b, p in zip(base, per_sample)) * 1.5 > room:
-                hi = max(1, hi // 2)
-        lo = max(1, hi // 4)
+            while hi > m0 and max(b + (hi - m0) * p for b, p in zip(base, per_sample)) * 1.5 > room:
+                hi = max(m0, hi // 2)
+        lo = min(m1, hi)  # reuse a size already run: every new shape costs kernel-cache memory
         sizes = (lo, hi)
         key = _cache_key(chain, model, inputs_env, sizes)
         cached = _load_cached(key) if use_cache else None

@@ -113,9 +113,65 @@ def _axes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int
                        padding[j], radius) for j in (0, 1))  # type: ignore[return-value]
 
 
-def _mean_pool(t: torch.Tensor, radius: int) -> torch.Tensor:
-    # ceil_mode with no padding divides each window by the number of real positions in it
-    return t if radius == 1 else F.avg_pool2d(t, radius, radius, ceil_mode=True)
+# Small maps pool, unpool and gather kernel taps with GEMMs against small dense matrices: on NCHW
+# tensors with tiny planes, avg_pool2d and strided copies are an order of magnitude slower.
+_DENSE_MAX_COARSE = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _patch_matrix(h: int, w: int, radius: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``M[(U, V), (u, v)] = 1 / (n_U n_V)`` when ``(u, v)`` is in patch ``(U, V)``, else 0."""
+    hc, wc = -(-h // radius), -(-w // radius)
+    m_h = torch.zeros(hc, h, dtype=torch.float64)
+    m_h[torch.arange(h) // radius, torch.arange(h)] = 1.0
+    m_w = torch.zeros(wc, w, dtype=torch.float64)
+    m_w[torch.arange(w) // radius, torch.arange(w)] = 1.0
+    m_h /= m_h.sum(1, keepdim=True)
+    m_w /= m_w.sum(1, keepdim=True)
+    return torch.kron(m_h, m_w).to(dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _patch_counts(h: int, w: int, radius: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[ceil(h/r), ceil(w/r)]``: real positions ``n_U n_V`` in each patch."""
+    count_h = [min(radius, h - radius * i) for i in range(-(-h // radius))]
+    count_w = [min(radius, w - radius * j) for j in range(-(-w // radius))]
+    return torch.outer(torch.tensor(count_h, dtype=torch.float64),
+                       torch.tensor(count_w, dtype=torch.float64)).to(dtype=dtype, device=device)
+
+
+def _mean_pool(t: torch.Tensor, radius: int, channel_major: bool = False) -> torch.Tensor:
+    """Patch means ``[N, C, ceil(H/r), ceil(W/r)]``; a partial edge patch averages its real positions.
+
+    With ``channel_major`` the result is stored in memory order ``C, H', W', N`` (a permuted view),
+    the layout the dense backward GEMMs read; else contiguous NCHW. ``radius == 1`` returns ``t``
+    itself when NCHW is asked for.
+    """
+    n, c, h, w = t.shape
+    hc, wc = -(-h // radius), -(-w // radius)
+    if radius == 1:
+        pooled = t
+    elif hc * wc <= _DENSE_MAX_COARSE:
+        m = _patch_matrix(h, w, radius, t.dtype, t.device)
+        pooled = (t.reshape(n * c, h * w) @ m.T).reshape(n, c, hc, wc)
+    else:  # ceil_mode with no padding divides each window by the number of real positions in it
+        pooled = F.avg_pool2d(t, radius, radius, ceil_mode=True)
+    return pooled.permute(1, 2, 3, 0).contiguous().permute(3, 0, 1, 2) if channel_major else pooled
+
+
+def _mean_unpool(t: torch.Tensor, h: int, w: int, radius: int) -> torch.Tensor:
+    """Adjoint of :func:`_mean_pool`: ``out[u] = t[U] / n_U`` over the real ``h x w`` positions."""
+    t = t.contiguous()
+    if radius == 1:
+        return t
+    n, c, hc, wc = t.shape
+    if hc * wc <= _DENSE_MAX_COARSE:
+        m = _patch_matrix(h, w, radius, t.dtype, t.device)
+        return (t.reshape(n * c, hc * wc) @ m).reshape(n, c, h, w)
+    t = t / _patch_counts(h, w, radius, t.dtype, t.device)
+    up = t[:, :, :, None, :, None].expand(-1, -1, -1, radius, -1, radius)
+    up = up.reshape(n, c, hc * radius, wc * radius)
+    return up if up.shape[2:] == (h, w) else up[:, :, :h, :w].contiguous()
 
 
 class _FilteredConv2dFn(torch.autograd.Function):
@@ -126,9 +182,11 @@ class _FilteredConv2dFn(torch.autograd.Function):
         y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Only what backward needs: the pooled input for dW, the weight (a parameter) for dx.
-        ctx.save_for_backward(_mean_pool(x, radius) if need_w else None, weight if need_x else None)
-        ctx.geometry = (tuple(x.shape), tuple(weight.shape), tuple(y.shape), stride, padding,
-                        dilation, groups, radius)
+        geometry = (tuple(x.shape), tuple(weight.shape), tuple(y.shape), stride, padding, dilation,
+                    groups, radius)
+        ctx.save_for_backward(_mean_pool(x, radius, _uses_taps(geometry)) if need_w else None,
+                              weight if need_x else None)
+        ctx.geometry = geometry
         return y
 
     @staticmethod
@@ -137,44 +195,144 @@ class _FilteredConv2dFn(torch.autograd.Function):
         x_pooled, weight = ctx.saved_tensors
         x_shape, w_shape, y_shape, stride, padding, dilation, groups, radius = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        gb = gy.sum((0, 2, 3)) if need_b else None
+        taps = _uses_taps(ctx.geometry)
+        g = _mean_pool(gy, radius, taps)
+        gb = None
+        if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
+            count = _patch_counts(y_shape[2], y_shape[3], radius, g.dtype, g.device)
+            gb = torch.einsum("noij,ij->o", g, count)
         if not (need_x or need_w):
             return None, None, gb, None, None, None, None, None
         ah, aw = _axes(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
-        g = _mean_pool(gy, radius)
-        n, c = x_shape[0], x_shape[1]
-        opts = dict(dtype=gy.dtype, device=gy.device)
-        pad = (aw.left, aw.length - aw.left - aw.n_in_c, ah.left, ah.length - ah.left - ah.n_in_c)
-        # coarse input, zero padded so every block's window exists; a placeholder when dW is not needed
-        xp = F.pad(x_pooled, pad) if need_w else torch.zeros((n, c, ah.length, aw.length), **opts)
-        gxp = torch.zeros((n, c, ah.length, aw.length), **opts) if need_x else None
-        gw = torch.zeros(w_shape, **opts) if need_w else None
-        w_ref = weight if need_x else torch.zeros(w_shape, **opts)
-        for h0, h1, th in ah.blocks:
-            a_h = torch.tensor(ah.tables[th], **opts)
-            rows = slice(ah.stride * h0, ah.stride * (h1 - 1) + ah.k_c)
-            for w0, w1, tw in aw.blocks:
-                a_w = torch.tensor(aw.tables[tw], **opts)
-                cols = slice(aw.stride * w0, aw.stride * (w1 - 1) + aw.k_c)
-                w_coarse = torch.einsum("ocpq,pm,qn->ocmn", w_ref, a_h, a_w)
-                gi, gwc, _ = torch.ops.aten.convolution_backward(
-                    g[:, :, h0:h1, w0:w1], xp[:, :, rows, cols], w_coarse, None, stride, (0, 0),
-                    (1, 1), False, (0, 0), groups, (need_x, need_w, False))
-                if need_x:
-                    gxp[:, :, rows, cols] += gi
-                if need_w:
-                    gw += torch.einsum("ocmn,pm,qn->ocpq", gwc, a_h, a_w)
-        gx = None
-        if need_x:
-            gxc = gxp[:, :, ah.left:ah.left + ah.n_in_c, aw.left:aw.left + aw.n_in_c]
-            if radius > 1:
-                # dx[u] = (1 / n_U) * (gradient of the patch mean), replicated over the patch
-                cnt = torch.outer(torch.tensor(ah.counts, **opts), torch.tensor(aw.counts, **opts))
-                gxc = gxc / cnt
-                gxc = gxc[:, :, :, None, :, None].expand(-1, -1, -1, radius, -1, radius)
-                gxc = gxc.reshape(n, c, ah.n_in_c * radius, aw.n_in_c * radius)
-            gx = gxc[:, :, :x_shape[2], :x_shape[3]].contiguous()
+        if taps:
+            gxc, gw = _tap_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, need_x, need_w)
+        else:
+            gxc, gw = _coarse_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups,
+                                       need_x, need_w)
+        gx = _mean_unpool(gxc, x_shape[2], x_shape[3], radius) if need_x else None
         return gx, gw, gb, None, None, None, None, None
+
+
+@functools.lru_cache(maxsize=1024)
+def _fold_matrix(table_h: tuple[tuple[int, ...], ...], table_w: tuple[tuple[int, ...], ...],
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``kron(A_h, A_w)``: maps a ``kH*kW`` kernel to its ``K'h*K'w`` coarse kernel."""
+    a_h = torch.tensor(table_h, dtype=torch.float64)
+    a_w = torch.tensor(table_w, dtype=torch.float64)
+    return torch.kron(a_h, a_w).to(dtype=dtype, device=device)
+
+
+def _fold(flat: torch.Tensor, fold: torch.Tensor) -> torch.Tensor:
+    """``flat @ fold`` for ``[rows, k]`` by ``[k, k']``; a scalar product when both are 1 (1x1 convs)."""
+    return flat * fold[0, 0] if fold.shape == (1, 1) else flat @ fold
+
+
+def _uses_taps(geometry: tuple) -> bool:
+    """Dense convs on small coarse maps take the GEMM path; grouped convs and big maps convolutions."""
+    x_shape, w_shape, y_shape, groups, radius = geometry[0], geometry[1], geometry[2], geometry[6], \
+        geometry[7]
+    coarse_in = -(-x_shape[2] // radius) * -(-x_shape[3] // radius)
+    coarse_out = -(-y_shape[2] // radius) * -(-y_shape[3] // radius)
+    return groups == 1 and max(coarse_in, coarse_out) <= _DENSE_MAX_COARSE
+
+
+@functools.lru_cache(maxsize=1024)
+def _tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """``T[(p, q, I, J), (U, V)]``: how often tap ``(p, q)`` at coarse output ``(I, J)`` reads ``X[U, V]``.
+
+    ``T[p, q, I, J, U, V] = A_h(I)[p, U - s*I] * A_w(J)[q, V - s*J]`` (``A`` per patch row, so partial
+    edge patches are exact); reads of the zero padding have no column.
+    """
+    def axis(a: _Axis, k: int) -> torch.Tensor:
+        b = torch.zeros(k, a.n_out_c, a.n_in_c, dtype=torch.float64)
+        for first, stop, kind in a.blocks:
+            for big_i in range(first, stop):
+                for p, row in enumerate(a.tables[kind]):
+                    for mi, coef in enumerate(row):
+                        u = a.stride * big_i + mi - a.left
+                        if coef and 0 <= u < a.n_in_c:
+                            b[p, big_i, u] += coef
+        return b
+
+    t = torch.einsum("piu,qjv->pqijuv", axis(ah, kh), axis(aw, kw))
+    return t.reshape(kh * kw * ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c).to(dtype=dtype,
+                                                                                 device=device)
+
+
+def _tap_backward(g: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
+                  x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis,
+                  need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Dense coarse backward with GEMMs; ``g`` and ``x_pooled`` are stored channel-major.
+
+    ``Z[c, p, q, I, J, n] = (T X[c, :, :, n])[p, q, I, J]`` holds, per kernel tap, the patch-summed
+    input the tap reads, so ``dW = G Z^T`` and ``dZ = W^T G`` are single GEMMs in the weight's own
+    layout, and ``dX = T^T dZ``.
+    """
+    n, c = x_shape[0], x_shape[1]
+    o, _, kh, kw = w_shape
+    positions = ah.n_out_c * aw.n_out_c * n
+    tap = _tap_matrix(ah, aw, kh, kw, g.dtype, g.device)
+    g_t = g.permute(1, 2, 3, 0).reshape(o, positions)  # free: stored [O, H_o', W_o', N]
+    gw = gxc = None
+    if need_w:
+        xc = x_pooled.permute(1, 2, 3, 0).reshape(c, ah.n_in_c * aw.n_in_c, n)
+        z = torch.matmul(tap, xc).reshape(c * kh * kw, positions)  # [C kH kW, H_o' W_o' N]
+        gw = (g_t @ z.T).reshape(w_shape)
+    if need_x:
+        gz = weight.reshape(o, c * kh * kw).T @ g_t
+        gxs = torch.matmul(tap.T, gz.reshape(c, kh * kw * ah.n_out_c * aw.n_out_c, n))
+        gxc = gxs.reshape(c, ah.n_in_c, aw.n_in_c, n).permute(3, 0, 1, 2)
+    return gxc, gw
+
+
+def _coarse_backward(g: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
+                     x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis,
+                     groups: int, need_x: bool, need_w: bool,
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(dL/dX on the H' x W' grid, dW)`` from the coarse convolutions, block by block."""
+    n, c = x_shape[0], x_shape[1]
+    o, cg, kh, kw = w_shape
+    opts = dict(dtype=g.dtype, device=g.device)
+    stride = (ah.stride, aw.stride)
+    w_flat = weight.reshape(o * cg, kh * kw) if need_x else None
+    mask = (need_x, need_w, False)
+    if len(ah.blocks) == 1 and len(aw.blocks) == 1:
+        # one block: let the convolution pad symmetrically when that gives the right output size
+        sym = [a.left if (a.n_in_c + 2 * a.left - a.k_c) // a.stride + 1 == a.n_out_c else None
+               for a in (ah, aw)]
+        if None not in sym:
+            fold = _fold_matrix(ah.tables[0], aw.tables[0], g.dtype, g.device)
+            w_c = _fold(w_flat, fold).reshape(o, cg, ah.k_c, aw.k_c) if need_x else \
+                torch.zeros((o, cg, ah.k_c, aw.k_c), **opts)
+            x_ref = x_pooled if need_w else torch.zeros((n, c, ah.n_in_c, aw.n_in_c), **opts)
+            gi, gwc, _ = torch.ops.aten.convolution_backward(
+                g, x_ref, w_c, None, stride, tuple(sym), (1, 1), False, (0, 0), groups, mask)
+            gw = None
+            if need_w:
+                gw = _fold(gwc.reshape(o * cg, -1), fold.T).reshape(w_shape)
+            return gi, gw
+    pad = (aw.left, aw.length - aw.left - aw.n_in_c, ah.left, ah.length - ah.left - ah.n_in_c)
+    # coarse input, zero padded so every block's window exists; a placeholder when dW is not needed
+    xp = F.pad(x_pooled, pad) if need_w else torch.zeros((n, c, ah.length, aw.length), **opts)
+    gxp = torch.zeros((n, c, ah.length, aw.length), **opts) if need_x else None
+    gw = torch.zeros((o * cg, kh * kw), **opts) if need_w else None
+    for h0, h1, th in ah.blocks:
+        rows = slice(ah.stride * h0, ah.stride * (h1 - 1) + ah.k_c)
+        for w0, w1, tw in aw.blocks:
+            cols = slice(aw.stride * w0, aw.stride * (w1 - 1) + aw.k_c)
+            fold = _fold_matrix(ah.tables[th], aw.tables[tw], g.dtype, g.device)
+            w_c = _fold(w_flat, fold).reshape(o, cg, ah.k_c, aw.k_c) if need_x else \
+                torch.zeros((o, cg, ah.k_c, aw.k_c), **opts)
+            gi, gwc, _ = torch.ops.aten.convolution_backward(
+                g[:, :, h0:h1, w0:w1], xp[:, :, rows, cols], w_c, None, stride, (0, 0), (1, 1),
+                False, (0, 0), groups, mask)
+            if need_x:
+                gxp[:, :, rows, cols] += gi
+            if need_w:
+                gw += _fold(gwc.reshape(o * cg, -1), fold.T)
+    gxc = gxp[:, :, ah.left:ah.left + ah.n_in_c, aw.left:aw.left + aw.n_in_c] if need_x else None
+    return gxc, (gw.reshape(w_shape) if need_w else None)
 
 
 def _explicit_padding(x: torch.Tensor, weight: torch.Tensor, padding: str | int | tuple[int, int],

@@ -29,7 +29,8 @@ from torch import nn
 from ..errors import EdgetrainError, InputError
 from .elastic_select import SpeedupPlan, plan_for_speedup
 from .elastic_state import TrainingSnapshot
-from .elastic_timing import TensorTiming, batch_loss, measure_timing, slice_batch
+from .elastic_measure import batch_loss, slice_batch
+from .elastic_timing import TensorTiming, measure_timing
 
 __all__ = ["ElasticConfig", "ElasticSelector", "tensor_importance"]
 
@@ -162,8 +163,11 @@ class ElasticSelector:
     def maybe_reselect(self, step_idx: int, batch: Any) -> bool:
         """Re-select when ``interval_steps`` steps have passed since the last selection.
 
-        Call it before the step's forward pass. Returns True when it re-selected.
+        Call it before the step's forward pass, with a global step counter (one that restarts lower
+        counts anew from there). Returns True when it re-selected.
         """
+        if step_idx < self._last_step:
+            self._last_step = step_idx
         if step_idx - self._last_step < self.config.interval_steps:
             return False
         self.reselect(batch, step_idx)

@@ -172,14 +172,15 @@ def select_tensors(importance: Sequence[float], weight_grad_s: Sequence[float],
     values = [max(0.0, float(v)) for v in importance]
     forced_s = [float(depth_s[k]) + float(weight_grad_s[k]) for k in range(n)]
     room_s = float(budget_s) - float(fixed_s)
-    fits = [k for k in range(n) if forced_s[k] <= room_s]
-    if room_s < 0 or not fits:
+    fits = [k for k in range(n)
+            if selection_time_s((k,), weight_grad_s, depth_s, fixed_s) <= budget_s]
+    if not fits:
         cheapest = min(forced_s) + float(fixed_s)
         raise BudgetError(
             f"no tensor can be trained within {budget_s:.6g} s per step: forward and loss alone take "
             f"{fixed_s:.6g} s and the cheapest single tensor needs {cheapest:.6g} s; ask for a smaller "
             "speed-up")
-    if room_s == 0:
+    if room_s <= 0:
         chosen: tuple[int, ...] = (max(fits, key=lambda k: (values[k], k)),)
     else:
         unit_s = room_s / time_units

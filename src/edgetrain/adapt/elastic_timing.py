@@ -1,30 +1,31 @@
 """Measured per-tensor step-time costs for ElasticTrainer: forward, weight-gradient, input-gradient seconds.
 
-How :func:`measure_timing` measures, on this machine and the real batch shape:
+How :func:`measure_timing` measures, on this machine and the real batch shape (raw samples come from
+:mod:`.elastic_measure`, taken round-robin with medians over ``repeats`` rounds after a warm-up):
 
 1. **Capture.** One real forward with hooks on every module that owns trainable parameters records
    the execution order and a copy of each such layer's real inputs. Tensors are ordered by their
    layer's first call (forward order), then by the module's own parameter order (weight, bias).
-2. **Per layer, in isolation** (median over ``repeats`` after a warm-up): the layer's forward; for each
-   of its tensors, ``torch.autograd.grad(outputs, [tensor])`` (the weight gradient alone); and
+2. **Per layer, in isolation**: the layer's forward; for each of its tensors,
+   ``torch.autograd.grad(outputs, [tensor])`` (the weight gradient alone); and
    ``torch.autograd.grad(outputs, inputs)`` with the parameters frozen (the input gradient alone).
-3. **Whole model** (what the isolated numbers miss: parameter-free ops such as activations, pooling,
-   residual adds and attention matmuls, plus autograd overhead): forward + loss; full backward; and the
-   backward of a frozen model cut at the output of selected layers (``max_cuts`` of them, always the
-   first and last), which is exactly the input-gradient time from the loss down to that layer.
-   Between cut points the cumulative input-gradient time is interpolated in proportion to the isolated
-   per-layer input-gradient times. Weight-gradient times are scaled by one factor so that they add up
-   to (full backward) - (backward cut at the first layer). The optimizer update is timed with all
-   gradients and with the smaller half of the tensors and fitted as ``a + b * numel`` seconds per tensor.
-4. **Fallback.** A layer that cannot be re-run in isolation (it raises on its captured inputs, e.g. it
-   keeps state between calls) gets FLOPs-based estimates: forward and input gradient ``2 * MACs``
-   (Linear/Conv) or ``2 * output elements`` (others), weight gradient ``2 * MACs`` for a Linear/Conv
-   weight else output elements, converted to seconds with the median seconds-per-FLOP of the layers
-   that were timed (1e-10 s/FLOP when none was). Its name is listed in ``TensorTiming.fallback_layers``.
+3. **Whole model** (what isolated numbers miss: parameter-free ops such as activations, pooling,
+   residual adds and attention matmuls, autograd overhead, and the cheaper forward of a frozen prefix
+   that records no graph): forward + loss and backward of full fine-tuning; and forward + backward of
+   the frozen model cut at the output of up to ``max_cuts`` layers (always the first and the last),
+   whose backward is exactly the input-gradient time from the loss down to that layer and whose
+   forward is that of a model trained from that layer up. Between cuts both are interpolated in
+   proportion to the isolated per-layer times. Weight-gradient times are scaled by one factor so that
+   they add up to (full backward) - (backward cut at the first layer). The optimizer update is timed
+   with all gradients and with the smaller half of the tensors, fitted as ``a + b * numel`` per tensor.
+4. **Fallback.** A layer that cannot be re-run in isolation (it raises on its captured inputs) gets
+   FLOPs estimates (:func:`.elastic_measure.layer_flops`) converted to seconds with the median
+   seconds-per-FLOP of the layers that were timed (1e-10 s/FLOP when none was); it is listed in
+   ``TensorTiming.fallback_layers``. Whole-model calibration still applies to it.
 
-Results are cached per model structure + batch shapes + thread count, in memory and optionally in a
-JSON file. A module called several times per forward is timed on its first call and its costs are
-multiplied by its call count.
+Results are cached per model structure + batch shapes + optimizer type + thread count, in memory and
+optionally in a JSON file. A module called several times per forward is timed on its first call and
+its costs are multiplied by its call count.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ import json
 import logging
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..errors import InputError, ProfileError
+from ..errors import ProfileError
+from .elastic_measure import (Layer, batch_loss, batch_size, capture_layers, layer_flops, leaves,
+                              slice_batch, time_layers, time_model, time_updates)
 from .elastic_state import TrainingSnapshot
 
 __all__ = ["TensorTiming", "measure_timing", "batch_loss", "slice_batch", "batch_size"]
@@ -133,229 +135,7 @@ class TensorTiming:
         return TensorTiming(**json.loads(text))
 
 
-# ----------------------------------------------------------------------------------------- batches
-def _tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_tree_map(fn, v) for v in x)
-    if isinstance(x, Mapping):
-        return {k: _tree_map(fn, v) for k, v in x.items()}
-    return x
-
-
-def _leaves(x: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _tree_map(lambda t: out.append(t), x)
-    return out
-
-
-def _model_output(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
-def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-    """Loss of ``batch = (inputs, target)``: ``loss_fn(model(inputs), target)``.
-
-    ``inputs`` is a tensor, a tuple/list (passed positionally) or a dict (passed as keywords).
-
-    Raises:
-        InputError: the batch is not an ``(inputs, target)`` pair.
-    """
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise InputError("a batch must be an (inputs, target) pair; wrap other layouts in a small "
-                         "nn.Module and a loss_fn(output, target)")
-    return loss_fn(_model_output(model, batch[0]), batch[1])
-
-
-def slice_batch(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of every tensor in the batch (dimension 0)."""
-    return _tree_map(lambda t: t[:n] if t.dim() > 0 else t, batch)
-
-
-def batch_size(batch: Any) -> int:
-    """Number of samples: dimension 0 of the first tensor in the batch."""
-    leaves = [t for t in _leaves(batch) if t.dim() > 0]
-    if not leaves:
-        raise InputError("the batch holds no tensor with a batch dimension")
-    return int(leaves[0].shape[0])
-
-
-# --------------------------------------------------------------------------------------- measuring
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-@dataclass
-class _Layer:
-    name: str
-    module: nn.Module
-    params: list[tuple[str, nn.Parameter]]
-    args: Any = None
-    kwargs: Any = None
-    calls: int = 0
-    order: int = -1
-    tensor_out: bool = False
-    out_numel: int = 0
-
-
-def _capture(model: nn.Module, batch: Any, loss_fn: Callable) -> list[_Layer]:
-    """Layers owning trainable tensors, in first-call order, with a copy of their real inputs."""
-    seen: set[int] = set()
-    layers: list[_Layer] = []
-    for mname, mod in model.named_modules():
-        own = []
-        for pname, p in mod.named_parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                own.append((f"{mname}.{pname}" if mname else pname, p))
-        if own:
-            layers.append(_Layer(mname, mod, own))
-    counter = [0]
-
-    def make_hook(layer: _Layer) -> Callable:
-        def hook(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-            layer.calls += 1
-            if layer.calls == 1:
-                layer.order, counter[0] = counter[0], counter[0] + 1
-                layer.args = _tree_map(lambda t: t.detach().clone(), args)
-                layer.kwargs = _tree_map(lambda t: t.detach().clone(), kwargs)
-                layer.tensor_out = isinstance(out, torch.Tensor) and out.is_floating_point()
-                layer.out_numel = sum(t.numel() for t in _leaves(out))
-        return hook
-
-    handles = [ly.module.register_forward_hook(make_hook(ly), with_kwargs=True) for ly in layers]
-    try:
-        batch_loss(model, batch, loss_fn)
-    finally:
-        for h in handles:
-            h.remove()
-    return sorted((ly for ly in layers if ly.calls > 0), key=lambda ly: ly.order)
-
-
-def _float_outputs(out: Any) -> list[torch.Tensor]:
-    return [t for t in _leaves(out) if t.is_floating_point() and t.requires_grad]
-
-
-def _time_layer(layer: _Layer, repeats: int) -> tuple[float, list[float], float]:
-    """Isolated (forward_s, weight_grad_s per tensor, input_grad_s) of one layer's first call."""
-    m, params = layer.module, [p for _, p in layer.params]
-    flags = [p.requires_grad for p in params]
-    gen = torch.Generator().manual_seed(0)
-
-    def grads_like(outs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
-
-    try:
-        with torch.enable_grad():
-            fwd = _median_s(lambda: m(*layer.args, **layer.kwargs), repeats)
-            dws = []
-            for p in params:
-                for q in params:
-                    q.requires_grad_(q is p)
-                outs = _float_outputs(m(*layer.args, **layer.kwargs))
-                g = grads_like(outs)
-                dws.append(_median_s(lambda: torch.autograd.grad(
-                    outs, [p], g, retain_graph=True, allow_unused=True), repeats) if outs else 0.0)
-            for q in params:
-                q.requires_grad_(False)
-            args = _tree_map(lambda t: t.detach().clone().requires_grad_(t.is_floating_point()),
-                             (layer.args, layer.kwargs))
-            xs = [t for t in _leaves(args) if t.requires_grad]
-            outs = _float_outputs(m(*args[0], **args[1])) if xs else []
-            g = grads_like(outs)
-            dy = _median_s(lambda: torch.autograd.grad(
-                outs, xs, g, retain_graph=True, allow_unused=True), repeats) if outs else 0.0
-    finally:
-        for p, f in zip(params, flags):
-            p.requires_grad_(f)
-    return fwd, dws, dy
-
-
-def _flops(layer: _Layer) -> tuple[float, list[float], float]:
-    """FLOPs-based (forward, weight-grad per tensor, input-grad) estimates of one layer."""
-    m, out = layer.module, max(layer.out_numel, 1)
-    if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)):
-        per_out = m.weight[0].numel()            # MACs per output element (in/groups x kernel)
-        macs = out * per_out
-        return 2.0 * macs, [2.0 * macs if p is m.weight else float(out) for _, p in layer.params], 2.0 * macs
-    return 2.0 * out, [float(out) for _ in layer.params], 2.0 * out
-
-
-def _loss_backward_s(model: nn.Module, batch: Any, loss_fn: Callable, repeats: int,
-                     cut: _Layer | None = None) -> tuple[float, float]:
-    """Median (forward+loss seconds, backward seconds); with ``cut``, the graph is cut at that layer's
-    output (frozen model) and the backward is timed down to the cut only."""
-    fwd_t, bwd_t = [], []
-    leaf: list[torch.Tensor] = []
-
-    def cut_hook(mod: nn.Module, args: Any, out: Any) -> Any:
-        x = out.detach().requires_grad_()
-        leaf.append(x)
-        return x.clone()   # a non-leaf, so in-place ops downstream (ReLU(inplace=True)) stay legal
-
-    handle = cut.module.register_forward_hook(cut_hook) if cut is not None else None
-    try:
-        for i in range(max(1, repeats) + 1):
-            for p in model.parameters():
-                p.grad = None
-            leaf.clear()
-            t0 = time.perf_counter()
-            loss = batch_loss(model, batch, loss_fn)
-            t1 = time.perf_counter()
-            if cut is None:
-                loss.backward()
-            elif loss.requires_grad:
-                torch.autograd.grad(loss, leaf, allow_unused=True)
-            t2 = time.perf_counter()
-            if i > 0:   # the first run warms up
-                fwd_t.append(t1 - t0)
-                bwd_t.append(t2 - t1)
-    finally:
-        if handle is not None:
-            handle.remove()
-    return statistics.median(fwd_t), statistics.median(bwd_t)
-
-
-def _update_fit(model: nn.Module, optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter],
-                batch: Any, loss_fn: Callable, repeats: int) -> tuple[float, float, float]:
-    """(seconds per tensor, seconds per element, full update seconds) of ``optimizer.step()``."""
-    if optimizer is None:
-        return 0.0, 0.0, 0.0
-    batch_loss(model, batch, loss_fn).backward()
-    grads = [p.grad for p in params]
-    small = set(sorted(range(len(params)), key=lambda i: params[i].numel())[: len(params) // 2])
-
-    def step(subset: set[int] | None) -> None:
-        for i, p in enumerate(params):
-            p.grad = grads[i] if (subset is None or i in subset) and grads[i] is not None else None
-        optimizer.step()
-
-    full_s = _median_s(lambda: step(None), repeats)
-    n_all, e_all = len(params), sum(p.numel() for p in params)
-    if not small:
-        return 0.0, full_s / max(e_all, 1), full_s
-    sub_s = _median_s(lambda: step(small), repeats)
-    n_sub, e_sub = len(small), sum(params[i].numel() for i in small)
-    det = n_all * e_sub - n_sub * e_all
-    a = (full_s * e_sub - sub_s * e_all) / det if det else -1.0
-    b = (n_all * sub_s - n_sub * full_s) / det if det else -1.0
-    if a < 0 or b < 0:
-        a, b = 0.0, full_s / max(e_all, 1)
-    return a, b, full_s
-
-
-def _pick_cuts(layers: list[_Layer], max_cuts: int) -> list[int]:
+def _pick_cuts(layers: list[Layer], max_cuts: int) -> list[int]:
     ok = [i for i, ly in enumerate(layers) if ly.tensor_out]
     if len(ok) <= max_cuts:
         return ok
@@ -394,10 +174,10 @@ def _cumulative(iso: list[float], cut_s: dict[int, float], base_s: float) -> lis
 
 
 def _cache_key(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None) -> str:
-    parts = [type(model).__qualname__, repr(model), type(optimizer).__qualname__,
+    parts = [type(model).__qualname__, repr(model), str(model.training), type(optimizer).__qualname__,
              str(torch.get_num_threads())]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
-    parts += [f"{tuple(t.shape)}:{t.dtype}:{t.device}" for t in _leaves(batch)]
+    parts += [f"{tuple(t.shape)}:{t.dtype}:{t.device}" for t in leaves(batch)]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -436,7 +216,14 @@ def measure_timing(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], t
             _MEMORY_CACHE[key] = TensorTiming(**stored[key])
             return _MEMORY_CACHE[key]
     with TrainingSnapshot(model, optimizer):
-        timing = _measure(model, batch, loss_fn, optimizer, repeats, cut_repeats, max_cuts)
+        try:
+            timing = _measure(model, batch, loss_fn, optimizer, repeats, cut_repeats, max_cuts)
+        except ProfileError:
+            raise
+        except Exception as exc:
+            raise ProfileError(f"timing the model's training step failed ({type(exc).__name__}: {exc}); "
+                               "check that loss_fn(model(inputs), target) runs and backpropagates on the "
+                               "example batch") from exc
     timing.key = key
     if use_cache:
         _MEMORY_CACHE[key] = timing
@@ -455,37 +242,29 @@ def measure_timing(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], t
 
 def _measure(model: nn.Module, batch: Any, loss_fn: Callable, optimizer: torch.optim.Optimizer | None,
              repeats: int, cut_repeats: int, max_cuts: int) -> TensorTiming:
-    layers = _capture(model, batch, loss_fn)
+    layers = capture_layers(model, batch, loss_fn)
     if not layers:
         raise ProfileError("the model has no trainable parameter used by its forward pass; nothing to "
                            "select (check requires_grad and that the example batch reaches the layers)")
-    iso: list[tuple[float, list[float], float] | None] = []
-    for ly in layers:
-        try:
-            fwd, dws, dy = _time_layer(ly, repeats)
-            iso.append((fwd * ly.calls, [w * ly.calls for w in dws], dy * ly.calls))
-        except Exception as exc:  # noqa: BLE001 - any failure to re-run a layer means "estimate it"
-            logger.info("layer %s cannot be timed in isolation (%s); using its FLOPs estimate", ly.name, exc)
-            iso.append(None)
-    timed = [(t[0], _flops(ly)[0]) for t, ly in zip(iso, layers) if t is not None]
-    s_per_flop = (statistics.median(s / f for s, f in timed if f > 0) if any(f > 0 for _, f in timed)
-                  else _DEFAULT_S_PER_FLOP)
+    iso = time_layers(layers, repeats)
+    timed = [(t[0], layer_flops(ly)[0] * ly.calls) for t, ly in zip(iso, layers) if t is not None]
+    ratios = [s / f for s, f in timed if f > 0]
+    s_per_flop = statistics.median(ratios) if ratios else _DEFAULT_S_PER_FLOP
     fallback = []
     for i, ly in enumerate(layers):
         if iso[i] is None:
-            f, ws, y = _flops(ly)
-            iso[i] = (f * s_per_flop * ly.calls, [w * s_per_flop * ly.calls for w in ws], y * s_per_flop * ly.calls)
+            k = s_per_flop * ly.calls
+            fl, wl, yl = layer_flops(ly)
+            iso[i] = (fl * k, [w * k for w in wl], yl * k)
             fallback.append(ly.name)
     params = [p for ly in layers for _, p in ly.params]
-    with torch.enable_grad():
-        fwd_total, bwd_full = _loss_backward_s(model, batch, loss_fn, cut_repeats)
-        for p in params:
-            p.requires_grad_(False)
-        cuts = _pick_cuts(layers, max_cuts)
-        cut_runs = {i: _loss_backward_s(model, batch, loss_fn, cut_repeats, layers[i]) for i in cuts}
-        for p in params:
-            p.requires_grad_(True)
-        per_tensor_s, per_elem_s, update_full = _update_fit(model, optimizer, params, batch, loss_fn, repeats)
+    cuts = _pick_cuts(layers, max_cuts)
+    (fwd_total, bwd_full), cut_list = time_model(model, batch, loss_fn, params, [layers[i] for i in cuts],
+                                                 cut_repeats)
+    # physical invariants that single noisy samples may break: a model trained from some layer up
+    # runs its forward no slower than full fine-tuning does, and backpropagates no more
+    cut_runs = {i: (min(f, fwd_total), min(b, bwd_full)) for i, (f, b) in zip(cuts, cut_list)}
+    per_tensor_s, per_elem_s, update_full = time_updates(model, optimizer, params, batch, loss_fn, repeats)
     base_fwd, base_bwd = cut_runs[cuts[-1]] if cuts else (fwd_total, 0.0)
     dy_cum = _cumulative([t[2] for t in iso], {i: r[1] for i, r in cut_runs.items()}, base_bwd)
     fwd_cum = _cumulative([t[0] for t in iso], {i: r[0] for i, r in cut_runs.items()}, base_fwd)

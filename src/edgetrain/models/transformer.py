@@ -42,10 +42,9 @@ class _InputEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)  # first, so the raw input is dead once the embedding starts
-        length = h.size(1)
-        torch._assert(length <= self.max_len, "sequence longer than max_len: rebuild the model with a "
-                                              "larger max_len")
-        return self.drop(h + self.pos[:, :length])
+        # narrow() rejects L > max_len itself ("start (0) + length (L) exceeds dimension size"),
+        # which keeps assertion nodes out of the traced graph.
+        return self.drop(h + self.pos.narrow(1, 0, h.size(1)))
 
 
 class SelfAttention(nn.Module):
@@ -163,7 +162,8 @@ def transformer_classifier(num_classes: int, *, vocab_size: int | None = None,
         nhead: attention heads; must divide ``d_model``.
         num_layers: encoder blocks.
         dim_feedforward: hidden width of each feed-forward.
-        max_len: the longest sequence the positional embedding covers (``L <= max_len``).
+        max_len: the longest sequence the positional embedding covers; a longer input raises
+            RuntimeError ("exceeds dimension size").
         dropout: dropout on embeddings, attention probabilities, feed-forward and residual branches.
 
     Returns:

@@ -11,6 +11,7 @@ chain's fixed bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -18,14 +19,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import BudgetError
 from ..graph import KEEP, RECOMPUTE, CostChain, micro_batch_sizes, micro_batch_time, simulate
-from ..units import format_bytes
 
 __all__ = [
     "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
     "keep_time_s", "schedule_from_groups", "min_prefix_path", "min_peak_schedule", "better",
-    "fixed_state_error",
+    "hashable",
 ]
 
 #: Step times within this relative distance count as ties (then fewer recomputed stages win, then a
@@ -110,7 +109,15 @@ def candidate_micro_batches(chain: CostChain, micro_batch_sizes: Sequence[int] |
     return sorted({min(int(m), b) for m in sizes}, reverse=True)
 
 
-@functools.lru_cache(maxsize=512)
+def hashable(chain: CostChain) -> CostChain:
+    """``chain`` with its stages as a tuple, so the per-(chain, m) caches below can key on it."""
+    if isinstance(chain.stages, tuple):
+        return chain
+    return dataclasses.replace(chain, stages=tuple(chain.stages))
+
+
+# Each entry holds two n x n int64 matrices; 64 entries of a 100-stage chain are ~10 MB.
+@functools.lru_cache(maxsize=64)
 def sizes_at(chain: CostChain, m: int) -> Sizes:
     """The integer costs of :func:`edgetrain.graph.activation_profile` at micro-batch ``m`` (cached)."""
     st = chain.stages
@@ -172,6 +179,7 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
         The schedule reaching the last boundary with the smallest prefix, or ``None`` if none fits.
     """
     n = sz.n
+    act_budget = min(int(act_budget), int(_BIG) - 1)   # keeps int64 sums from overflowing
     pmin = np.full(n + 1, _BIG, dtype=np.int64)
     pmin[0] = sz.inp0
     pred = np.full(n + 1, -1, dtype=np.int64)   # start boundary of the group ending at each boundary
@@ -234,15 +242,3 @@ def better(time_a: float, rec_a: int, m_a: int, time_b: float, rec_b: int, m_b: 
     if time_a > time_b + tol:
         return False
     return (rec_a, -m_a) < (rec_b, -m_b)
-
-
-def fixed_state_error(chain: CostChain, budget_bytes: int, solver: str) -> BudgetError | None:
-    """The error for a budget below the chain's fixed bytes (no schedule can help), else ``None``."""
-    if budget_bytes >= chain.fixed_bytes:
-        return None
-    return BudgetError(
-        f"{solver}: the parameters, gradients, optimizer state and batch alone need "
-        f"{format_bytes(chain.fixed_bytes)}, above the budget of {format_bytes(budget_bytes)}; no schedule of "
-        "activations can fit. Raise the budget well above that, or use a smaller model or an optimizer "
-        "with less state (e.g. SGD without momentum).",
-        budget_bytes=budget_bytes, min_feasible_bytes=None)

@@ -6,11 +6,10 @@ to a per-size solver (the MILP or the exact DP), re-costs every answer with
 :func:`~edgetrain.planners.paging_model.simulate_paged` and returns one :class:`~edgetrain.plan.Plan`
 with the proven gap over all sizes.
 
-Memory feasibility is exact and fast because every constraint has the form ``P + local + W <= A`` with a
-prefix ``P`` that only grows: for a fixed in-flight window ``W`` (paging allowed on stages whose saved
-bytes are at most ``W``), the smallest reachable prefix at each group boundary decides feasibility (an
-``O(n^2)`` shortest path), and ``W`` ranges over ``{0} U {saved_t}``; all windows run at once as one
-array computation.
+Memory feasibility is exact and fast: the smallest peak of a schedule comes with the in-flight window at
+0 (every paged stage synchronous), and then every constraint has the form ``P + back + local <= A`` with
+a prefix ``P`` that only grows, so the smallest reachable prefix at each group boundary, kept apart by
+whether the stage before was paged (``back``), decides feasibility (an ``O(n^2)`` shortest path).
 """
 
 from __future__ import annotations
@@ -27,10 +26,11 @@ from ..errors import BudgetError
 from ..graph import KEEP, PAGE, RECOMPUTE, CostChain
 from ..plan import Plan
 from ..units import format_bytes
-from .paging_model import PagingArrays, paging_arrays, simulate_paged
+from .paging_model import PagedScheduleCost, PagingArrays, pack_bytes, paging_arrays, simulate_paged
 
 __all__ = ["PagedSchedule", "Candidate", "candidate_micro_batches", "schedule_from_vectors",
-           "window_candidates", "feasible_schedule", "min_activation_peak", "plan_search", "OBJECTIVES"]
+           "window_candidates", "feasible_schedule", "min_activation_peak", "cost_of", "widen_window",
+           "plan_search", "OBJECTIVES"]
 
 log = logging.getLogger(__name__)
 OBJECTIVES = ("energy", "time")
@@ -39,18 +39,23 @@ _BIG = np.int64(2**62)
 
 @dataclass(frozen=True)
 class PagedSchedule:
-    """A schedule: micro-batch size, per-stage policy and group ids."""
+    """A schedule: micro-batch size, per-stage policy, group ids and the in-flight window (``None``: all
+    paged stages asynchronous; see :func:`~edgetrain.planners.paging_model.simulate_paged`)."""
 
     m: int
     policies: tuple[str, ...]
     groups: tuple[int, ...]
+    inflight_bytes: int | None = None
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A per-size solver's answer: the schedule, its objective, a proven lower bound at this size."""
+    """A per-size solver's answer: the schedule, its objective, a proven lower bound at this size.
 
-    schedule: PagedSchedule
+    ``schedule`` is ``None`` when the solver proved that nothing at this size beats the incumbent.
+    """
+
+    schedule: PagedSchedule | None
     objective: float
     bound: float
     proven: bool = True
@@ -71,7 +76,8 @@ def candidate_micro_batches(chain: CostChain, sizes: Sequence[int] | None) -> li
     return sorted({min(int(m), b) for m in sizes}, reverse=True)
 
 
-def schedule_from_vectors(m: int, page: Sequence[bool], rec: Sequence[bool], end: Sequence[bool]) -> PagedSchedule:
+def schedule_from_vectors(m: int, page: Sequence[bool], rec: Sequence[bool], end: Sequence[bool],
+                          inflight_bytes: int | None = None) -> PagedSchedule:
     """Policies and group ids from per-stage page / recompute / group-end flags."""
     policies: list[str] = []
     groups: list[int] = []
@@ -85,80 +91,92 @@ def schedule_from_vectors(m: int, page: Sequence[bool], rec: Sequence[bool], end
             gid += 1
             policies.append(PAGE if page[t] else KEEP)
         groups.append(gid)
-    return PagedSchedule(m, tuple(policies), tuple(groups))
+    return PagedSchedule(m, tuple(policies), tuple(groups), inflight_bytes)
 
 
 def window_candidates(arr: PagingArrays, paging: bool) -> np.ndarray:
-    """In-flight windows worth trying: 0 and every distinct saved size of a stage worth paging."""
+    """In-flight windows worth trying: 0 and every distinct pack size of a stage worth paging."""
     if not paging:
         return np.zeros(1, dtype=np.int64)
-    return np.unique(np.concatenate([[0], arr.saved[arr.page_ok]])).astype(np.int64)
+    return np.unique(np.concatenate([[0], arr.pack[arr.page_ok]])).astype(np.int64)
 
 
-def feasible_schedule(arr: PagingArrays, act_budget: int, paging: bool) -> PagedSchedule | None:
-    """A schedule whose activation peak fits ``act_budget``, if any exists (exact; module doc).
+def feasible_schedule(arr: PagingArrays, act_budget: int, paging: bool,
+                      recompute: bool = True) -> PagedSchedule | None:
+    """A schedule (window 0) whose activation peak fits ``act_budget``, if any exists (exact; module doc).
 
-    Among windows that fit, the witness reaches the loss with the smallest resident prefix.
+    The witness reaches the loss with the smallest resident prefix.
     """
     n = arr.n
-    w = window_candidates(arr, paging)
-    w = w[w <= act_budget]
-    if len(w) == 0:
+    if act_budget < 0:
         return None
-    k = len(w)
-    cap = (act_budget - w)[:, None]
-    pageable = (arr.saved[None, :] <= w[:, None]) & arr.page_ok[None, :] & (w[:, None] > 0)
-    pmin = np.full((k, n + 1), _BIG, dtype=np.int64)
-    pmin[:, 0] = arr.inp0
-    pred = np.full((k, n + 1), -1, dtype=np.int64)
-    kind = np.zeros((k, n + 1), dtype=np.int8)        # 0 keep, 1 page, 2 recompute
+    pmin = np.full((2, n + 1), _BIG, dtype=np.int64)     # [after a paged stage?, boundary]
+    pmin[0, 0] = arr.inp0
+    pred = np.full((2, n + 1, 3), -1, dtype=np.int64)    # (from boundary, from flag, kind 0/1/2)
     for s in range(n):
-        p = pmin[:, s:s + 1]
-        live = p < _BIG
-        ok = live & (p + arr.seg_local[s, s:][None, :] <= cap)
-        cand = np.where(ok, p + arr.out[s:][None, :], _BIG)
-        better = cand < pmin[:, s + 1:]
-        pmin[:, s + 1:] = np.where(better, cand, pmin[:, s + 1:])
-        pred[:, s + 1:] = np.where(better, s, pred[:, s + 1:])
-        kind[:, s + 1:] = np.where(better, 2, kind[:, s + 1:])
-        fits = live[:, 0] & (p[:, 0] + arr.keep_local[s] <= cap[:, 0])
-        for code, add, allowed in ((1, arr.out[s], pageable[:, s]), (0, arr.keep_add[s], True)):
-            c = np.where(fits & allowed, p[:, 0] + add, _BIG)
-            b = c <= pmin[:, s + 1] if code == 0 else c < pmin[:, s + 1]
-            b &= c < _BIG
-            pmin[:, s + 1] = np.where(b, c, pmin[:, s + 1])
-            pred[:, s + 1] = np.where(b, s, pred[:, s + 1])
-            kind[:, s + 1] = np.where(b, code, kind[:, s + 1])
-    ends = np.where(pmin[:, n] < _BIG, pmin[:, n] + arr.out[-1], _BIG)
-    good = np.flatnonzero(ends <= cap[:, 0])
-    if len(good) == 0:
+        for flag in (0, 1):
+            p = pmin[flag, s]
+            if p >= _BIG:
+                continue
+            base = p + (arr.out[s - 1] if flag else 0)
+            ok = (base + arr.seg_local[s, s:] <= act_budget) & recompute
+            cand = np.where(ok, p + arr.out[s:], _BIG)
+            better = cand < pmin[0, s + 1:]
+            pmin[0, s + 1:] = np.where(better, cand, pmin[0, s + 1:])
+            pred[0, s + 1:][better] = (s, flag, 2)
+            if base + arr.keep_local[s] > act_budget:
+                continue
+            moves = [(0, arr.keep_add[s], 0)]
+            if paging and arr.page_ok[s]:
+                moves.append((1, arr.page_add[s], 1))
+            for to, add, kind in moves:
+                if p + add <= pmin[to, s + 1]:
+                    pmin[to, s + 1] = p + add
+                    pred[to, s + 1] = (s, flag, kind)
+    ends = pmin[:, n] + arr.out[-1]
+    flag = int(np.argmin(ends))
+    if pmin[flag, n] >= _BIG or ends[flag] > act_budget:
         return None
-    row = int(good[np.argmin(ends[good] + w[good])])
-    spans: list[tuple[int, int, int]] = []
+    page, rec, end = [False] * n, [False] * n, [False] * n
     t = n
     while t > 0:
-        s = int(pred[row, t])
-        spans.append((s, t - 1, int(kind[row, t])))
-        t = s
-    page, rec, end = [False] * n, [False] * n, [False] * n
-    for i, j, code in spans:
-        for u in range(i, j + 1):
-            page[u], rec[u] = code == 1, code == 2
-        end[j] = code == 2
-    return schedule_from_vectors(arr.m, page, rec, end)
+        s, prev_flag, kind = (int(v) for v in pred[flag, t])
+        for u in range(s, t):
+            page[u], rec[u] = kind == 1, kind == 2
+        end[t - 1] = kind == 2
+        t, flag = s, prev_flag
+    return schedule_from_vectors(arr.m, page, rec, end, inflight_bytes=0)
+
+
+def cost_of(chain: CostChain, device: DeviceProfile, s: PagedSchedule) -> PagedScheduleCost:
+    """:func:`simulate_paged` of a :class:`PagedSchedule`."""
+    return simulate_paged(chain, device, s.m, s.policies, s.groups, inflight_bytes=s.inflight_bytes)
+
+
+def widen_window(chain: CostChain, device: DeviceProfile, s: PagedSchedule, budget: int) -> PagedSchedule:
+    """The same policies with the largest in-flight window that still fits ``budget`` (never slower)."""
+    packs = sorted({p for t, p in enumerate(pack_bytes(chain, s.m)) if s.policies[t] == PAGE}, reverse=True)
+    for w in packs:
+        if s.inflight_bytes is not None and w <= s.inflight_bytes:
+            break
+        trial = PagedSchedule(s.m, s.policies, s.groups, w)
+        if cost_of(chain, device, trial).peak_bytes <= budget:
+            return trial
+    return s
 
 
 def _act_peak(chain: CostChain, device: DeviceProfile, s: PagedSchedule) -> int:
-    return simulate_paged(chain, device, s.m, s.policies, s.groups).activation_peak_bytes
+    return cost_of(chain, device, s).activation_peak_bytes
 
 
-def min_activation_peak(chain: CostChain, device: DeviceProfile, arr: PagingArrays, paging: bool) -> int:
+def min_activation_peak(chain: CostChain, device: DeviceProfile, arr: PagingArrays, paging: bool,
+                        recompute: bool = True) -> int:
     """The smallest activation peak of any schedule at ``arr.m`` (bisection on the exact oracle)."""
-    keep = PagedSchedule(arr.m, (KEEP,) * arr.n, tuple(range(arr.n)))
+    keep = PagedSchedule(arr.m, (KEEP,) * arr.n, tuple(range(arr.n)), 0)
     hi, lo = _act_peak(chain, device, keep), -1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        s = feasible_schedule(arr, mid, paging)
+        s = feasible_schedule(arr, mid, paging, recompute)
         if s is None:
             lo = mid
         else:
@@ -170,13 +188,20 @@ def _objective(cost: object, objective: str) -> float:
     return float(cost.energy_j if objective == "energy" else cost.step_time_s)  # type: ignore[attr-defined]
 
 
-SolveAt = Callable[[PagingArrays, int, "float | None", float], "Candidate | None"]
+SolveAt = Callable[[PagingArrays, int, "float | None", float, "float | None"], "Candidate | None"]
+Heuristic = Callable[[PagingArrays, int, "float | None"], "Candidate | None"]
 
 
 def plan_search(chain: CostChain, budget_bytes: int, *, device: DeviceProfile, objective: str,
                 time_budget: float | None, paging: bool, micro_batch_sizes: Sequence[int] | None,
-                time_limit_s: float, rel_gap: float, solve_at: SolveAt, solver: str) -> Plan:
+                time_limit_s: float, rel_gap: float, solve_at: SolveAt, solver: str,
+                recompute: bool = True, heuristic: Heuristic | None = None) -> Plan:
     """Run a per-size solver over the micro-batch sizes and build the Plan (see module doc).
+
+    Phase 1 finds, for every size that fits, a feasible schedule (the exact oracle's witness and the
+    optional ``heuristic``) and its all-keep lower bound. Phase 2 visits sizes by increasing lower bound
+    and stops as soon as the incumbent is within ``rel_gap`` of every remaining bound; the others go to
+    ``solve_at`` with the incumbent as a cutoff.
 
     Raises:
         BudgetError: nothing fits the memory budget (``min_feasible_bytes`` set), or nothing meets the
@@ -195,61 +220,69 @@ def plan_search(chain: CostChain, budget_bytes: int, *, device: DeviceProfile, o
     t_fast = min(c.step_time_s for c in keep_cost.values())
     time_cap = None if time_budget is None else time_budget * t_fast
     act_budget = budget - chain.fixed_bytes
-    best: tuple[float, PagedSchedule, object] | None = None
-    bounds: list[float] = []
+    best: tuple[float, PagedSchedule, PagedScheduleCost] | None = None
+    lower = {m: _objective(keep_cost[m], objective) for m in sizes}
+    open_sizes: dict[int, PagingArrays] = {}
     mem_ok = False
-    proven = True
-    for m in sorted(sizes, key=lambda m: (_objective(keep_cost[m], objective), -m)):
-        lb = _objective(keep_cost[m], objective)
-        if best is not None and lb >= best[0]:
-            bounds.append(lb)
-            continue
-        if time_cap is not None and keep_cost[m].step_time_s > time_cap * (1 + 1e-12):
+
+    def offer(sched: PagedSchedule) -> None:
+        nonlocal best
+        sched = widen_window(chain, device, sched, budget)
+        c = cost_of(chain, device, sched)
+        if c.peak_bytes <= budget and (time_cap is None or c.step_time_s <= time_cap * (1 + 1e-9)):
+            v = _objective(c, objective)
+            if best is None or v < best[0]:
+                best = (v, sched, c)
+
+    for m in sorted(sizes, key=lambda m: (lower[m], -m)):       # phase 1: feasibility and incumbents
+        if time_cap is not None and keep_cost[m].step_time_s > time_cap * (1 + 1e-12) or act_budget < 0:
+            lower[m] = np.inf
             continue
         if keep_cost[m].peak_bytes <= budget:
             mem_ok = True
-            best = (lb, PagedSchedule(m, keep_pol, tuple(range(chain.n))), keep_cost[m])
-            bounds.append(lb)
+            offer(PagedSchedule(m, keep_pol, tuple(range(chain.n)), 0))
             continue
-        if act_budget < 0:
+        if best is not None and lower[m] >= best[0]:
             continue
         arr = paging_arrays(chain, device, m)
-        witness = feasible_schedule(arr, act_budget, paging)
+        witness = feasible_schedule(arr, act_budget, paging, recompute)
         if witness is None:
+            lower[m] = np.inf
             continue
         mem_ok = True
-        found: list[tuple[float, PagedSchedule, object]] = []
-        wc = simulate_paged(chain, device, m, witness.policies, witness.groups)
-        if time_cap is None or wc.step_time_s <= time_cap * (1 + 1e-9):
-            found.append((_objective(wc, objective), witness, wc))
-        remaining = time_limit_s - (time.perf_counter() - t_start)
-        m_bound, budget_m = lb, act_budget
-        for _attempt in range(3):
-            cand = solve_at(arr, budget_m, time_cap, remaining) if remaining > 0 else None
-            if cand is None:
-                proven = False
+        offer(witness)
+        if heuristic is not None:
+            h = heuristic(arr, act_budget, time_cap)
+            if h is not None and h.schedule is not None:
+                offer(h.schedule)
+        open_sizes[m] = arr
+    proven = True
+    for m in sorted(open_sizes, key=lambda m: lower[m]):          # phase 2: solve what can still win
+        if best is not None:
+            floor = min(lower[k] for k in sizes)
+            if best[0] - floor <= rel_gap * best[0] or lower[m] >= best[0]:
                 break
-            c = simulate_paged(chain, device, m, cand.schedule.policies, cand.schedule.groups)
-            if c.peak_bytes > budget:   # rounding inside the solver: tighten by the excess and retry
-                budget_m -= c.peak_bytes - budget
-                remaining = time_limit_s - (time.perf_counter() - t_start)
+        remaining = time_limit_s - (time.perf_counter() - t_start)
+        incumbent = None if best is None else best[0]
+        cand = solve_at(open_sizes[m], act_budget, time_cap, remaining, incumbent) if remaining > 0 else None
+        if cand is None:
+            proven = False
+            continue
+        proven &= cand.proven
+        if cand.schedule is not None:
+            c = cost_of(chain, device, cand.schedule)
+            if c.peak_bytes > budget:   # solver tolerance: keep the bound only if the answer is exact
+                log.warning("m=%d: solver answer exceeds the budget by %d bytes; ignored", m, c.peak_bytes - budget)
+                proven = False
                 continue
-            if time_cap is None or c.step_time_s <= time_cap * (1 + 1e-9):
-                found.append((_objective(c, objective), cand.schedule, c))
-            # a bound of a tightened problem is not one of the original: fall back to the all-keep bound
-            m_bound = max(lb, cand.bound) if budget_m == act_budget else lb
-            proven &= cand.proven
-            break
-        bounds.append(m_bound)
-        for item in found:
-            if best is None or item[0] < best[0]:
-                best = item
+            offer(cand.schedule)
+        lower[m] = max(lower[m], cand.bound)
     solve_s = time.perf_counter() - t_start
     if best is None:
-        raise _budget_error(chain, device, budget, sizes, paging, mem_ok, time_budget, solver)
+        raise _budget_error(chain, device, budget, sizes, paging, recompute, mem_ok, time_budget, solver)
     obj, sched, cost = best
-    lower = min(bounds) if bounds else obj
-    gap = max(0.0, (obj - min(lower, obj)) / obj) if obj > 0 else 0.0
+    floor = min(min(lower.values()), obj)
+    gap = max(0.0, (obj - floor) / obj) if obj > 0 else 0.0
     notes = [f"objective {objective} on device {device.name}"]
     if time_cap is not None:
         notes.append(f"time budget {time_budget:g}x the fastest step ({time_cap * 1e3:.1f} ms)")
@@ -262,25 +295,27 @@ def plan_search(chain: CostChain, budget_bytes: int, *, device: DeviceProfile, o
         energy_j=cost.energy_j, optimality_gap=gap, notes=tuple(notes),  # type: ignore[attr-defined]
         metadata={"activation_peak_bytes": cost.activation_peak_bytes,  # type: ignore[attr-defined]
                   "fixed_bytes": chain.fixed_bytes, "inflight_bytes": cost.inflight_bytes,  # type: ignore[attr-defined]
+                  "async_stages": list(cost.async_stages),  # type: ignore[attr-defined]
                   "paged_bytes": cost.paged_bytes, "transfer_time_s": cost.transfer_time_s,  # type: ignore[attr-defined]
                   "stall_time_s": cost.stall_time_s, "recompute_time_s": cost.recompute_time_s,  # type: ignore[attr-defined]
                   "recomputed_stages": sched.policies.count(RECOMPUTE),
                   "paged_stages": sched.policies.count(PAGE), "objective": objective,
-                  "device": device.name, "paging": paging, "time_budget": time_budget,
-                  "time_cap_s": time_cap, "lower_bound": lower})
+                  "device": device.name, "paging": paging, "recompute": recompute, "time_budget": time_budget,
+                  "time_cap_s": time_cap, "lower_bound": floor})
 
 
 def _budget_error(chain: CostChain, device: DeviceProfile, budget: int, sizes: list[int], paging: bool,
-                  mem_ok: bool, time_budget: float | None, solver: str) -> BudgetError:
+                  recompute: bool, mem_ok: bool, time_budget: float | None, solver: str) -> BudgetError:
     if mem_ok:
         return BudgetError(
             f"{solver}: no keep/recompute/page schedule meets the time budget of {time_budget:g}x the fastest "
             f"step within {format_bytes(budget)}; raise time_budget, raise the memory budget, or drop the time "
             "budget", budget_bytes=budget, min_feasible_bytes=None)
     arr = paging_arrays(chain, device, min(sizes))
-    need = chain.fixed_bytes + min_activation_peak(chain, device, arr, paging)
-    what = "keep/recompute/page" if paging else "keep/recompute (paging=False)"
+    need = chain.fixed_bytes + min_activation_peak(chain, device, arr, paging, recompute)
+    what = "/".join(["keep"] + ["recompute"] * recompute + ["page"] * paging)
     hint = "" if paging else "; allowing paging (paging=True) may lower it"
+    hint += "" if recompute else "; allowing recomputation (recompute=True) may lower it"
     return BudgetError(
         f"{solver}: no {what} schedule fits {format_bytes(budget)}; the smallest budget that fits is "
         f"{format_bytes(need)} at micro-batch {min(sizes)} (fixed bytes {format_bytes(chain.fixed_bytes)} "

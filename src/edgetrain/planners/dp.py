@@ -25,7 +25,7 @@ from ..graph import KEEP, RECOMPUTE, CostChain, simulate
 from ..plan import Plan, plan_from_schedule
 from ..units import format_bytes
 from ._common import (
-    TIME_RTOL, Schedule, Sizes, better, candidate_micro_batches, keep_time_s, min_peak_schedule,
+    TIME_RTOL, Schedule, Sizes, better, candidate_micro_batches, hashable, keep_time_s, min_peak_schedule,
     min_prefix_path, recompute_costs, schedule_from_groups, sizes_at,
 )
 
@@ -173,6 +173,7 @@ def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence
     if max_buckets < 16:
         raise ValueError(f"max_buckets must be >= 16, got {max_buckets}")
     budget_bytes = int(budget_bytes)
+    chain = hashable(chain)
     cands = candidate_micro_batches(chain, micro_batch_sizes)
     act_budget = budget_bytes - chain.fixed_bytes
     best: tuple[float, int, int, Schedule] | None = None
@@ -241,6 +242,7 @@ def min_feasible_bytes(chain: CostChain, *, micro_batch_sizes: Sequence[int] | N
         The budget in bytes; ``solve_dp(chain, min_feasible_bytes(chain))`` succeeds.
     """
     best: int | None = None
+    chain = hashable(chain)
     for m in sorted(candidate_micro_batches(chain, micro_batch_sizes)):
         if best is not None and min_prefix_path(sizes_at(chain, m), best - 1, allow_segments) is None:
             continue

@@ -54,7 +54,8 @@ from ..devices import DeviceProfile
 from ..graph import (PAGE, RECOMPUTE, CostChain, _check_schedule, micro_batch_sizes, micro_batch_time,
                      singleton_groups)
 
-__all__ = ["PagedScheduleCost", "simulate_paged", "stage_transfer_s", "PagingArrays", "paging_arrays"]
+__all__ = ["PagedScheduleCost", "simulate_paged", "stage_transfer_s", "pack_bytes", "PagingArrays",
+           "paging_arrays"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class PagedScheduleCost:
     Attributes:
         peak_bytes: fixed bytes + activation peak (what the memory budget bounds).
         activation_peak_bytes: the activation peak, in-flight window included.
-        inflight_bytes: the in-flight window ``W`` (largest saved bytes of a paged stage).
+        inflight_bytes: the in-flight window ``W`` (largest pack of an asynchronous paged stage).
         step_time_s: seconds of one step, stalls included.
         energy_j: joules of one step.
         micro_batch_time_s: seconds of the first (largest) micro-batch.
@@ -73,6 +74,7 @@ class PagedScheduleCost:
         transfer_time_s: seconds per step the storage spends paging (writes + reads, hidden or not).
         stall_time_s: the part of ``transfer_time_s`` not hidden behind computation.
         paged_bytes: bytes written out (and read back) per largest micro-batch.
+        async_stages: the paged stages that page asynchronously (pack within the window).
         per_stage_peak_bytes: local peak of each group (above the prefix), as ``simulate`` reports.
     """
 
@@ -87,33 +89,54 @@ class PagedScheduleCost:
     transfer_time_s: float
     stall_time_s: float
     paged_bytes: int
+    async_stages: tuple[int, ...] = ()
     per_stage_peak_bytes: tuple[int, ...] = field(default=())
 
 
-def _ints(chain: CostChain, m: int) -> tuple[list[int], list[int], list[int], list[int]]:
+def _ints(chain: CostChain, m: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
     st = chain.stages
     out = [math.ceil(s.out_bytes.at(m)) for s in st]
     saved = [math.ceil(s.saved_bytes.at(m)) for s in st]
     ws = [math.ceil(s.workspace_bytes.at(m)) for s in st]
     inp = [math.ceil(chain.input_bytes.at(m))] + out[:-1]
-    return out, saved, ws, inp
+    pack = [sv + (o if t + 1 < len(st) else 0) for t, (sv, o) in enumerate(zip(saved, out))]
+    return out, saved, ws, inp, pack
 
 
-def stage_transfer_s(chain: CostChain, device: DeviceProfile, mb: int, t: int) -> tuple[float, float, float]:
-    """Write seconds, read seconds and stall seconds of paging stage ``t`` in a micro-batch of ``mb``."""
-    saved = math.ceil(chain.stages[t].saved_bytes.at(mb))
-    write = device.page_out_s(saved)
-    read = device.page_in_s(saved)
-    if t + 1 < chain.n:
-        nxt = chain.stages[t + 1]
-        stall = max(0.0, write - nxt.fwd_s.at(mb)) + max(0.0, read - nxt.bwd_s.at(mb))
+def pack_bytes(chain: CostChain, m: int) -> list[int]:
+    """Bytes paging each stage writes out at micro-batch ``m`` (saved tensors + output but for the last)."""
+    return _ints(chain, m)[4]
+
+
+def stage_transfer_s(chain: CostChain, device: DeviceProfile, mb: int, t: int) -> tuple[float, float, float, float]:
+    """Write seconds, read seconds, asynchronous stall and synchronous stall of paging stage ``t``.
+
+    Args:
+        chain: the chain.
+        device: the device.
+        mb: the micro-batch size.
+        t: the stage.
+
+    Returns:
+        ``(write_s, read_s, async_stall_s, sync_stall_s)`` per micro-batch of ``mb`` (module doc).
+    """
+    n = chain.n
+    pack = math.ceil(chain.stages[t].saved_bytes.at(mb))
+    if t + 1 < n:
+        pack += math.ceil(chain.stages[t].out_bytes.at(mb))
+    write, read = device.page_out_s(pack), device.page_in_s(pack)
+    half_loss = chain.loss_s.at(mb) / 2
+    if t == n - 1:
+        stall = max(0.0, write + read - half_loss)
     else:
-        stall = max(0.0, write + read - chain.loss_s.at(mb))
-    return write, read, stall
+        fwd_next = chain.stages[t + 1].fwd_s.at(mb)
+        read_window = chain.stages[t + 2].bwd_s.at(mb) if t + 2 < n else half_loss
+        stall = max(0.0, write - fwd_next) + max(0.0, read - read_window)
+    return write, read, stall, write + read
 
 
 def simulate_paged(chain: CostChain, device: DeviceProfile, micro_batch_size: int, policies: Sequence[str],
-                   groups: Sequence[int] | None = None) -> PagedScheduleCost:
+                   groups: Sequence[int] | None = None, *, inflight_bytes: int | None = None) -> PagedScheduleCost:
     """Predicted peak bytes, step seconds and joules of a keep/recompute/page schedule (module doc).
 
     Args:
@@ -123,6 +146,8 @@ def simulate_paged(chain: CostChain, device: DeviceProfile, micro_batch_size: in
             :func:`edgetrain.graph.micro_batch_sizes` says).
         policies: ``keep``/``recompute``/``page`` per stage.
         groups: group ids as in :func:`edgetrain.graph.simulate` (``None``: every stage alone).
+        inflight_bytes: the in-flight window: paged stages whose pack fits it page asynchronously,
+            the others synchronously. ``None``: every paged stage is asynchronous.
 
     Returns:
         The predicted :class:`PagedScheduleCost`.
@@ -133,39 +158,42 @@ def simulate_paged(chain: CostChain, device: DeviceProfile, micro_batch_size: in
     groups = singleton_groups(chain.n) if groups is None else groups
     spans = _check_schedule(chain, policies, groups)
     sizes = micro_batch_sizes(chain.batch_size, micro_batch_size)
-    m = sizes[0]
-    out, saved, ws, inp = _ints(chain, m)
-    prefix, peak, window = inp[0], 0, 0
+    m, n = sizes[0], chain.n
+    out, saved, ws, inp, pack = _ints(chain, m)
+    paged = [t for t, p in enumerate(policies) if p == PAGE]
+    limit = max((pack[t] for t in paged), default=0) if inflight_bytes is None else inflight_bytes
+    asyncs = tuple(t for t in paged if pack[t] <= limit)
+    window = max((pack[t] for t in asyncs), default=0)
+    prefix, peak = inp[0], 0
     locals_: list[int] = []
     for i, j in spans:
+        back = out[i - 1] if i > 0 and policies[i - 1] == PAGE else 0
         if policies[i] == RECOMPUTE:
             run = worst = 0
             for t in range(i, j + 1):
                 run += saved[t] + out[t]
                 worst = max(worst, run + out[t] + inp[t] + ws[t])
             local = out[j] + worst
-            peak = max(peak, prefix + local)
-            prefix += out[j]
+            prefix_add = out[j]
         else:
             local = saved[i] + 2 * out[i] + inp[i] + ws[i]
-            peak = max(peak, prefix + local)
             if policies[i] == PAGE:
-                prefix += out[i]
-                window = max(window, saved[i])
+                prefix_add = out[i] if i == n - 1 else 0
             else:
-                prefix += saved[i] + out[i]
+                prefix_add = saved[i] + out[i]
+        peak = max(peak, prefix + back + local)
+        prefix += prefix_add
         locals_.append(local)
     act = max(peak, prefix + out[-1]) + window
-    paged = [t for t, p in enumerate(policies) if p == PAGE]
     compute = rec = xfer = stall = 0.0
     first_mb_s = 0.0
     for k, mb in enumerate(sizes):
         c, r = micro_batch_time(chain, mb, policies)
         x = s = 0.0
         for t in paged:
-            w, rd, st = stage_transfer_s(chain, device, mb, t)
+            w, rd, st_async, st_sync = stage_transfer_s(chain, device, mb, t)
             x += w + rd
-            s += st
+            s += st_async if t in asyncs else st_sync
         compute, rec, xfer, stall = compute + c, rec + r, xfer + x, stall + s
         if k == 0:
             first_mb_s = c + s
@@ -175,7 +203,7 @@ def simulate_paged(chain: CostChain, device: DeviceProfile, micro_batch_size: in
         peak_bytes=int(chain.fixed_bytes + act), activation_peak_bytes=int(act), inflight_bytes=int(window),
         step_time_s=compute + stall, energy_j=energy, micro_batch_time_s=first_mb_s, compute_time_s=compute,
         recompute_time_s=rec, transfer_time_s=xfer, stall_time_s=stall,
-        paged_bytes=int(sum(saved[t] for t in paged)), per_stage_peak_bytes=tuple(locals_))
+        paged_bytes=int(sum(pack[t] for t in paged)), async_stages=asyncs, per_stage_peak_bytes=tuple(locals_))
 
 
 @dataclass(frozen=True)
@@ -183,38 +211,41 @@ class PagingArrays:
     """The model of the module doc in array form at one micro-batch size, for the planners.
 
     Byte arrays are for the largest micro-batch ``m`` (they bound the peak); cost arrays are summed over
-    every micro-batch of the step. Stage ``t`` kept adds ``keep_add[t]`` to the prefix, paged adds
-    ``out[t]``; both need ``P + keep_local[t] + W <= A``; recompute group ``t..j`` needs
-    ``P + seg_local[t, j] + W <= A`` and adds ``out[j]``; the loss needs ``P + out[-1] + W <= A``.
+    every micro-batch of the step. From a boundary with prefix ``P`` whose previous stage was paged
+    (``back = out`` of that stage, else 0): keeping stage ``t`` needs ``P + back + keep_local[t] + W <= A``
+    and adds ``keep_add[t]``; paging it needs the same and adds ``page_add[t]``; recompute group ``t..j``
+    needs ``P + back + seg_local[t, j] + W <= A`` and adds ``out[j]``; the loss needs
+    ``P + out[-1] + W <= A``. An asynchronous page needs ``W >= pack[t]``.
 
     Attributes:
         m: micro-batch size.
         inp0: bytes of the stage-0 input (initial prefix).
-        keep_local, keep_add, out, saved: per-stage bytes (int64).
+        keep_local, keep_add, page_add, out, saved, pack: per-stage bytes (int64).
         seg_local: ``[t, j]`` local peak of recompute group ``t..j`` (huge where ``j < t``).
-        seg_run: ``[t, u]`` bytes re-materialised by stages ``t..u`` of a group (``sum saved+out``).
         f: per stage ``out + in + ws`` (the rest of a recompute group's local at that stage).
         base_time_s, base_energy_j: step seconds / joules with every stage kept.
         rec_time_s, rec_energy_j: per stage, what recomputing it adds per step.
-        page_time_s, page_energy_j: per stage, what paging it adds per step (stall seconds; transfer
-            joules).
-        page_ok: per stage, whether paging can lower memory (it saves bytes).
+        async_time_s, sync_time_s: per stage, the stall seconds per step of paging it (a)synchronously.
+        page_energy_j: per stage, the joules per step of its transfers.
+        page_ok: per stage, whether paging it lowers memory (its pack is not empty).
     """
 
     m: int
     inp0: int
     keep_local: np.ndarray
     keep_add: np.ndarray
+    page_add: np.ndarray
     out: np.ndarray
     saved: np.ndarray
+    pack: np.ndarray
     seg_local: np.ndarray
-    seg_run: np.ndarray
     f: np.ndarray
     base_time_s: float
     base_energy_j: float
     rec_time_s: np.ndarray
     rec_energy_j: np.ndarray
-    page_time_s: np.ndarray
+    async_time_s: np.ndarray
+    sync_time_s: np.ndarray
     page_energy_j: np.ndarray
     page_ok: np.ndarray
 
@@ -229,13 +260,12 @@ _HUGE = np.int64(2**62)
 def paging_arrays(chain: CostChain, device: DeviceProfile, m: int) -> PagingArrays:
     """Build :class:`PagingArrays` for micro-batch size ``m`` (``m`` is clamped to the batch size)."""
     sizes = micro_batch_sizes(chain.batch_size, m)
-    m = sizes[0]
-    out_l, saved_l, ws_l, inp_l = _ints(chain, m)
-    out, saved = np.array(out_l, dtype=np.int64), np.array(saved_l, dtype=np.int64)
-    ws, inp = np.array(ws_l, dtype=np.int64), np.array(inp_l, dtype=np.int64)
-    n = chain.n
+    m, n = sizes[0], chain.n
+    out, saved, ws, inp, pack = (np.array(a, dtype=np.int64) for a in _ints(chain, m))
     keep_add = saved + out
     keep_local = saved + 2 * out + inp + ws
+    page_add = np.zeros(n, dtype=np.int64)
+    page_add[-1] = out[-1]
     f = out + inp + ws
     s_pref = np.concatenate([[0], np.cumsum(keep_add)]).astype(np.int64)
     tri = np.triu(np.ones((n, n), dtype=bool))
@@ -245,17 +275,18 @@ def paging_arrays(chain: CostChain, device: DeviceProfile, m: int) -> PagingArra
     keep = ["keep"] * n
     base = chain.step_fixed_s + sum(micro_batch_time(chain, mb, keep)[0] for mb in sizes)
     rec = np.array([sum(s.fwd_s.at(mb) for mb in sizes) for s in chain.stages], dtype=np.float64)
-    stall = np.zeros(n)
-    xfer = np.zeros(n)
+    st_a, st_s, xfer = np.zeros(n), np.zeros(n), np.zeros(n)
     for t in range(n):
         for mb in sizes:
-            w, r, st = stage_transfer_s(chain, device, mb, t)
-            stall[t] += st
+            w, r, a, y = stage_transfer_s(chain, device, mb, t)
+            st_a[t] += a
+            st_s[t] += y
             xfer[t] += w + r
-    for a in (out, saved, keep_add, keep_local, seg_local, run, f):
+    for a in (out, saved, pack, keep_add, keep_local, page_add, seg_local, f):
         a.setflags(write=False)
     return PagingArrays(
-        m=m, inp0=int(inp[0]), keep_local=keep_local, keep_add=keep_add, out=out, saved=saved,
-        seg_local=seg_local, seg_run=run, f=f, base_time_s=base, base_energy_j=base * device.active_power_w,
-        rec_time_s=rec, rec_energy_j=rec * device.active_power_w, page_time_s=stall,
-        page_energy_j=xfer * device.memory_power_w, page_ok=saved > 0)
+        m=m, inp0=int(inp[0]), keep_local=keep_local, keep_add=keep_add, page_add=page_add, out=out,
+        saved=saved, pack=pack, seg_local=seg_local, f=f, base_time_s=base,
+        base_energy_j=base * device.active_power_w, rec_time_s=rec, rec_energy_j=rec * device.active_power_w,
+        async_time_s=st_a, sync_time_s=st_s, page_energy_j=xfer * device.memory_power_w,
+        page_ok=(keep_add - page_add) > 0)

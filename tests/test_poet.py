@@ -1,0 +1,281 @@
+"""The paging cost model (simulate_paged) and the POET planners (MILP and exact DP) against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgetrain.devices import DeviceProfile, load_profile
+from edgetrain.errors import BudgetError
+from edgetrain.graph import CostChain, Linear, StageCost, simulate
+from edgetrain.plan import Plan
+from edgetrain.planners.paging_model import pack_bytes, simulate_paged
+from edgetrain.planners.poet import solve_poet
+from edgetrain.planners.poet_dp import solve_poet_dp
+
+# A device whose storage is fast next to the synthetic chains' compute, so paging is often worth it.
+FAST = DeviceProfile(name="fast-test", compute_flops_per_s=1e10, active_power_w=5.0, memory_power_w=0.5,
+                     page_in_latency_s=1e-4, page_in_bytes_per_s=2e9, page_out_latency_s=1e-4,
+                     page_out_bytes_per_s=1e9, ram_bytes=1 << 32)
+
+
+def synth_chain(n: int, seed: int, batch: int = 4, fixed: int = 1_000_000) -> CostChain:
+    """A chain with stage costs drawn at random (saved bytes often large next to outputs)."""
+    rng = random.Random(seed)
+    stages = []
+    for t in range(n):
+        fwd = rng.uniform(1e-4, 2e-3)
+        stages.append(StageCost(
+            name=f"s{t}", fwd_s=Linear(2e-5, fwd), bwd_s=Linear(4e-5, 2 * fwd),
+            saved_bytes=Linear(0, rng.choice([0, 0.2, 0.5, 1, 2, 4, 8]) * 1e5),
+            out_bytes=Linear(0, rng.choice([0.25, 0.5, 1, 2]) * 1e5),
+            workspace_bytes=Linear(1000, rng.uniform(0, 2e4)), flops=Linear(0, fwd * 1e9)))
+    return CostChain(tuple(stages), batch, Linear(0, 1e5), fixed, loss_s=Linear(1e-5, 1e-5), step_fixed_s=1e-3,
+                     name=f"synth{n}-{seed}")
+
+
+def all_schedules(n: int):
+    """Every (policies, groups) over keep/recompute/page, with every split of recompute runs."""
+    for pols in itertools.product(("keep", "recompute", "page"), repeat=n):
+        joins = [t for t in range(1, n) if pols[t] == "recompute" and pols[t - 1] == "recompute"]
+        for mask in itertools.product((0, 1), repeat=len(joins)):
+            split = {t for t, b in zip(joins, mask) if b}
+            groups = [0]
+            for t in range(1, n):
+                groups.append(groups[-1] + (0 if t in joins and t not in split else 1))
+            yield pols, tuple(groups)
+
+
+def brute_force(chain, device, budget, sizes, objective, time_cap, paging=True, recompute=True):
+    best = None
+    for m in sizes:
+        packs = pack_bytes(chain, m)
+        for pols, groups in all_schedules(chain.n):
+            if (not paging and "page" in pols) or (not recompute and "recompute" in pols):
+                continue
+            for w in {0} | {packs[t] for t, p in enumerate(pols) if p == "page"}:
+                c = simulate_paged(chain, device, m, pols, groups, inflight_bytes=w)
+                if c.peak_bytes > budget or (time_cap is not None and c.step_time_s > time_cap * (1 + 1e-9)):
+                    continue
+                v = c.energy_j if objective == "energy" else c.step_time_s
+                if best is None or v < best:
+                    best = v
+    return best
+
+
+def value(plan: Plan, objective: str) -> float:
+    return plan.energy_j if objective == "energy" else plan.step_time_s
+
+
+# ----- cost model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_simulate_paged_equals_simulate_without_paging(seed):
+    chain = synth_chain(6, seed, batch=5)
+    rng = random.Random(seed)
+    dev = load_profile("rpi4")
+    for _ in range(40):
+        pols = [rng.choice(("keep", "recompute")) for _ in range(chain.n)]
+        groups = [0]
+        for t in range(1, chain.n):
+            same = pols[t] == pols[t - 1] == "recompute" and rng.random() < 0.5
+            groups.append(groups[-1] + (0 if same else 1))
+        m = rng.choice([1, 2, 3, 5])
+        ref = simulate(chain, m, pols, groups)
+        got = simulate_paged(chain, dev, m, pols, groups)
+        assert got.peak_bytes == ref.peak_bytes
+        assert got.per_stage_peak_bytes == ref.per_stage_peak_bytes
+        assert got.step_time_s == pytest.approx(ref.step_time_s, rel=1e-12)
+        assert got.energy_j == pytest.approx(ref.step_time_s * dev.active_power_w, rel=1e-12)
+        assert got.transfer_time_s == got.stall_time_s == 0.0
+
+
+def test_simulate_paged_hand_computed():
+    # Three stages, batch 1; bytes chosen so every term is visible.
+    s = [StageCost(f"s{i}", fwd_s=Linear(0, f), bwd_s=Linear(0, 2 * f), saved_bytes=Linear(0, sv),
+                   out_bytes=Linear(0, o), workspace_bytes=Linear(0, w))
+         for i, (f, sv, o, w) in enumerate([(1.0, 1000, 100, 10), (2.0, 2000, 200, 20), (3.0, 4000, 300, 30)])]
+    chain = CostChain(tuple(s), 1, Linear(0, 50), fixed_bytes=7, loss_s=Linear(0, 0.5), step_fixed_s=0.25)
+    dev = DeviceProfile("d", 1e9, active_power_w=2.0, memory_power_w=0.5, page_in_latency_s=0.1,
+                        page_in_bytes_per_s=1000.0, page_out_latency_s=0.2, page_out_bytes_per_s=500.0,
+                        ram_bytes=1 << 20)
+    c = simulate_paged(chain, dev, 1, ["page", "keep", "keep"], inflight_bytes=None)
+    # Stage 0 pages saved+out = 1100 bytes: prefix stays 50; stage 1 needs out_0 back.
+    w0, r0 = 0.2 + 1100 / 500, 0.1 + 1100 / 1000
+    local0 = 50 + (1000 + 200 + 50 + 10)
+    local1 = 50 + 100 + (2000 + 400 + 100 + 20)
+    local2 = 50 + 2200 + (4000 + 600 + 200 + 30)
+    loss = 50 + 2200 + 4300 + 300
+    assert c.inflight_bytes == 1100
+    assert c.activation_peak_bytes == max(local0, local1, local2, loss) + 1100
+    assert c.peak_bytes == c.activation_peak_bytes + 7
+    compute = (1 + 2 + 3) * 3 + 0.5 + 0.25
+    stall = max(0, w0 - 2.0) + max(0, r0 - 6.0)   # write behind fwd_1, read behind bwd_2
+    assert c.stall_time_s == pytest.approx(stall)
+    assert c.step_time_s == pytest.approx(compute + stall)
+    assert c.energy_j == pytest.approx(compute * 2.0 + (w0 + r0) * 0.5)
+    sync = simulate_paged(chain, dev, 1, ["page", "keep", "keep"], inflight_bytes=0)
+    assert sync.activation_peak_bytes == c.activation_peak_bytes - 1100
+    assert sync.step_time_s == pytest.approx(compute + w0 + r0)
+    assert sync.energy_j == pytest.approx(c.energy_j)
+
+
+# ----- planners against brute force -----------------------------------------------------------------
+
+
+def _cases(count: int, n: int):
+    rng = random.Random(1234)
+    for seed in range(count):
+        chain = synth_chain(n, seed, batch=4)
+        keep = simulate_paged(chain, FAST, 2, ["keep"] * n)
+        budget = chain.fixed_bytes + int(keep.activation_peak_bytes * rng.uniform(0.4, 1.0))
+        yield chain, budget, rng.choice(["energy", "time"]), rng.choice([None, 1.1, 1.5])
+
+
+def test_dp_and_milp_match_brute_force():
+    sizes = [4, 2]
+    chosen_page = solved = 0
+    for chain, budget, objective, tb in _cases(16, 4):
+        t_fast = min(simulate_paged(chain, FAST, m, ["keep"] * chain.n).step_time_s for m in sizes)
+        best = brute_force(chain, FAST, budget, sizes, objective, None if tb is None else tb * t_fast)
+        kw = dict(device=FAST, objective=objective, time_budget=tb, micro_batch_sizes=sizes)
+        if best is None:
+            with pytest.raises(BudgetError):
+                solve_poet_dp(chain, budget, **kw)
+            with pytest.raises(BudgetError):
+                solve_poet(chain, budget, **kw)
+            continue
+        solved += 1
+        dp = solve_poet_dp(chain, budget, **kw)
+        milp = solve_poet(chain, budget, **kw)
+        assert value(dp, objective) == pytest.approx(best, rel=1e-9)
+        assert dp.optimality_gap == 0.0
+        assert best * (1 - 1e-9) <= value(milp, objective) <= best * (1 + milp.optimality_gap) + 1e-12
+        assert milp.optimality_gap <= 0.01
+        for plan in (dp, milp):
+            assert plan.peak_bytes <= budget
+            c = simulate_paged(chain, FAST, plan.micro_batch_size, plan.policies, plan.groups,
+                               inflight_bytes=plan.metadata["inflight_bytes"])
+            assert c.peak_bytes == plan.peak_bytes and c.energy_j == pytest.approx(plan.energy_j)
+        chosen_page += "page" in dp.policies
+    assert solved >= 8 and chosen_page >= 2   # the cases exercise paging, not only keep/recompute
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), frac=st.floats(0.2, 1.2), objective=st.sampled_from(["energy", "time"]),
+       paging=st.booleans(), recompute=st.booleans())
+def test_dp_equals_brute_force_property(seed, frac, objective, paging, recompute):
+    chain = synth_chain(3, seed, batch=3)
+    keep = simulate_paged(chain, FAST, 3, ["keep"] * 3)
+    budget = chain.fixed_bytes + int(keep.activation_peak_bytes * frac)
+    best = brute_force(chain, FAST, budget, [3, 1], objective, None, paging, recompute)
+    kw = dict(device=FAST, objective=objective, paging=paging, recompute=recompute, micro_batch_sizes=[3, 1])
+    if best is None:
+        with pytest.raises(BudgetError) as info:
+            solve_poet_dp(chain, budget, **kw)
+        assert info.value.min_feasible_bytes > budget
+        solve_poet_dp(chain, info.value.min_feasible_bytes, **kw)   # the reported minimum does fit
+        return
+    plan = solve_poet_dp(chain, budget, **kw)
+    assert plan.peak_bytes <= budget
+    assert value(plan, objective) == pytest.approx(best, rel=1e-9)
+    assert paging or "page" not in plan.policies
+    assert recompute or "recompute" not in plan.policies
+
+
+def test_min_feasible_bytes_is_exact_and_paging_lowers_it():
+    lowered = 0
+    for seed in range(6):
+        chain = synth_chain(12, seed, batch=2)
+        mins = {}
+        for paging in (True, False):
+            with pytest.raises(BudgetError) as info:
+                solve_poet(chain, chain.fixed_bytes, device=FAST, paging=paging)
+            need = info.value.min_feasible_bytes
+            plan = solve_poet(chain, need, device=FAST, paging=paging)
+            assert plan.peak_bytes <= need
+            with pytest.raises(BudgetError):
+                solve_poet(chain, need - 1, device=FAST, paging=paging)
+            mins[paging] = need
+        assert mins[True] <= mins[False]
+        lowered += mins[True] < mins[False]
+    assert lowered == 6
+
+
+def test_joint_energy_no_worse_than_each_family():
+    for seed in range(4):
+        chain = synth_chain(16, seed, batch=4)
+        fams = {}
+        for name, kw in (("rec", dict(paging=False)), ("page", dict(recompute=False))):
+            with pytest.raises(BudgetError) as info:
+                solve_poet(chain, chain.fixed_bytes, device=FAST, **kw)
+            fams[name] = info.value.min_feasible_bytes
+        keep_peak = simulate_paged(chain, FAST, 4, ["keep"] * chain.n).peak_bytes
+        for frac in (0.0, 0.3, 0.7):
+            lo = max(fams.values())
+            budget = int(lo + frac * max(0, keep_peak - lo))
+            joint = solve_poet_dp(chain, budget, device=FAST)
+            rec = solve_poet_dp(chain, budget, device=FAST, paging=False)
+            page = solve_poet_dp(chain, budget, device=FAST, recompute=False)
+            assert joint.energy_j <= min(rec.energy_j, page.energy_j) * (1 + 1e-12)
+            milp = solve_poet(chain, budget, device=FAST)
+            assert milp.energy_j <= min(rec.energy_j, page.energy_j) * (1 + milp.optimality_gap) + 1e-12
+
+
+def test_time_budget_is_respected_and_counts_paging():
+    chain = synth_chain(10, 3, batch=4)
+    dev = load_profile("rpi4")   # slow storage: paging stalls matter
+    t_fast = min(simulate_paged(chain, dev, m, ["keep"] * chain.n).step_time_s for m in (4, 2, 1))
+    with pytest.raises(BudgetError) as info:
+        solve_poet(chain, chain.fixed_bytes, device=dev)
+    budget = int(info.value.min_feasible_bytes * 1.3)
+    free = solve_poet(chain, budget, device=dev, objective="energy")
+    for tb in (1.05, 1.3, 2.0):
+        for solver in (solve_poet, solve_poet_dp):
+            try:
+                plan = solver(chain, budget, device=dev, objective="energy", time_budget=tb)
+            except BudgetError as e:
+                assert e.min_feasible_bytes is None and "time budget" in str(e)
+                continue
+            assert plan.step_time_s <= tb * t_fast * (1 + 1e-9)
+            assert plan.metadata["time_cap_s"] == pytest.approx(tb * t_fast)
+            assert plan.energy_j >= free.energy_j * (1 - 0.02)
+    with pytest.raises(ValueError):
+        solve_poet(chain, budget, device=dev, time_budget=0)
+    with pytest.raises(ValueError):
+        solve_poet(chain, budget, device=dev, objective="speed")
+
+
+def test_plan_fields_and_json_round_trip():
+    chain = synth_chain(8, 5, batch=4)
+    keep = simulate_paged(chain, FAST, 4, ["keep"] * 8)
+    plan = solve_poet(chain, chain.fixed_bytes + keep.activation_peak_bytes // 3, device=FAST)
+    assert plan.solver == "poet-milp" and plan.solve_time_s > 0
+    assert plan.energy_j > 0 and 0 <= plan.optimality_gap <= 0.01
+    assert set(plan.policies) <= {"keep", "recompute", "page"}
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "poet-milp" in plan.summary()
+
+
+@pytest.mark.parametrize("objective,time_budget", [("energy", None), ("time", None), ("energy", 1.5)])
+def test_long_chain_solves_fast_to_one_percent(objective, time_budget):
+    chain = synth_chain(120, 7, batch=8, fixed=10_000_000)
+    with pytest.raises(BudgetError) as info:
+        solve_poet(chain, chain.fixed_bytes, device=FAST, paging=False)
+    rec_min = info.value.min_feasible_bytes     # the tightest budget recomputation alone can meet
+    t0 = time.perf_counter()
+    plan = solve_poet(chain, rec_min, device=FAST, objective=objective, time_budget=time_budget)
+    elapsed = time.perf_counter() - t0
+    assert plan.peak_bytes <= rec_min
+    assert plan.optimality_gap < 0.01
+    assert elapsed < 10.0, f"120-stage solve took {elapsed:.1f} s"
+    rec = solve_poet(chain, rec_min, device=FAST, objective=objective, time_budget=time_budget, paging=False)
+    assert value(plan, objective) <= value(rec, objective) * (1 + rec.optimality_gap)
+    assert math.isfinite(plan.energy_j)
