@@ -279,3 +279,19 @@ def test_long_chain_solves_fast_to_one_percent(objective, time_budget):
     rec = solve_poet(chain, rec_min, device=FAST, objective=objective, time_budget=time_budget, paging=False)
     assert value(plan, objective) <= value(rec, objective) * (1 + rec.optimality_gap)
     assert math.isfinite(plan.energy_j)
+
+
+def test_scipy_fallback_without_highspy(monkeypatch):
+    import sys
+    chain = synth_chain(10, 11, batch=4)
+    keep = simulate_paged(chain, FAST, 4, ["keep"] * chain.n)
+    budget = chain.fixed_bytes + keep.activation_peak_bytes // 3
+    exact = solve_poet_dp(chain, budget, device=FAST)
+    import edgetrain.planners.poet as poet_mod
+    calls = []
+    real = poet_mod.milp
+    monkeypatch.setattr(poet_mod, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setitem(sys.modules, "highspy", None)      # import highspy now raises ImportError
+    plan = solve_poet(chain, budget, device=FAST, mip_rel_gap=0.0)
+    assert calls and plan.peak_bytes <= budget
+    assert plan.energy_j == pytest.approx(exact.energy_j, rel=1e-6)

@@ -205,7 +205,8 @@ class _FilteredConv2dFn(torch.autograd.Function):
             return None, None, gb, None, None, None, None, None
         ah, aw = _axes(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
         if taps:
-            gxc, gw = _tap_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, need_x, need_w)
+            gxc, gw = _tap_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups, need_x,
+                                    need_w)
         else:
             gxc, gw = _coarse_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups,
                                        need_x, need_w)
@@ -228,12 +229,12 @@ def _fold(flat: torch.Tensor, fold: torch.Tensor) -> torch.Tensor:
 
 
 def _uses_taps(geometry: tuple) -> bool:
-    """Dense convs on small coarse maps take the GEMM path; grouped convs and big maps convolutions."""
-    x_shape, w_shape, y_shape, groups, radius = geometry[0], geometry[1], geometry[2], geometry[6], \
-        geometry[7]
+    """Small coarse maps take the GEMM path, big ones coarse convolutions (which handle them well)."""
+    x_shape, w_shape, y_shape, groups, radius = (geometry[i] for i in (0, 1, 2, 6, 7))
     coarse_in = -(-x_shape[2] // radius) * -(-x_shape[3] // radius)
     coarse_out = -(-y_shape[2] // radius) * -(-y_shape[3] // radius)
-    return groups == 1 and max(coarse_in, coarse_out) <= _DENSE_MAX_COARSE
+    depthwise = w_shape[1] == 1 and w_shape[0] == groups == x_shape[1]
+    return (groups == 1 or depthwise) and max(coarse_in, coarse_out) <= _DENSE_MAX_COARSE
 
 
 @functools.lru_cache(maxsize=1024)
@@ -262,26 +263,40 @@ def _tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype,
 
 def _tap_backward(g: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
                   x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis,
-                  need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Dense coarse backward with GEMMs; ``g`` and ``x_pooled`` are stored channel-major.
+                  groups: int, need_x: bool, need_w: bool,
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Coarse backward with GEMMs on small maps; ``g`` and ``x_pooled`` are stored channel-major.
 
-    ``Z[c, p, q, I, J, n] = (T X[c, :, :, n])[p, q, I, J]`` holds, per kernel tap, the patch-summed
-    input the tap reads, so ``dW = G Z^T`` and ``dZ = W^T G`` are single GEMMs in the weight's own
-    layout, and ``dX = T^T dZ``.
+    Dense: ``Z[c, p, q, I, J, n] = (T X[c, :, :, n])[p, q, I, J]`` holds, per kernel tap, the
+    patch-summed input the tap reads, so ``dW = G Z^T`` and ``dZ = W^T G`` are single GEMMs in the
+    weight's own layout, and ``dX = T^T dZ``. Depthwise: contract the batch first,
+    ``R[c] = G[c] X[c]^T`` (``H_o'W_o' x H'W'``), then ``dW[c] = T . R[c]`` and
+    ``dX[c] = (W[c] . T)^T G[c]``, which never builds the ``kH kW`` times larger ``Z``.
     """
     n, c = x_shape[0], x_shape[1]
-    o, _, kh, kw = w_shape
-    positions = ah.n_out_c * aw.n_out_c * n
-    tap = _tap_matrix(ah, aw, kh, kw, g.dtype, g.device)
-    g_t = g.permute(1, 2, 3, 0).reshape(o, positions)  # free: stored [O, H_o', W_o', N]
+    o, cg, kh, kw = w_shape
+    taps, l_out, l_in = kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
+    tap = _tap_matrix(ah, aw, kh, kw, g.dtype, g.device)  # [kH kW L_out, L_in]
     gw = gxc = None
+    if groups > 1:  # depthwise (the caller routes other grouped convs to convolutions)
+        g_c = g.permute(1, 2, 3, 0).reshape(c, l_out, n)  # free: stored channel-major
+        if need_w:
+            xc = x_pooled.permute(1, 2, 3, 0).reshape(c, l_in, n)
+            r = torch.bmm(g_c, xc.transpose(1, 2))  # [C, L_out, L_in]
+            gw = (r.reshape(c, l_out * l_in) @ tap.reshape(taps, l_out * l_in).T).reshape(w_shape)
+        if need_x:
+            k = (weight.reshape(c, taps) @ tap.reshape(taps, l_out * l_in)).reshape(c, l_out, l_in)
+            gxc = torch.bmm(k.transpose(1, 2), g_c).reshape(c, ah.n_in_c, aw.n_in_c, n)
+            gxc = gxc.permute(3, 0, 1, 2)
+        return gxc, gw
+    g_t = g.permute(1, 2, 3, 0).reshape(o, l_out * n)  # free: stored channel-major
     if need_w:
-        xc = x_pooled.permute(1, 2, 3, 0).reshape(c, ah.n_in_c * aw.n_in_c, n)
-        z = torch.matmul(tap, xc).reshape(c * kh * kw, positions)  # [C kH kW, H_o' W_o' N]
+        xc = x_pooled.permute(1, 2, 3, 0).reshape(c, l_in, n)
+        z = torch.matmul(tap, xc).reshape(c * taps, l_out * n)  # [C kH kW, H_o' W_o' N]
         gw = (g_t @ z.T).reshape(w_shape)
     if need_x:
-        gz = weight.reshape(o, c * kh * kw).T @ g_t
-        gxs = torch.matmul(tap.T, gz.reshape(c, kh * kw * ah.n_out_c * aw.n_out_c, n))
+        gz = weight.reshape(o, c * taps).T @ g_t
+        gxs = torch.matmul(tap.T, gz.reshape(c, taps * l_out, n))
         gxc = gxs.reshape(c, ah.n_in_c, aw.n_in_c, n).permute(3, 0, 1, 2)
     return gxc, gw
 

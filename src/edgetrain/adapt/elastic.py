@@ -7,19 +7,20 @@ total importance whose predicted step time (measured per tensor on this machine 
 fine-tuning step. Unselected tensors get ``requires_grad = False`` and ``grad = None``, so autograd
 computes nothing below the deepest selected tensor, layers below it save no activations, and the
 optimizer (SGD, Adam, ... skip parameters whose ``grad`` is None) neither updates them nor touches their
-state. Usage from a plain PyTorch loop::
+state. Usage from a plain PyTorch loop (the optimizer holds every parameter; a batch is
+``(inputs, target)`` and the loss is ``loss_fn(model(inputs), target)``)::
 
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sel = ElasticSelector(ElasticConfig(speedup=2.0, interval_steps=200))
     sel.attach(model, optimizer, example_batch=(x0, y0), loss_fn=nn.CrossEntropyLoss())
     for step, (x, y) in enumerate(loader):
         sel.maybe_reselect(step, (x, y))
-        optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+        optimizer.zero_grad(); nn.functional.cross_entropy(model(x), y).backward(); optimizer.step()
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,9 +28,9 @@ import torch
 from torch import nn
 
 from ..errors import EdgetrainError, InputError
+from .elastic_measure import batch_loss, slice_batch
 from .elastic_select import SpeedupPlan, plan_for_speedup
 from .elastic_state import TrainingSnapshot
-from .elastic_measure import batch_loss, slice_batch
 from .elastic_timing import TensorTiming, measure_timing
 
 __all__ = ["ElasticConfig", "ElasticSelector", "tensor_importance"]
@@ -183,11 +184,9 @@ class ElasticSelector:
         probe = slice_batch(batch, self.config.probe_batch_size)
         imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names)
         self.importance = dict(zip(timing.names, imp))
-        with warnings.catch_warnings():
-            if self.reselections > 0:   # the reachability warning is raised once, then only logged
-                warnings.simplefilter("ignore")
-            self.plan = plan_for_speedup(imp, timing.train_s, timing.depth_s, timing.fixed_s,
-                                         timing.full_step_s, self.config.speedup, self.config.time_units)
+        # the reachability warning is raised at the first selection, later ones only log it
+        self.plan = plan_for_speedup(imp, timing.train_s, timing.depth_s, timing.fixed_s, timing.full_step_s,
+                                     self.config.speedup, self.config.time_units, warn=self.reselections == 0)
         self.reselections += 1
         if step_idx is not None:
             self._last_step = step_idx

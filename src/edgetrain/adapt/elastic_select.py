@@ -196,7 +196,7 @@ def select_tensors(importance: Sequence[float], weight_grad_s: Sequence[float],
 
 def plan_for_speedup(importance: Sequence[float], weight_grad_s: Sequence[float],
                      depth_s: Sequence[float], fixed_s: float, full_step_s: float,
-                     speedup: float, time_units: int = 10_000) -> SpeedupPlan:
+                     speedup: float, time_units: int = 10_000, warn: bool = True) -> SpeedupPlan:
     """Select tensors for a step ``speedup`` times faster than full fine-tuning, or the fastest possible.
 
     The budget is ``full_step_s / speedup``. A request beyond what any selection reaches (the forward
@@ -207,6 +207,8 @@ def plan_for_speedup(importance: Sequence[float], weight_grad_s: Sequence[float]
         importance, weight_grad_s, depth_s, fixed_s, time_units: as for :func:`select_tensors`.
         full_step_s: step time of full fine-tuning (all tensors).
         speedup: requested speed-up (>= 1; 1 trains every tensor).
+        warn: raise the warning (and log it at WARNING) when the request is lowered; False logs it
+            at INFO only (for repeated re-selections after the first warning).
 
     Returns:
         The :class:`SpeedupPlan`.
@@ -230,8 +232,11 @@ def plan_for_speedup(importance: Sequence[float], weight_grad_s: Sequence[float]
         msg = (f"requested speed-up {speedup:.3g}x is beyond the reachable {reachable:.3g}x: the forward "
                f"pass and loss alone take {fixed_s:.4g} s of the {full_step_s:.4g} s full step; training "
                f"at {reachable:.3g}x instead")
-        logger.warning(msg)
-        warnings.warn(msg, UserWarning, stacklevel=2)
+        if warn:
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=2)
+        else:
+            logger.info(msg)
         budget_s = fastest_s
     else:
         budget_s = full_step_s / speedup

@@ -184,8 +184,8 @@ def min_activation_peak(chain: CostChain, device: DeviceProfile, arr: PagingArra
     return hi
 
 
-def _objective(cost: object, objective: str) -> float:
-    return float(cost.energy_j if objective == "energy" else cost.step_time_s)  # type: ignore[attr-defined]
+def _objective(cost: PagedScheduleCost, objective: str) -> float:
+    return float(cost.energy_j if objective == "energy" else cost.step_time_s)
 
 
 SolveAt = Callable[[PagingArrays, int, "float | None", float, "float | None"], "Candidate | None"]
@@ -290,14 +290,13 @@ def plan_search(chain: CostChain, budget_bytes: int, *, device: DeviceProfile, o
         notes.append("time limit reached before every size was solved to the gap; the gap is what was proven")
     return Plan(
         batch_size=chain.batch_size, micro_batch_size=sched.m, policies=sched.policies, groups=sched.groups,
-        peak_bytes=cost.peak_bytes, step_time_s=cost.step_time_s, solver=solver,  # type: ignore[attr-defined]
-        solve_time_s=solve_s, budget_bytes=budget, stage_names=tuple(s.name for s in chain.stages),
-        energy_j=cost.energy_j, optimality_gap=gap, notes=tuple(notes),  # type: ignore[attr-defined]
-        metadata={"activation_peak_bytes": cost.activation_peak_bytes,  # type: ignore[attr-defined]
-                  "fixed_bytes": chain.fixed_bytes, "inflight_bytes": cost.inflight_bytes,  # type: ignore[attr-defined]
-                  "async_stages": list(cost.async_stages),  # type: ignore[attr-defined]
-                  "paged_bytes": cost.paged_bytes, "transfer_time_s": cost.transfer_time_s,  # type: ignore[attr-defined]
-                  "stall_time_s": cost.stall_time_s, "recompute_time_s": cost.recompute_time_s,  # type: ignore[attr-defined]
+        peak_bytes=cost.peak_bytes, step_time_s=cost.step_time_s, solver=solver, solve_time_s=solve_s,
+        budget_bytes=budget, stage_names=tuple(s.name for s in chain.stages), energy_j=cost.energy_j,
+        optimality_gap=gap, notes=tuple(notes),
+        metadata={"activation_peak_bytes": cost.activation_peak_bytes, "fixed_bytes": chain.fixed_bytes,
+                  "inflight_bytes": cost.inflight_bytes, "async_stages": list(cost.async_stages),
+                  "paged_bytes": cost.paged_bytes, "transfer_time_s": cost.transfer_time_s,
+                  "stall_time_s": cost.stall_time_s, "recompute_time_s": cost.recompute_time_s,
                   "recomputed_stages": sched.policies.count(RECOMPUTE),
                   "paged_stages": sched.policies.count(PAGE), "objective": objective,
                   "device": device.name, "paging": paging, "recompute": recompute, "time_budget": time_budget,

@@ -17,25 +17,27 @@ inactive outside a group); ``P_n + out_{n-1} + W <= A``; ``W >= pack_t a_t``. Th
 of which ``4n`` are binary, and ``O(n)`` sparse rows: HiGHS proves 1% gaps on 100+ stage chains in
 seconds, where POET's graph MILP (~5 T^2 binaries) did not solve ResNet-18 in 10 minutes.
 
-Every candidate plan is re-costed with :func:`simulate_paged` (the reference); a size whose all-keep
-cost cannot beat the incumbent is skipped, and memory feasibility per size is decided first by an exact
-shortest-prefix oracle (:func:`feasible_activation_budget`).
+Around it (:func:`~edgetrain.planners._poet_search.plan_search`): memory feasibility per size is decided
+exactly first by a shortest-prefix oracle; every size that fits gets a fast feasible schedule from the
+thinned DP (:func:`warm_start`), which also warm-starts HiGHS; sizes are then solved in order of their
+all-keep lower bound, with the incumbent as HiGHS's cutoff, until the incumbent is within
+``mip_rel_gap`` of every remaining bound. Every answer is re-costed with :func:`simulate_paged` (the
+reference). highspy is used when installed (warm start, cutoff), else ``scipy.optimize.milp``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import replace
+from typing import NamedTuple, Sequence
 
 import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..devices import DeviceProfile
-from ..graph import CostChain
+from ..graph import PAGE, RECOMPUTE, CostChain
 from ..plan import Plan
-from ..graph import PAGE, RECOMPUTE
 from ._poet_search import Candidate, PagedSchedule, plan_search, schedule_from_vectors
 from .poet_dp import solve_poet_dp_at
 from .paging_model import PagingArrays
@@ -48,32 +50,23 @@ _WARM_FRONT = 32     # points per front in the warm-start DP
 _WARM_SEGMENT = 12   # longest recompute group it tries
 
 
-@dataclass(frozen=True)
-class _Layout:
+class _Layout(NamedTuple):
     """Column offsets of the MILP's variable blocks (module doc)."""
 
-    n: int
+    a: int      # page asynchronously
+    s: int      # page synchronously
+    r: int      # recompute
+    e: int      # a recompute group ends here
+    g: int      # bytes re-materialised in the group so far
+    o: int      # the output the group retains
+    w: int      # the in-flight window
+    p: int      # prefix P_0..P_n
+    one: int    # the constant 1 (carries the all-keep cost)
+    size: int
 
-    @property
-    def a(self) -> int: return 0                       # noqa: E704  page asynchronously
-    @property
-    def s(self) -> int: return self.n                  # noqa: E704  page synchronously
-    @property
-    def r(self) -> int: return 2 * self.n              # noqa: E704  recompute
-    @property
-    def e(self) -> int: return 3 * self.n              # noqa: E704  recompute group ends here
-    @property
-    def g(self) -> int: return 4 * self.n              # noqa: E704  re-materialised bytes in the group
-    @property
-    def o(self) -> int: return 5 * self.n              # noqa: E704  output the group retains
-    @property
-    def w(self) -> int: return 6 * self.n              # noqa: E704  in-flight window
-    @property
-    def p(self) -> int: return 6 * self.n + 1          # noqa: E704  prefix P_0..P_n
-    @property
-    def one(self) -> int: return 7 * self.n + 2        # noqa: E704  constant 1 (carries the base cost)
-    @property
-    def size(self) -> int: return 7 * self.n + 3       # noqa: E704
+
+def _layout(n: int) -> _Layout:
+    return _Layout(0, n, 2 * n, 3 * n, 4 * n, 5 * n, 6 * n, 6 * n + 1, 7 * n + 2, 7 * n + 3)
 
 
 def _build(arr: PagingArrays, act_budget: int, objective: str, time_cap_s: float | None, paging: bool,
@@ -87,9 +80,7 @@ def _build(arr: PagingArrays, act_budget: int, objective: str, time_cap_s: float
     cost_a = arr.page_energy_j if energy else arr.async_time_s
     cost_s = arr.page_energy_j if energy else arr.sync_time_s
     cscale = max(base, 1e-30)
-    lay = _Layout(n)
-    iA, iS, iR, iE, iG, iO, iW, iPre, iOne, nv = (lay.a, lay.s, lay.r, lay.e, lay.g, lay.o, lay.w, lay.p,
-                                                   lay.one, lay.size)
+    iA, iS, iR, iE, iG, iO, iW, iPre, iOne, nv = _layout(n)
     ka, kl, out, f = arr.keep_add / scale, arr.keep_local / scale, arr.out / scale, arr.f / scale
     drop, pack = (arr.keep_add - arr.page_add) / scale, arr.pack / scale
     big_o = float(max(out.max(), 1e-12))
@@ -155,7 +146,7 @@ def _build(arr: PagingArrays, act_budget: int, objective: str, time_cap_s: float
 
 def _start_vector(arr: PagingArrays, scale: float, sched: PagedSchedule) -> np.ndarray:
     """A feasible point of the MILP for a schedule (a warm start for HiGHS)."""
-    n, lay = arr.n, _Layout(arr.n)
+    n, lay = arr.n, _layout(arr.n)
     x = np.zeros(lay.size)
     window = sched.inflight_bytes or 0
     prefix = arr.inp0
@@ -280,7 +271,7 @@ def solve_poet_milp_at(arr: PagingArrays, act_budget: int, *, objective: str, ti
         The best schedule found with its objective and a proven lower bound at this size, or ``None``
         when the time ran out with nothing found.
     """
-    n, lay = arr.n, _Layout(arr.n)
+    n, lay = arr.n, _layout(arr.n)
     c, a, lo, hi, lb, ub, integrality, cscale = _build(arr, act_budget, objective, time_cap_s, paging, recompute)
     if warm is None:
         warm = warm_start(arr, act_budget, objective=objective, time_cap_s=time_cap_s, paging=paging,

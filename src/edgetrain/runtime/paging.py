@@ -18,6 +18,18 @@ Why a page file with ``pwrite``/``preadv`` and not ``mmap``: a write to a memory
 is a ``SIGBUS`` that kills the process, whereas ``pwrite`` raises ``ENOSPC``, which becomes a
 :class:`PagingError`; and mapped pages count in the process's resident memory until evicted.
 
+How a runtime drives it for one micro-batch (a plan's ``page`` stages, ``metadata["async_stages"]``)::
+
+    with pager.hooks():
+        for k, stage in enumerate(stages):
+            with pager.stage(k, asynchronous=k in async_stages) if policy[k] == "page" else nullcontext():
+                x = stage(x)
+            if policy[k] == "page" and k + 1 < n:
+                pager.page_boundary(k, x)          # drop every other reference to x after stage k+1
+            x.register_hook(pager.prefetch_hook(k - 1))   # optional: prefetch one stage ahead
+    loss_fn(x, y).backward()
+    pager.reset()                                  # before the next micro-batch; close() after the step
+
 Files are named ``edgetrain-pages-<pid>-<token>.bin``; they are removed on :meth:`Pager.close`, when the
 pager is garbage-collected and at interpreter exit (``weakref.finalize``); files of processes that no
 longer exist are removed when the next pager starts in that directory.
@@ -30,7 +42,6 @@ import errno
 import logging
 import os
 import queue
-import re
 import tempfile
 import threading
 import time
@@ -43,11 +54,11 @@ import torch
 
 from ..errors import EdgetrainError
 from ..units import format_bytes
+from ._pagefile import cleanup, read_all, remove_stale_page_files, work, write_all
 
 __all__ = ["Pager", "PagingError", "PagerStats", "remove_stale_page_files"]
 
 log = logging.getLogger(__name__)
-_FILE_RE = re.compile(r"^edgetrain-pages-(\d+)-[0-9a-f]+\.bin$")
 _ALIGN = 64
 
 
@@ -79,44 +90,11 @@ class PagerStats:
     read_wait_s: float
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_page_files(page_dir: str | os.PathLike[str]) -> list[Path]:
-    """Remove page files left by processes that no longer run; returns the removed paths."""
-    removed: list[Path] = []
-    with contextlib.suppress(FileNotFoundError):
-        for p in Path(page_dir).iterdir():
-            m = _FILE_RE.match(p.name)
-            if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-                    removed.append(p)
-    if removed:
-        log.info("removed %d stale page file(s) in %s", len(removed), page_dir)
-    return removed
-
-
-def _cleanup(fd: int, path: str, jobs: "queue.Queue[Any]") -> None:
-    jobs.put(None)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
 class _Entry:
     """One paged tensor (or one storage span shared by identical saves)."""
 
     __slots__ = ("stage", "key", "dtype", "size", "stride", "span", "nbytes", "offset", "device", "source",
-                 "host", "event", "loaded", "writing", "reading", "released", "keep_source")
+                 "host", "loaded", "writing", "reading", "released", "keep_source")
 
     def __init__(self, stage: int, key: tuple[Any, ...], t: torch.Tensor, flat: torch.Tensor) -> None:
         self.stage, self.key = stage, key
@@ -125,7 +103,6 @@ class _Entry:
         self.offset, self.device = -1, t.device
         self.source: torch.Tensor | None = flat          # bytes still in memory (write in flight)
         self.host: torch.Tensor | None = None            # CUDA: pinned host copy
-        self.event: Any = None
         self.loaded: torch.Tensor | None = None          # read back, until autograd releases the handle
         self.writing = self.reading = self.released = self.keep_source = False
 
@@ -168,9 +145,9 @@ class Pager:
                               "directory, or plan with paging=False") from e
         self._cv = threading.Condition()
         self._jobs: queue.Queue[Any] = queue.Queue()
-        self._worker = threading.Thread(target=_work, args=(self._jobs,), name="edgetrain-pager", daemon=True)
+        self._worker = threading.Thread(target=work, args=(self._jobs,), name="edgetrain-pager", daemon=True)
         self._worker.start()
-        self._finalizer = weakref.finalize(self, _cleanup, self._fd, str(self.path), self._jobs)
+        self._finalizer = weakref.finalize(self, cleanup, self._fd, str(self.path), self._jobs)
         self._entries: dict[int, list[_Entry]] = {}
         self._by_key: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], weakref.ref[_Handle]]] = {}
         self._boundaries: dict[int, int] = {}
@@ -398,14 +375,7 @@ class Pager:
         src = e.source
         try:
             if self._error is None and src is not None and e.nbytes:
-                view = memoryview(src.view(torch.uint8).numpy()) if src.dtype != torch.uint8 else \
-                    memoryview(src.numpy())
-                done = 0
-                while done < e.nbytes:
-                    n = os.pwrite(self._fd, view[done:], e.offset + done)
-                    if n <= 0:
-                        raise OSError(errno.EIO, "short write")
-                    done += n
+                write_all(self._fd, memoryview(src.view(torch.uint8).numpy()), e.offset)
         except (OSError, ValueError) as err:
             self._error = err
         with self._cv:
@@ -433,13 +403,7 @@ class Pager:
             buf = torch.empty(e.span, dtype=e.dtype)
             try:
                 if e.nbytes:
-                    view = memoryview(buf.view(torch.uint8).numpy())
-                    done = 0
-                    while done < e.nbytes:
-                        n = os.preadv(self._fd, [view[done:]], e.offset + done)
-                        if n <= 0:
-                            raise OSError(errno.EIO, f"short read of page file {self.path}")
-                        done += n
+                    read_all(self._fd, memoryview(buf.view(torch.uint8).numpy()), e.offset)
             except OSError as err:
                 self._error = err
         with self._cv:
@@ -510,15 +474,3 @@ def _release(pager_ref: "weakref.ref[Pager]", e: _Entry) -> None:
         if held:
             pager._hold(-e.nbytes)
         pager._by_key.pop(e.key, None)
-
-
-def _work(jobs: "queue.Queue[Any]") -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        fn, *args = job
-        try:
-            fn(*args)
-        except Exception:   # never let the worker die silently: errors are recorded by the jobs
-            log.exception("edgetrain pager job failed")

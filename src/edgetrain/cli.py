@@ -1,0 +1,249 @@
+"""The ``edgetrain`` command line: demo, train, plan, profile, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+log = logging.getLogger("edgetrain.cli")
+
+
+def _progress(iterable: Any, total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in the [cli] extra; without it, no bar
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True)
+
+
+def _evaluate(model: Any, digits: Any, image_size: int, channels: int, layout: str) -> float:
+    import torch
+
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in digits.batches("test", batch_size=100, image_size=image_size, channels=channels,
+                                   shuffle=False, drop_last=False, layout=layout):
+            correct += int((model(x).argmax(dim=1) == y).sum())
+            total += int(y.numel())
+    model.train(was_training)
+    return correct / max(total, 1)
+
+
+def _model_for(name: str, image_size: int, width: float) -> tuple[Any, int, str]:
+    from .models import get_model
+
+    if name == "mobilenet_v2":
+        return get_model(name, num_classes=10, in_channels=1, width_mult=width, dropout=0.0), 1, "image"
+    if name == "resnet18":
+        return get_model(name, num_classes=10, in_channels=1, small_input=True), 1, "image"
+    if name == "transformer":
+        return get_model(name, num_classes=10, input_dim=image_size), 1, "sequence"
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def _plain_peak(model: str, image_size: int, batch: int, width: float) -> int:
+    """Peak of plain PyTorch on this job, measured in a fresh process (system allocator, as users run it)."""
+    from .measure import Job, run_isolated
+
+    shape = (image_size, image_size) if model == "transformer" else (1, image_size, image_size)
+    kwargs: dict[str, Any] = {"num_classes": 10}
+    if model == "mobilenet_v2":
+        kwargs.update(in_channels=1, width_mult=width, dropout=0.0)
+    elif model == "resnet18":
+        kwargs.update(in_channels=1, small_input=True)
+    else:
+        kwargs.update(input_dim=image_size)
+    res = run_isolated(Job(model, shape, batch, mode="plain", model_kwargs=kwargs, steps=2,
+                           env={"EDGETRAIN_ALLOCATOR": "system"}))
+    if not res.ok:
+        raise SystemExit(f"measuring plain PyTorch failed: {res.error}")
+    return res.peak_bytes
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    import edgetrain
+    from edgetrain import memory
+    from edgetrain.data import load_mnist
+
+    out = print
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budget = args.budget
+    if budget is None and args.budget_fraction:
+        out(f"measuring plain PyTorch's peak for {args.model}, batch {args.batch_size} "
+            f"({args.image_size}x{args.image_size}) in a fresh process ...")
+        plain = _plain_peak(args.model, args.image_size, args.batch_size, args.width)
+        budget = int(plain * args.budget_fraction)
+        out(f"plain PyTorch peak: {edgetrain.format_bytes(plain)}; edgetrain budget "
+            f"{args.budget_fraction:.0%} of it: {edgetrain.format_bytes(budget)}")
+    digits = load_mnist(seed=args.seed)
+    # The dataset (and the packages that load it) are not training memory: start the budget's zero point
+    # here, as plain PyTorch's measurement (random data, no loader) does.
+    memory.record_baseline()
+    torch.manual_seed(args.seed)
+    model, channels, layout = _model_for(args.model, args.image_size, args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batches = lambda epoch: digits.batches("train", batch_size=args.batch_size, image_size=args.image_size,  # noqa: E731
+                                           channels=channels, seed=args.seed + epoch, layout=layout)
+    example = next(iter(batches(0)))
+    t0 = time.perf_counter()
+    try:
+        step = edgetrain.prepare(model, opt, loss_fn, example, memory_budget=budget, solver=args.solver)
+    except edgetrain.BudgetError as e:
+        out(f"error: {e}")
+        return 2
+    out(f"prepared in {time.perf_counter() - t0:.1f} s\n" + step.plan.summary())
+    n_steps = digits.num_batches("train", args.batch_size) if hasattr(digits, "num_batches") else None
+    losses: list[float] = []
+    t_train = time.perf_counter()
+    for epoch in range(args.epochs):
+        bar = _progress(batches(epoch), n_steps or 0, f"epoch {epoch + 1}/{args.epochs}", not args.no_progress)
+        run_loss = []
+        for x, y in bar:
+            loss = step(x, y)
+            run_loss.append(loss)
+            losses.append(loss)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{sum(run_loss[-20:]) / len(run_loss[-20:]):.3f}")
+        acc = _evaluate(model, digits, args.image_size, channels, layout)
+        out(f"epoch {epoch + 1}: mean loss {sum(run_loss) / max(len(run_loss), 1):.4f}, test accuracy {acc:.2%}")
+    elapsed = time.perf_counter() - t_train
+    peak = memory.peak_rss_bytes() - memory.baseline_rss_bytes()
+    first, last = losses[:10], losses[-10:]
+    out(f"loss {sum(first) / len(first):.3f} (first 10 steps) -> {sum(last) / len(last):.3f} (last 10); "
+        f"{len(losses) * args.batch_size / elapsed:.1f} samples/s")
+    if budget is None:
+        out(f"measured peak {edgetrain.format_bytes(peak)} (no budget)")
+        return 0
+    verdict = "within" if peak <= budget else "ABOVE"
+    out(f"measured peak {edgetrain.format_bytes(peak)} vs budget {edgetrain.format_bytes(budget)}: {verdict} "
+        "budget (peak RSS above the RSS right after `import edgetrain`)")
+    if args.save:
+        path = Path(args.save)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, path)
+        out(f"saved model weights to {path}")
+    return 0 if peak <= budget else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .graph import CostChain
+    from .planners import PLANNERS, solve
+    from .units import parse_bytes
+
+    chain = CostChain.from_json(Path(args.costs).read_text())
+    if args.batch_size:
+        chain = chain.with_batch_size(args.batch_size)
+    budget = parse_bytes(args.budget)
+    names = list(PLANNERS) if args.solver == "all" else [args.solver]
+    for name in names:
+        try:
+            plan = solve(chain, budget, solver=name)
+            print(plan.summary() if len(names) == 1 else
+                  f"{name:>22}: m={plan.micro_batch_size:<4} peak {plan.peak_bytes / 2**20:8.1f} MiB  "
+                  f"step {plan.step_time_s * 1e3:9.1f} ms  recomputed {plan.policies.count('recompute')}")
+        except Exception as e:  # one failing baseline must not hide the others
+            print(f"{name:>22}: {e}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import memory
+    from .api import prepare
+    from .measure import Job, build_model_and_batch
+
+    shape = tuple(int(s) for s in args.input_shape.split(","))
+    kwargs = json.loads(args.model_kwargs)
+    job = Job(args.model, shape, args.batch_size, model_kwargs=kwargs)
+    model, x, y = build_model_and_batch(job)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step = prepare(model, opt, torch.nn.CrossEntropyLoss(), (x, y), name=args.model)
+    Path(args.out).write_text(step.costs.to_json())
+    print(f"wrote the profiled cost chain of {args.model} ({len(step.costs.stages)} stages) to {args.out}; "
+          f"plan it with: edgetrain plan {args.out} --budget 200MiB --solver all")
+    del memory
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_budget.py"
+    if not script.exists():
+        print("the benchmark scripts live in the repository's bench/ folder; run them from a checkout")
+        return 2
+    os.execv(sys.executable, [sys.executable, str(script), *args.rest])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgetrain", description="Exact training under hard memory budgets.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what edgetrain decides")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def train_args(sp: argparse.ArgumentParser, *, epochs: int, fraction: float | None) -> None:
+        sp.add_argument("--model", default="mobilenet_v2", choices=["mobilenet_v2", "resnet18", "transformer"])
+        sp.add_argument("--epochs", type=int, default=epochs)
+        sp.add_argument("--batch-size", type=int, default=128)
+        sp.add_argument("--image-size", type=int, default=32)
+        sp.add_argument("--width", type=float, default=1.0, help="MobileNetV2 width multiplier")
+        sp.add_argument("--lr", type=float, default=0.05)
+        sp.add_argument("--budget", default=None, help="memory budget, e.g. 300MiB (default: a fraction of "
+                        "what plain PyTorch needs, measured first)")
+        sp.add_argument("--budget-fraction", type=float, default=fraction,
+                        help="budget as a fraction of plain PyTorch's measured peak")
+        sp.add_argument("--solver", default="dp")
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+        sp.add_argument("--no-progress", action="store_true")
+        sp.add_argument("--save", default=None, help="write the trained weights here (atomically)")
+
+    d = sub.add_parser("demo", help="train MobileNetV2 on real MNIST digits at half of plain PyTorch's memory")
+    train_args(d, epochs=2, fraction=0.5)
+    d.set_defaults(func=cmd_train)
+    t = sub.add_parser("train", help="train an in-project model on the MNIST digits under a budget")
+    train_args(t, epochs=3, fraction=None)
+    t.set_defaults(func=cmd_train)
+    pl = sub.add_parser("plan", help="plan a cost-chain JSON file (see `edgetrain profile`) for a budget")
+    pl.add_argument("costs")
+    pl.add_argument("--budget", required=True)
+    pl.add_argument("--batch-size", type=int, default=None)
+    pl.add_argument("--solver", default="dp", help="a planner name or 'all' to compare them")
+    pl.set_defaults(func=cmd_plan)
+    pr = sub.add_parser("profile", help="profile an in-project model here and write its cost chain as JSON")
+    pr.add_argument("--model", default="mobilenet_v2")
+    pr.add_argument("--model-kwargs", default='{"num_classes": 10}')
+    pr.add_argument("--input-shape", default="3,64,64")
+    pr.add_argument("--batch-size", type=int, default=32)
+    pr.add_argument("--out", default="costs.json")
+    pr.set_defaults(func=cmd_profile)
+    b = sub.add_parser("bench", help="run bench/bench_budget.py (arguments are passed on)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
