@@ -74,12 +74,17 @@ def _set_trainable(model: nn.Module, names: Iterable[str] | None) -> list[str]:
 def train(name: str, model: nn.Module, make_opt: Callable[[nn.Module], torch.optim.Optimizer],
           batches: Callable[[int], Iterable[Any]], evaluate: Callable[[nn.Module], float], epochs: int,
           trainable: Iterable[str] | None = None, elastic: ElasticConfig | None = None,
-          time_cap_s: float | None = None, max_epochs: int | None = None) -> Run:
-    """Fine-tune; with ``time_cap_s`` keep going (up to ``max_epochs``) until that much training time."""
+          time_cap_s: float | None = None, max_epochs: int | None = None,
+          decay_steps: int | None = None) -> Run:
+    """Fine-tune; with ``time_cap_s`` keep going (up to ``max_epochs``) until that much training time.
+    With ``decay_steps`` the learning rates follow a cosine from their initial values to 0."""
     run = Run(name)
     loss_fn = nn.CrossEntropyLoss()
     run.trainable = _set_trainable(model, trainable)
     opt = make_opt(model)
+    sched = (torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 0.5 * (1 + math.cos(math.pi * min(i, decay_steps) / decay_steps)))
+        if decay_steps else None)
     if elastic is not None:
         first = next(iter(batches(0)))
         t0 = time.perf_counter()
@@ -100,6 +105,8 @@ def train(name: str, model: nn.Module, make_opt: Callable[[nn.Module], torch.opt
             batch_loss(model, batch, loss_fn).backward()
             opt.step()
             t2 = time.perf_counter()
+            if sched is not None:
+                sched.step()
             wall += t2 - t0
             run.reselect_s += t1 - t0
             if not reselected:

@@ -236,7 +236,10 @@ def test_unselected_tensors_untouched_by_real_steps(make_opt):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    sel = _attach(model, opt, (x, y), speedup=math.inf)  # as fast as possible: very few tensors
+    sel = ElasticSelector(ElasticConfig(speedup=math.inf, **FAST))   # as fast as possible: few tensors
+    with pytest.warns(UserWarning, match=r"requested speed-up infx is beyond the reachable"):
+        sel.attach(model, opt, (x, y), nn.CrossEntropyLoss())
+    assert sel.plan.clamped and sel.predicted_speedup == pytest.approx(sel.reachable_speedup)
     chosen = set(sel.selected)
     names = dict(model.named_parameters())
     assert 0 < len(chosen) < len(names)
@@ -292,6 +295,10 @@ def test_selector_reselects_on_interval_and_reports():
     assert sel.maybe_reselect(3, data[3]) and sel.reselections == 2
     assert set(sel.importance) == set(sel.timing.names)
     assert sel.selected == [n for n in sel.timing.names if n in set(sel.selected)]
+    kept = sel.plan
+    for g in opt.param_groups:                           # no update lowers the loss: keep the plan
+        g["lr"] = 0.0
+    assert sel.reselect(data[0]) is kept and sel.reselections == 2
     sel.release()
     assert all(p.requires_grad for p in model.parameters())
     sel.apply()

@@ -20,7 +20,7 @@ from .memory import measure_peak  # noqa: E402
 
 __all__ += ["TrainStep", "prepare", "measure_peak"]
 
-from . import planners  # noqa: E402,F401  (imported now so its import is not charged to a budget)
+from . import models, planners  # noqa: E402,F401  (imported now so their import is not charged to a budget)
 
 memory.warm_torch_imports()
 memory.record_baseline()

@@ -48,7 +48,7 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
                  chain: Any, costs: CostChain, plan: Plan, *, budget_bytes: int | None, margin_bytes: int,
-                 signature: tuple[Any, ...], solver: str) -> None:
+                 signature: tuple[Any, ...], solver: str, pager: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -60,8 +60,14 @@ class TrainStep:
         self._signature = signature
         self._bn = FullBatchStats(model)
         self._plan = plan
-        self._executor = Executor(chain, plan, self._bn)
+        self._pager = pager
+        self._executor = Executor(chain, plan, self._bn, pager)
+        self._table: Any = None
+        self._fixed_micro = False
+        self.page_dir: str | None = None
         self.steps_done = 0
+        #: Called between micro-batches; returns the budget in force (bytes or a size string) or None.
+        self.budget_source: Callable[[], int | str | None] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -91,26 +97,31 @@ class TrainStep:
         of samples, so gradients equal those of the full batch.
         """
         n = self._check(inputs, targets)
-        sizes = micro_batch_sizes(n, self._plan.micro_batch_size)
+        self._poll_budget()
         env_full = bind_inputs(self.model, inputs)
         self.optimizer.zero_grad(set_to_none=True)
-        accumulate = len(sizes) > 1 and self._bn.has_batchnorm
+        accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
         self._bn.begin(accumulate)
         total = 0.0
         start = 0
         try:
-            for size in sizes:
+            while start < n:
+                size = min(self._plan.micro_batch_size, n - start)
                 env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
                 out = self._executor.forward(env)
                 loss = self.loss_fn(out, slice_batch(targets, start, start + size))
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise InputError("loss_fn must return a scalar tensor (the mean loss over the batch it is "
                                      f"given), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-                scaled = loss if len(sizes) == 1 else loss * (size / n)
+                scaled = loss if size == n else loss * (size / n)
                 scaled.backward()
                 total += float(loss.detach()) * size
                 del out, loss, scaled, env
                 start += size
+                if self._pager is not None:
+                    self._pager.reset()  # raises PagingError (e.g. disk full) before the optimizer steps
+                if start < n:
+                    self._poll_budget()  # a budget change re-plans the samples still to run
         except BaseException:
             self._bn.abort()
             self.optimizer.zero_grad(set_to_none=True)
@@ -120,9 +131,73 @@ class TrainStep:
         self.steps_done += 1
         return total / n
 
+    def set_plan(self, plan: Plan) -> None:
+        """Execute ``plan`` from the next micro-batch on (it must be a plan of this step's chain)."""
+        if plan.num_stages != len(self.chain):
+            raise ValueError(f"plan has {plan.num_stages} stages, this step's chain {len(self.chain)}")
+        if "page" in plan.policies and self._pager is None:
+            from .runtime.paging import Pager
+
+            self._pager = Pager(self.page_dir, keep=list(self.model.parameters()))
+        self._executor = Executor(self.chain, plan, self._bn, self._pager)
+        self._plan = plan
+
+    def budget_table(self) -> Any:
+        """The :class:`~edgetrain.planners.PlanTable` a budget change looks plans up in (built once)."""
+        if self._table is None:
+            from .planners import PlanTable
+
+            # A budget change may change the micro-batch size, even one fixed at prepare().
+            self._table = PlanTable.build(self.costs)
+        return self._table
+
+    def set_memory_budget(self, memory_budget: int | str) -> Plan:
+        """Switch to the best plan for a new budget (a table lookup, microseconds once the table is built).
+
+        The table (:meth:`budget_table`) holds the exact plan at a geometric grid of budgets; the plan of
+        the largest grid budget not above the new one is taken, so it always fits.
+
+        Safe between steps and, through ``budget_source``, between micro-batches: the optimizer state,
+        the gradients accumulated so far and the samples still to run are kept.
+
+        Raises:
+            BudgetError: no plan fits the new budget; the plan in force, the model and the optimizer are
+                left exactly as they were.
+        """
+        budget = parse_bytes(memory_budget)
+        plan_budget = budget - int(budget * self.margin_bytes / self.budget_bytes) if self.budget_bytes else budget
+        try:
+            plan = self.budget_table().plan_for(plan_budget)
+        except BudgetError as e:
+            need = e.min_feasible_bytes
+            raise BudgetError(f"no plan fits the new budget {format_bytes(budget)}: {e}", budget_bytes=budget,
+                              min_feasible_bytes=need) from None
+        if plan.micro_batch_size < self._plan.batch_size and self._bn.has_batchnorm:
+            plan = plan.replace(bn_micro_batched=True)
+        self.set_plan(plan.replace(budget_bytes=budget))
+        self.budget_bytes = budget
+        log.info("budget now %s: micro-batch %d, %d recomputed", format_bytes(budget), plan.micro_batch_size,
+                 plan.policies.count("recompute"))
+        return self._plan
+
+    def _poll_budget(self) -> None:
+        if self.budget_source is None:
+            return
+        new = self.budget_source()
+        if new is not None and parse_bytes(new) != self.budget_bytes:
+            self.set_memory_budget(new)
+
     def close(self) -> None:
-        """Remove the hooks edgetrain put on the model."""
+        """Remove the hooks edgetrain put on the model and the page file, if any."""
         self._bn.close()
+        if self._pager is not None:
+            self._pager.close(raise_errors=False)
+
+    def __enter__(self) -> "TrainStep":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -135,9 +210,9 @@ class _Measured:
 
 
 def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
-              loss_fn: Callable[..., torch.Tensor]) -> _Measured:
+              loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> _Measured:
     """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
-    executor = Executor(chain, plan)
+    executor = Executor(chain, plan, pager=pager if "page" in plan.policies else None)
     sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
     base = memory.baseline_rss_bytes()
     with preserved_model_state(model):
@@ -150,6 +225,8 @@ def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
             (loss * (size / plan.batch_size)).backward()
             del loss, env
             start += size
+            if executor.pager is not None:
+                executor.pager.reset()
         peak = memory.peak_rss_bytes()
     return _Measured(before - base, peak - base, memory.rss_bytes() - base)
 
@@ -161,7 +238,9 @@ def _candidate_sizes(batch: int) -> list[int]:
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
             example: Any, memory_budget: int | str | None = None, *, micro_batch_size: int | None = None,
             solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True, exact_batchnorm: bool = True,
-            safety_margin: float = 0.03, use_cache: bool = True, name: str | None = None) -> TrainStep:
+            safety_margin: float = 0.03, use_cache: bool = True, name: str | None = None,
+            paging: bool = False, page_dir: str | None = None, device: Any = "host", objective: str = "time",
+            time_budget: float | None = None) -> TrainStep:
     """Measure ``model`` on this machine and plan an exact training step that fits ``memory_budget``.
 
     Args:
@@ -183,6 +262,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         safety_margin: share of the budget held back for allocator noise.
         use_cache: reuse profiles measured earlier on this machine.
         name: model name for reports.
+        paging: let the planner page tensors saved for backward to storage (``page_dir``) as well as
+            recompute (POET-style); uses the ``"poet"`` planner unless ``solver="poet-milp"``.
+        page_dir: directory of the page file (CPU training; default a temp directory). Put it on the
+            storage you want to page to.
+        device: device profile the paging planner costs transfers and energy with: ``"host"`` (measured
+            here), a bundled profile name (``edgetrain.devices.list_profiles()``) or a ``DeviceProfile``.
+        objective: with paging or a time budget, minimise ``"time"`` or ``"energy"``.
+        time_budget: at most this multiple of the fastest step's time (e.g. 1.3); uses the POET planner.
 
     Returns:
         The :class:`TrainStep`.
@@ -211,6 +298,18 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     chain = capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1
+    solver_kw: dict[str, Any] = {}
+    pager = None
+    if paging or time_budget is not None or solver.startswith("poet"):
+        from .devices import DeviceProfile, load_profile
+
+        profile = device if isinstance(device, DeviceProfile) else load_profile(device)
+        solver = solver if solver.startswith("poet") else "poet"
+        solver_kw = {"device": profile, "objective": objective, "time_budget": time_budget, "paging": paging}
+    if paging:
+        from .runtime.paging import Pager
+
+        pager = Pager(page_dir, keep=list(model.parameters()))
     costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
                           budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__,
                           min_micro_batch=min_micro)
@@ -218,7 +317,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
                       costs.step_fixed_s, costs.name)
     planner = _Planner(costs, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm, min_micro,
-                       opt_costs.update_bytes)
+                       opt_costs.update_bytes, solver_kw)
     planner.reprofile = lambda b: profile_chain(
         chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=costs.fixed_bytes, budget_bytes=b,
         use_cache=use_cache, name=name or type(model).__name__, min_micro_batch=min_micro)
@@ -226,7 +325,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         plan = planner.plan(None)
     else:
         grads = _grad_bytes_missing(model)
-        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn),
+        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn, pager),
                                              grads + opt_costs.state_bytes, grads)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
@@ -235,8 +334,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                       "full-batch step (running statistics stay exact). Raise the budget to avoid it.",
                       stacklevel=2)
     log.info("edgetrain plan:\n%s", plan.summary())
-    return TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
-                     signature=batch_signature((inputs, targets)), solver=solver)
+    if pager is not None and "page" not in plan.policies:
+        pager.close()
+        pager = None
+    step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
+                     signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
+    step._fixed_micro = micro_batch_size is not None
+    step.page_dir = page_dir
+    return step
 
 
 class _Planner:
@@ -249,7 +354,8 @@ class _Planner:
     """
 
     def __init__(self, costs: CostChain, budget: int | None, margin: int, solver: str,
-                 micro_batch_size: int | None, prefer_full_batch: bool, min_micro: int, update_bytes: int) -> None:
+                 micro_batch_size: int | None, prefer_full_batch: bool, min_micro: int, update_bytes: int,
+                 solver_kw: dict[str, Any] | None = None) -> None:
         self.costs = costs
         self.budget = budget
         self.margin = margin
@@ -258,6 +364,7 @@ class _Planner:
         self.prefer_full_batch = prefer_full_batch
         self.min_micro = min_micro
         self.update_bytes = update_bytes
+        self.solver_kw = dict(solver_kw or {})
         self.reprofile: Callable[[int], CostChain] | None = None
 
     def _with_fixed(self, extra: int) -> None:
@@ -288,7 +395,7 @@ class _Planner:
         err: BudgetError | None = None
         for cand in self._sizes():
             try:
-                plan = solve(self.costs, plan_budget, solver=self.solver, micro_batch_sizes=cand)
+                plan = solve(self.costs, plan_budget, solver=self.solver, micro_batch_sizes=cand, **self.solver_kw)
             except BudgetError as e:
                 err = e
                 continue
@@ -305,7 +412,8 @@ class _Planner:
             from .planners import solve
 
             sizes = [self.micro_batch_size or self.costs.batch_size]
-            return solve(self.costs, 2**62, solver=self.solver, micro_batch_sizes=sizes).replace(budget_bytes=None)
+            return solve(self.costs, 2**62, solver=self.solver, micro_batch_sizes=sizes,
+                         **self.solver_kw).replace(budget_bytes=None)
         return self._solve(plan_budget)
 
     def plan_validated(self, run: Callable[[Plan], _Measured], unallocated: int,

@@ -33,12 +33,19 @@ replicated over each patch. In 2-D, ``A_h[p, m] * A_w[q, n]`` weights tap ``(p, 
 convolution ``K' = 3`` for every stride and radius (e.g. ``r = 2, s = 1, P = 1``:
 ``W' = [W0, W0 + 2 W1 + W2, W2]`` per axis), so both gradients cost ``r^2`` fewer multiply-adds.
 
-Stride ``s`` is exact here: the paper's code pools the input over ``(s*r)^2`` positions and drops the
-``1 / s^2`` this introduces; here the input keeps its own ``r``-grid and ``s`` stays the coarse stride.
+Stride ``s`` is exact here. The published code sums the input over ``(s*r)^2`` positions per output
+patch where ``r^2`` per-position averages are meant, so its weight gradient is ``s^2`` too large on
+stride-``s`` layers; here the input keeps its own ``r``-grid and ``s`` stays the coarse stride.
 Partial patches (a map not divisible by ``r``): a fine output beyond ``H_o`` gets no gradient and a
 read of a position in ``[H, r*H')`` (inside the last input patch but past the map) reads 0. Both only
-change ``A`` for the last one or two patch rows/columns, so those rows are computed as separate small
-blocks with their own ``A``; the result is exactly the formula above, with no cropping.
+change ``A`` for the last one or two patch rows/columns, which therefore get their own ``A``; the
+result is exactly the formula above, with no cropping.
+
+Implementation. Coarse maps of at most ``_DENSE_MAX_COARSE`` positions (the last layers of a CNN)
+use GEMMs: a tap matrix ``T`` (``kH kW H_o' W_o' x H' W'``, built from the ``A`` tables) gathers, per
+kernel tap, the patch sums each tap reads, so ``dW`` and ``dx`` are single GEMMs in the weight's own
+layout (per channel for depthwise convs); pooled maps are then stored channel-major. Larger maps
+run the coarse convolutions through ``aten.convolution_backward``, one call per block of equal ``A``.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
 
-__all__ = ["filtered_conv2d", "conv2d_backward_flops", "pooled_shape"]
+__all__ = ["filtered_conv2d", "coarse_geometry"]
 
 
 @dataclass(frozen=True)
@@ -100,15 +107,10 @@ def _axis(n_in: int, n_out: int, k: int, s: int, d: int, pad: int, r: int) -> _A
     return _Axis(n_in_c, n_out_c, s, k_c, -m_lo, length, tuple(blocks), tuple(kinds), counts)
 
 
-def pooled_shape(shape: tuple[int, ...] | torch.Size, radius: int) -> tuple[int, ...]:
-    """Shape of the patch-averaged map of ``[N, C, H, W]``: ``[N, C, ceil(H/r), ceil(W/r)]``."""
-    n, c, h, w = shape
-    return (n, c, -(-h // radius), -(-w // radius))
-
-
-def _axes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
-          stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
-          radius: int) -> tuple[_Axis, _Axis]:
+def coarse_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
+                    stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+                    radius: int) -> tuple[_Axis, _Axis]:
+    """The (height, width) coarse geometry of a conv: patch counts, ``K'`` taps and ``A`` tables."""
     return tuple(_axis(x_shape[2 + j], y_shape[2 + j], w_shape[2 + j], stride[j], dilation[j],
                        padding[j], radius) for j in (0, 1))  # type: ignore[return-value]
 
@@ -203,7 +205,7 @@ class _FilteredConv2dFn(torch.autograd.Function):
             gb = torch.einsum("noij,ij->o", g, count)
         if not (need_x or need_w):
             return None, None, gb, None, None, None, None, None
-        ah, aw = _axes(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
+        ah, aw = coarse_geometry(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
         if taps:
             gxc, gw = _tap_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups, need_x,
                                     need_w)
@@ -234,7 +236,8 @@ def _uses_taps(geometry: tuple) -> bool:
     coarse_in = -(-x_shape[2] // radius) * -(-x_shape[3] // radius)
     coarse_out = -(-y_shape[2] // radius) * -(-y_shape[3] // radius)
     depthwise = w_shape[1] == 1 and w_shape[0] == groups == x_shape[1]
-    return (groups == 1 or depthwise) and max(coarse_in, coarse_out) <= _DENSE_MAX_COARSE
+    # radius 1 keeps the input itself (no channel-major copy) and runs plain convolutions
+    return radius > 1 and (groups == 1 or depthwise) and max(coarse_in, coarse_out) <= _DENSE_MAX_COARSE
 
 
 @functools.lru_cache(maxsize=1024)
@@ -403,40 +406,3 @@ def filtered_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     return _FilteredConv2dFn.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation),
                                    groups, radius)
-
-
-def conv2d_backward_flops(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
-                          stride: tuple[int, int], padding: tuple[int, int],
-                          dilation: tuple[int, int], radius: int | None, need_x: bool = True,
-                          need_w: bool = True, need_b: bool = False) -> int:
-    """Floating-point operations of one Conv2d backward (a multiply-add counts 2).
-
-    Args:
-        x_shape: input ``[N, C, H, W]``.
-        w_shape: weight ``[O, C / groups, kH, kW]``.
-        y_shape: output ``[N, O, H_o, W_o]``.
-        stride: the conv's stride pair.
-        padding: the conv's (top, left) padding pair.
-        dilation: the conv's dilation pair.
-        radius: None for exact backprop; else the filter's patch side.
-        need_x: the input gradient is computed.
-        need_w: the weight gradient is computed.
-        need_b: the bias gradient is computed (``N * O * H_o * W_o`` additions either way).
-
-    Returns:
-        The count. Filtered: both coarse convolutions, plus pooling ``dL/dy`` (one add per element)
-        and scaling ``dx`` (one per pooled element); the tiny count-matrix contractions are ignored.
-    """
-    n, o, ho, wo = y_shape
-    per_position = 2 * n * o * w_shape[1]
-    flops = n * o * ho * wo if need_b else 0
-    if radius is None:
-        return flops + (int(need_x) + int(need_w)) * per_position * w_shape[2] * w_shape[3] * ho * wo
-    ah, aw = _axes(tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding, dilation, radius)
-    coarse = per_position * ah.k_c * aw.k_c * ah.n_out_c * aw.n_out_c
-    flops += (int(need_x) + int(need_w)) * coarse
-    if need_x or need_w:
-        flops += n * o * ho * wo if radius > 1 else 0
-    if need_x and radius > 1:
-        flops += n * x_shape[1] * ah.n_in_c * aw.n_in_c
-    return flops

@@ -9,9 +9,55 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
-from ._gradfilter_impl import conv2d_backward_flops, pooled_shape
+from ._gradfilter_impl import coarse_geometry
 
-__all__ = ["LayerCost", "ModelTrace", "ConvCall", "trace_model", "layer_costs"]
+__all__ = [
+    "LayerCost", "ModelTrace", "ConvCall", "trace_model", "layer_costs", "conv2d_backward_flops",
+    "pooled_shape",
+]
+
+
+def pooled_shape(shape: tuple[int, ...] | torch.Size, radius: int) -> tuple[int, ...]:
+    """Shape of the patch-averaged map of ``[N, C, H, W]``: ``[N, C, ceil(H/r), ceil(W/r)]``."""
+    n, c, h, w = shape
+    return (n, c, -(-h // radius), -(-w // radius))
+
+
+def conv2d_backward_flops(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
+                          stride: tuple[int, int], padding: tuple[int, int],
+                          dilation: tuple[int, int], radius: int | None, need_x: bool = True,
+                          need_w: bool = True, need_b: bool = False) -> int:
+    """Floating-point operations of one Conv2d backward (a multiply-add counts 2).
+
+    Args:
+        x_shape: input ``[N, C, H, W]``.
+        w_shape: weight ``[O, C / groups, kH, kW]``.
+        y_shape: output ``[N, O, H_o, W_o]``.
+        stride: the conv's stride pair.
+        padding: the conv's (top, left) padding pair.
+        dilation: the conv's dilation pair.
+        radius: None for exact backprop; else the filter's patch side.
+        need_x: the input gradient is computed.
+        need_w: the weight gradient is computed.
+        need_b: the bias gradient is computed (``N * O * H_o * W_o`` additions either way).
+
+    Returns:
+        The count. Filtered: both coarse convolutions, plus pooling ``dL/dy`` (one add per element)
+        and scaling ``dx`` (one per pooled element); the tiny count-matrix contractions are ignored.
+    """
+    n, o, ho, wo = y_shape
+    per_position = 2 * n * o * w_shape[1]
+    flops = n * o * ho * wo if need_b else 0
+    if radius is None:
+        return flops + (int(need_x) + int(need_w)) * per_position * w_shape[2] * w_shape[3] * ho * wo
+    ah, aw = coarse_geometry(tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding, dilation, radius)
+    coarse = per_position * ah.k_c * aw.k_c * ah.n_out_c * aw.n_out_c
+    flops += (int(need_x) + int(need_w)) * coarse
+    if need_x or need_w:
+        flops += n * o * ho * wo if radius > 1 else 0
+    if need_x and radius > 1:
+        flops += n * x_shape[1] * ah.n_in_c * aw.n_in_c
+    return flops
 
 
 @dataclass(frozen=True)

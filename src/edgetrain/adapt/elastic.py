@@ -184,6 +184,12 @@ class ElasticSelector:
         probe = slice_batch(batch, self.config.probe_batch_size)
         imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names)
         self.importance = dict(zip(timing.names, imp))
+        if self.plan is not None and max(imp) <= 0.0:
+            # no update lowers the loss (e.g. a learning rate decayed to 0): nothing to rank by
+            logger.info("elastic re-selection skipped: no tensor's probe update lowers the loss")
+            if step_idx is not None:
+                self._last_step = step_idx
+            return self.plan
         # the reachability warning is raised at the first selection, later ones only log it
         self.plan = plan_for_speedup(imp, timing.train_s, timing.depth_s, timing.fixed_s, timing.full_step_s,
                                      self.config.speedup, self.config.time_units, warn=self.reselections == 0)

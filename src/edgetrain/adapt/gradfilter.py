@@ -204,9 +204,11 @@ def estimate_costs(model: nn.Module, example_input: torch.Tensor, config: GradFi
 
     Runs the model on ``example_input`` (running statistics and RNG state are restored) with the
     parameters ``config`` would freeze temporarily frozen, and records what autograd saves. A conv's
-    input that another operation also saves (a ReLU's output, say) is marked ``input_shared``: filtering
-    cannot free it, and its ``freed_bytes`` is negative (the pooled copy is extra). BatchNorm and
-    activation tensors are not changed by filtering and are not in these per-layer numbers.
+    input that another operation also saves (a ReLU's output, say) has ``input_freed=False``:
+    filtering cannot free it, and its ``freed_bytes`` is negative (the pooled copy is extra). BatchNorm
+    and activation tensors are not changed by filtering and are not in these per-layer numbers.
+    FLOPs count the gradient multiply-adds of the formulas (coarse convolutions with ``K'^2`` taps)
+    plus one add per pooled or unpooled element.
 
     Args:
         model: the model, not yet filtered.
@@ -218,10 +220,16 @@ def estimate_costs(model: nn.Module, example_input: torch.Tensor, config: GradFi
 
     Raises:
         ValueError: as :func:`apply_grad_filter` for bad names.
+        CaptureError: when the model does not run on ``example_input``.
     """
+    return _estimate(model, example_input, config)[0]
+
+
+def _estimate(model: nn.Module, example_input: torch.Tensor, config: GradFilter,
+              ) -> tuple[tuple[LayerCost, ...], ModelTrace]:
     order_trace = trace_model(model, example_input)
     chosen = _select(model, config, order_trace)
-    frozen = (_earlier_parameters(model, chosen[0], order_trace, ) if config.freeze_earlier else [])
+    frozen = _earlier_parameters(model, chosen[0], order_trace) if config.freeze_earlier else []
     flags = [(p, p.requires_grad) for _, p in frozen]
     try:
         for p, _ in flags:
@@ -230,7 +238,7 @@ def estimate_costs(model: nn.Module, example_input: torch.Tensor, config: GradFi
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
-    return layer_costs(trace, chosen, config.radius)
+    return layer_costs(trace, chosen, config.radius), order_trace
 
 
 def apply_grad_filter(model: nn.Module, config: GradFilter | None = None,
@@ -260,8 +268,7 @@ def apply_grad_filter(model: nn.Module, config: GradFilter | None = None,
     costs: tuple[LayerCost, ...] = ()
     trace = None
     if example_input is not None:
-        costs = estimate_costs(model, example_input, config)
-        trace = trace_model(model, example_input)
+        costs, trace = _estimate(model, example_input, config)
     chosen = _select(model, config, trace)
     convs = [model.get_submodule(name) for name in chosen]
     classes = [_filtered_class(type(m)) for m in convs]  # raises before anything changes

@@ -1,7 +1,8 @@
 """Planners: pure functions from a :class:`~edgetrain.graph.CostChain` and a budget to a :class:`~edgetrain.plan.Plan`.
 
 ``solve_dp`` is the exact keep/recompute planner; the baselines (``no_saving``, ``recompute_all``,
-``chen_sqrt``, ``checkpoint_sequential``) return the same type for side-by-side comparison, and
+``chen_sqrt``, ``checkpoint_sequential``) and the POET-style paging planners (``poet``: exact DP,
+``poet-milp``: HiGHS MILP) return the same type for side-by-side comparison, and
 :class:`PlanTable` precomputes plans over a grid of budgets so a budget change is a lookup.
 """
 
@@ -13,11 +14,13 @@ from ..graph import CostChain
 from ..plan import Plan
 from .baselines import solve_checkpoint_sequential, solve_chen_sqrt, solve_no_saving, solve_recompute_all
 from .dp import min_feasible_bytes, solve_dp
+from .poet import solve_poet
+from .poet_dp import solve_poet_dp
 from .table import PlanTable
 
 __all__ = [
     "PLANNERS", "solve", "solve_dp", "min_feasible_bytes", "solve_no_saving", "solve_recompute_all",
-    "solve_chen_sqrt", "solve_checkpoint_sequential", "PlanTable",
+    "solve_chen_sqrt", "solve_checkpoint_sequential", "PlanTable", "solve_poet", "solve_poet_dp",
 ]
 
 #: Every planner by name; each is ``solver(chain, budget_bytes, **options) -> Plan``.
@@ -27,6 +30,9 @@ PLANNERS: dict[str, Callable[..., Plan]] = {
     "recompute_all": solve_recompute_all,
     "chen_sqrt": solve_chen_sqrt,
     "checkpoint_sequential": solve_checkpoint_sequential,
+    # keep / recompute / page, energy or time objective, optional time budget (need ``device=``)
+    "poet": solve_poet_dp,
+    "poet-milp": solve_poet,
 }
 
 

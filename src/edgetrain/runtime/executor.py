@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch.utils.checkpoint import checkpoint
 
 from ..capture import OUTPUT_KEY, Chain
-from ..graph import RECOMPUTE
+from ..graph import PAGE, RECOMPUTE
 from ..plan import Plan
 from .batchnorm import FullBatchStats, RecomputeGuard
 
@@ -36,13 +36,17 @@ class _Group:
 class Executor:
     """Runs the forward pass of one micro-batch according to a plan (backward is autograd's)."""
 
-    def __init__(self, chain: Chain, plan: Plan, bn: FullBatchStats | None = None) -> None:
+    def __init__(self, chain: Chain, plan: Plan, bn: FullBatchStats | None = None, pager: Any = None) -> None:
         if plan.num_stages != len(chain):
             raise ValueError(f"plan has {plan.num_stages} stages, the captured chain {len(chain)}; "
                              "re-run edgetrain.prepare for this model")
         self.chain = chain
         self.plan = plan
         self.bn = bn
+        self.pager = pager
+        if pager is None and PAGE in plan.policies:
+            raise ValueError("the plan pages stages but no pager was given; prepare with paging=True")
+        self.async_stages = set(plan.metadata.get("async_stages", ()))
         self.groups = self._make_groups()
 
     def _make_groups(self) -> list[_Group]:
@@ -78,17 +82,29 @@ class Executor:
 
     def forward(self, env: dict[str, Any]) -> Any:
         """Run every group on ``env`` (model inputs by name, one micro-batch); returns the model output."""
-        for g in self.groups:
-            if g.policy == RECOMPUTE:
-                def ctx(g: _Group = g) -> tuple[Any, Any]:
-                    return contextlib.nullcontext(), RecomputeGuard(g.modules, self.bn)
+        hooks = self.pager.hooks() if self.pager is not None else contextlib.nullcontext()
+        with hooks:
+            for g in self.groups:
+                if g.policy == RECOMPUTE:
+                    def ctx(g: _Group = g) -> tuple[Any, Any]:
+                        return contextlib.nullcontext(), RecomputeGuard(g.modules, self.bn)
 
-                outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
-                                  preserve_rng_state=True, context_fn=ctx)
-                env.update(zip(g.outputs, outs))
-                self.chain.release(env, g.last)
-            else:
+                    outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
+                                      preserve_rng_state=True, context_fn=ctx)
+                    env.update(zip(g.outputs, outs))
+                    self.chain.release(env, g.last)
+                    continue
                 for st in self.chain.stages[g.first:g.last + 1]:
-                    env.update(zip(st.outputs, st(*(env[k] for k in st.inputs))))
+                    if g.policy == PAGE:
+                        with self.pager.stage(st.index, asynchronous=st.index in self.async_stages):
+                            outs = st(*(env[k] for k in st.inputs))
+                        if st.index + 1 < len(self.chain):  # the output is paged with this stage too
+                            for k, o in zip(st.outputs, outs):
+                                if k != OUTPUT_KEY and hasattr(o, "untyped_storage"):
+                                    self.pager.page_boundary(st.index, o)
+                    else:
+                        outs = st(*(env[k] for k in st.inputs))
+                    env.update(zip(st.outputs, outs))
+                    del outs
                     self.chain.release(env, st.index)
         return env[OUTPUT_KEY]

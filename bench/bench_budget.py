@@ -1,0 +1,611 @@
+"""Bench (issue 2): plain PyTorch vs ``checkpoint_sequential`` vs edgetrain under memory budgets.
+
+Run: ``python bench/bench_budget.py [--quick] [--models mobilenet_v2,resnet18,transformer] [--out FILE.md]``
+
+Every number is measured by :func:`edgetrain.measure.run_isolated`: one fresh Python process per job, peak =
+VmHWM minus the RSS right after ``import torch, edgetrain`` (what a budget bounds), step time = median of the
+steps after the first. Plain PyTorch and ``checkpoint_sequential`` run with glibc's default allocator
+(``EDGETRAIN_ALLOCATOR=system``), as users run them; "plain+mmap" is plain with the allocator edgetrain tunes.
+edgetrain jobs run without the on-disk profile cache, so every one profiles, and its peak includes profiling.
+
+Per model, at the full batch B:
+1. plain PyTorch's unconstrained peak P and step time T;
+2. for budgets 20-100% of P, per method the fastest configuration whose *measured* peak fits:
+   plain = the largest micro-batch of B, B/2, ... 1 (gradient accumulation) that fits; checkpoint_sequential =
+   the fastest segment count of {2, 4, sqrt(n), n/2} (n = stages edgetrain captures), with accumulation only
+   when nothing fits at B; edgetrain = ``prepare(..., memory_budget=budget)`` (BudgetError is an entry);
+3. the issue's claims: edgetrain's throughput above checkpoint_sequential's at every budget, and at 50% of P
+   a step at most 1.35x T inside the budget (re-measured ``--repeats`` times, interleaved with plain).
+Then the largest batch without micro-batching that plain and edgetrain (``micro_batch_size=batch``) each train
+inside a fixed budget (plain's peak at batch 32) for MobileNetV2 at 64x64: doubling, then bisection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Progress, Table, machine_info, mib, rate, ratio, render, secs  # noqa: E402
+
+from edgetrain.measure import Job, JobResult, run_isolated  # noqa: E402
+
+MIB = 2**20
+SYSTEM_ALLOC = {"EDGETRAIN_ALLOCATOR": "system"}
+NO_CACHE = {"EDGETRAIN_NO_CACHE": "1"}
+METHODS = ("plain", "checkpoint_sequential", "edgetrain")
+CLAIM_FRACTION, CLAIM_MAX_SLOWDOWN = 0.5, 1.35
+MELON_HEADLINE = 4.33
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the bench trains it (``name`` from ``edgetrain.models.MODEL_NAMES``)."""
+
+    name: str
+    kwargs: dict[str, Any]
+    input_shape: tuple[int, ...]
+    batch_size: int
+
+
+_MNV2 = {"num_classes": 10, "in_channels": 3}
+_RN18 = {"num_classes": 10, "in_channels": 3, "small_input": True}
+_TF = {"num_classes": 10, "input_dim": 28}
+FULL_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", _MNV2, (3, 64, 64), 32),
+               "resnet18": ModelSpec("resnet18", _RN18, (3, 32, 32), 32),
+               "transformer": ModelSpec("transformer", _TF, (28, 28), 64)}
+QUICK_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", _MNV2, (3, 32, 32), 16),
+                "resnet18": ModelSpec("resnet18", _RN18, (3, 16, 16), 8),
+                "transformer": ModelSpec("transformer", _TF, (28, 28), 16)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much to measure (``--quick`` picks the small values)."""
+
+    budgets: tuple[float, ...] = (0.2, 0.35, 0.5, 0.75, 1.0)
+    steps: int = 4
+    threads: int = 0
+    repeats: int = 1
+    quick_segments: bool = False
+    job_timeout_s: float = 900.0
+    maxbatch: ModelSpec = replace(FULL_MODELS["mobilenet_v2"], batch_size=32)
+    maxbatch_steps: int = 2
+    maxbatch_resolution: float = 1 / 16
+    maxbatch_limit: int = 2048
+
+
+QUICK = Settings(budgets=(0.35, 0.5, 1.0), steps=2, repeats=0, quick_segments=True,
+                 maxbatch=replace(QUICK_MODELS["mobilenet_v2"], batch_size=8), maxbatch_resolution=0.25,
+                 maxbatch_limit=256)
+
+
+# --------------------------------------------------------------------------------------------- selection
+def fits(r: JobResult | None, budget_bytes: int) -> bool:
+    """Whether a job ran and its measured peak is within the budget."""
+    return r is not None and r.ok and r.peak_bytes <= budget_bytes
+
+
+def throughput(r: JobResult | None, batch_size: int) -> float:
+    """Samples per second of a measured job (0 when it failed)."""
+    return batch_size / r.step_time_s if r is not None and r.ok and r.step_time_s > 0 else 0.0
+
+
+def micro_batch_candidates(batch_size: int) -> list[int]:
+    """B, ceil(B/2), ceil(B/4), ... 1, without repeats."""
+    out, m = [], batch_size
+    while True:
+        if not out or m < out[-1]:
+            out.append(m)
+        if m == 1:
+            return out
+        m = math.ceil(m / 2)
+
+
+def segment_candidates(n_stages: int, quick: bool = False) -> list[int]:
+    """Segment counts to try for ``checkpoint_sequential``: {2, 4, sqrt(n), n/2} ({2, sqrt(n)} quick)."""
+    root = max(1, round(math.sqrt(n_stages)))
+    cand = {2, root} if quick else {2, 4, root, n_stages // 2}
+    return sorted(s for s in cand if 1 <= s <= n_stages) or [1]
+
+
+def largest_fitting(by_micro: dict[int, JobResult], budget_bytes: int) -> int | None:
+    """The largest micro-batch whose measured peak fits (None when none does)."""
+    ok = [m for m, r in by_micro.items() if fits(r, budget_bytes)]
+    return max(ok) if ok else None
+
+
+def fastest_fitting(configs: dict[tuple[int, int], JobResult], budget_bytes: int) -> tuple[int, int] | None:
+    """The (micro-batch, segments) with the shortest step among those whose measured peak fits."""
+    ok = [(r.step_time_s, -k[0], k) for k, r in configs.items() if fits(r, budget_bytes)]
+    return min(ok)[2] if ok else None
+
+
+def max_batch_search(fit: Callable[[int], bool], start: int, resolution: float, limit: int) -> tuple[int, int | None]:
+    """Largest batch for which ``fit`` holds: double (or halve) from ``start``, then bisect.
+
+    Args:
+        fit: whether a batch trains inside the budget (assumed monotone).
+        start: first batch tried.
+        resolution: stop bisecting once the gap is at most this share of the best batch (and at least 1).
+        limit: largest batch tried.
+
+    Returns:
+        (largest batch that fit, 0 if none; smallest batch that did not fit, None if ``limit`` fit).
+    """
+    b = max(1, min(start, limit))
+    if fit(b):
+        lo = b
+        while 2 * lo <= limit and fit(2 * lo):
+            lo *= 2
+        hi = 2 * lo if 2 * lo <= limit else None
+        if hi is None:
+            return lo, None
+    else:
+        hi, lo = b, b // 2
+        while lo >= 1 and not fit(lo):
+            hi, lo = lo, lo // 2
+    while hi - lo > max(1, int(lo * resolution)):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fit(mid) else (lo, mid)
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------------- results
+@dataclass
+class Entry:
+    """One method at one budget: the configuration chosen and what it measured (``result`` None: nothing fit)."""
+
+    method: str
+    budget_bytes: int
+    batch_size: int
+    config: str = ""
+    result: JobResult | None = None
+    note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return fits(self.result, self.budget_bytes)
+
+    @property
+    def throughput(self) -> float:
+        return throughput(self.result, self.batch_size)
+
+
+@dataclass
+class Claim:
+    """The 50% check: pooled medians over the table run and the interleaved repeats."""
+
+    budget_bytes: int
+    plain_times_s: list[float]
+    edgetrain: list[JobResult]
+
+    @property
+    def ok_runs(self) -> list[JobResult]:
+        return [r for r in self.edgetrain if r.ok]
+
+    @property
+    def slowdown(self) -> float | None:
+        if not self.ok_runs or not self.plain_times_s:
+            return None
+        return statistics.median(r.step_time_s for r in self.ok_runs) / statistics.median(self.plain_times_s)
+
+    @property
+    def max_peak_bytes(self) -> int | None:
+        return max((r.peak_bytes for r in self.edgetrain if r.ok), default=None)
+
+    @property
+    def passed(self) -> bool:
+        s, peak = self.slowdown, self.max_peak_bytes
+        return (s is not None and peak is not None and len(self.ok_runs) == len(self.edgetrain)
+                and s <= CLAIM_MAX_SLOWDOWN and peak <= self.budget_bytes)
+
+
+@dataclass
+class ModelReport:
+    spec: ModelSpec
+    n_stages: int
+    segments: list[int]
+    plain: JobResult
+    plain_mmap: JobResult | None = None
+    budgets: list[tuple[float, int]] = field(default_factory=list)
+    entries: dict[tuple[float, str], Entry] = field(default_factory=dict)
+    claim: Claim | None = None
+    error: str = ""
+
+
+@dataclass
+class MaxBatchReport:
+    spec: ModelSpec
+    budget_bytes: int
+    plain: tuple[int, int | None] = (0, None)
+    edgetrain: tuple[int, int | None] = (0, None)
+    plain_runs: dict[int, JobResult] = field(default_factory=dict)
+    edgetrain_runs: dict[int, JobResult] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------- measuring
+class Runner:
+    """Runs jobs one at a time in fresh processes, prints a progress line per job, never raises."""
+
+    def __init__(self, settings: Settings, progress: Progress) -> None:
+        self.settings = settings
+        self.progress = progress
+        self.log: list[dict[str, Any]] = []
+        self._cache: dict[str, JobResult] = {}
+
+    def __call__(self, job: Job, label: str) -> JobResult:
+        key = json.dumps(asdict(job), sort_keys=True)
+        if key in self._cache:
+            return self._cache[key]
+        t0 = time.perf_counter()
+        try:
+            r = run_isolated(job, timeout_s=self.settings.job_timeout_s)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+            r = JobResult(error=str(e)[-500:], error_type=type(e).__name__)
+        wall = time.perf_counter() - t0
+        if r.ok:
+            what = f"peak {mib(r.peak_bytes)} MiB, step {secs(r.step_time_s)} s"
+        elif r.error_type == "BudgetError":
+            what = f"BudgetError, min {mib(r.min_feasible_bytes)} MiB (peak {mib(r.peak_bytes)} MiB)"
+        else:
+            what = f"FAILED {r.error_type}: {(r.error or '').strip().splitlines()[-1:] or ''}"
+        self.progress(f"{job.model} | {label} | {what} ({wall:.0f} s)")
+        self._cache[key] = r
+        self.log.append({"label": label, "job": asdict(job), "result": asdict(r), "wall_s": wall})
+        return r
+
+
+def count_stages(spec: ModelSpec) -> int:
+    """Number of stages edgetrain's capture cuts the model into (what checkpoint_sequential runs over)."""
+    import torch
+
+    from edgetrain.capture import capture
+    from edgetrain.models import get_model
+
+    torch.manual_seed(0)
+    return len(capture(get_model(spec.name, **spec.kwargs), torch.randn(2, *spec.input_shape)).stages)
+
+
+def _job(spec: ModelSpec, s: Settings, **kw: Any) -> Job:
+    return Job(model=spec.name, input_shape=spec.input_shape, batch_size=kw.pop("batch_size", spec.batch_size),
+               model_kwargs=spec.kwargs, steps=kw.pop("steps", s.steps), threads=s.threads, **kw)
+
+
+def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
+    """Measure one model at every budget (see the module docstring)."""
+    B = spec.batch_size
+    n = count_stages(spec)
+    segs = segment_candidates(n, s.quick_segments)
+    run.progress(f"{spec.name}: input {spec.input_shape}, batch {B}, {n} stages, segments tried {segs}")
+    plain = run(_job(spec, s, mode="plain", env=SYSTEM_ALLOC), f"plain b={B}")
+    rep = ModelReport(spec, n, segs, plain)
+    if not plain.ok:
+        rep.error = f"plain PyTorch failed at batch {B}: {plain.error}"
+        return rep
+    rep.plain_mmap = run(_job(spec, s, mode="plain"), f"plain+mmap b={B}")
+    rep.budgets = [(f, int(f * plain.peak_bytes)) for f in s.budgets]
+    lowest = min(b for _, b in rep.budgets)
+
+    plain_by_mb = {B: plain}  # measured once, reused at every budget
+    for m in micro_batch_candidates(B)[1:]:
+        if any(fits(r, lowest) for r in plain_by_mb.values()):
+            break
+        plain_by_mb[m] = run(_job(spec, s, mode="plain", micro_batch_size=m, env=SYSTEM_ALLOC), f"plain mb={m}")
+
+    ckpt: dict[tuple[int, int], JobResult] = {}
+
+    def ck(m: int, seg: int) -> JobResult:
+        if (m, seg) not in ckpt:
+            ckpt[(m, seg)] = run(_job(spec, s, mode="checkpoint_sequential", segments=seg, env=SYSTEM_ALLOC,
+                                      micro_batch_size=None if m == B else m), f"checkpoint_sequential seg={seg} mb={m}")
+        return ckpt[(m, seg)]
+
+    for seg in segs:
+        ck(B, seg)
+    full = [(r.peak_bytes, seg) for seg in segs if (r := ckpt[(B, seg)]).ok]
+    lean_seg = min(full)[1] if full else segs[len(segs) // 2]
+
+    for frac, budget in rep.budgets:
+        # plain: the largest micro-batch that fits
+        m = largest_fitting(plain_by_mb, budget)
+        e = Entry("plain", budget, B)
+        if m is None:
+            e.note = f"nothing fits (mb={min(plain_by_mb)}: {mib(plain_by_mb[min(plain_by_mb)].peak_bytes)} MiB)"
+        else:
+            e.result, e.config = plain_by_mb[m], f"mb={m}" + (f" x{math.ceil(B / m)} accum" if m < B else "")
+        rep.entries[(frac, "plain")] = e
+
+        # checkpoint_sequential: fastest fitting segment count; accumulate only when nothing fits at B.
+        # Going down in micro-batch, the leanest segment count at B is tried first; the others only where it fits.
+        if fastest_fitting({k: v for k, v in ckpt.items() if k[0] == B}, budget) is None:
+            for m in micro_batch_candidates(B)[1:]:
+                if fits(ck(m, lean_seg), budget):
+                    for seg in segs:
+                        ck(m, seg)
+                    break
+        best = fastest_fitting(ckpt, budget)
+        e = Entry("checkpoint_sequential", budget, B)
+        if best is None:
+            low = min((r.peak_bytes for r in ckpt.values() if r.ok), default=None)
+            e.note = f"nothing fits (lowest measured {mib(low)} MiB)"
+        else:
+            e.result = ckpt[best]
+            e.config = f"seg={best[1]}" + (f", mb={best[0]} x{math.ceil(B / best[0])} accum" if best[0] < B else "")
+        rep.entries[(frac, "checkpoint_sequential")] = e
+
+        # edgetrain: one prepare() at the budget
+        r = run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE), f"edgetrain budget {frac:.0%}")
+        rep.entries[(frac, "edgetrain")] = edgetrain_entry(r, budget, B, n)
+
+    if CLAIM_FRACTION in s.budgets:
+        budget = dict(rep.budgets)[CLAIM_FRACTION]
+        claim = Claim(budget, [plain.step_time_s], [rep.entries[(CLAIM_FRACTION, "edgetrain")].result])
+        for i in range(s.repeats):  # interleaved, so that load drift on a shared machine hits both alike
+            p = run(_job(spec, s, mode="plain", env=SYSTEM_ALLOC, seed=1 + i), f"plain b={B} (repeat {i + 1})")
+            if p.ok:
+                claim.plain_times_s.append(p.step_time_s)
+            claim.edgetrain.append(run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=1 + i),
+                                       f"edgetrain budget 50% (repeat {i + 1})"))
+        rep.claim = claim
+    return rep
+
+
+def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int) -> Entry:
+    """The table entry of one edgetrain job (a BudgetError is an entry, not a failure of the bench)."""
+    e = Entry("edgetrain", budget, batch_size, result=r)
+    if r.ok and r.plan:
+        rec = sum(p == "recompute" for p in r.plan.get("policies", ()))
+        e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp"
+    elif r.error_type == "BudgetError":
+        e.note = f"infeasible, min {mib(r.min_feasible_bytes)} MiB"
+    elif not r.ok:
+        e.note = f"failed: {r.error_type}"
+    return e
+
+
+def bench_maxbatch(s: Settings, run: Runner, reports: Sequence[ModelReport]) -> MaxBatchReport:
+    """Largest batch trained without micro-batching inside plain's peak at the reference batch."""
+    spec = s.maxbatch
+    ref = next((r.plain for r in reports if r.spec == spec and r.plain.ok), None)
+    if ref is None:
+        ref = run(_job(spec, s, mode="plain", env=SYSTEM_ALLOC), f"plain b={spec.batch_size} (max-batch budget)")
+    rep = MaxBatchReport(spec, ref.peak_bytes)
+    if not ref.ok:
+        return rep
+    rep.plain_runs[spec.batch_size] = ref  # fits by construction: the budget is its peak
+
+    def plain_fit(b: int) -> bool:
+        if b not in rep.plain_runs:
+            rep.plain_runs[b] = run(_job(spec, s, mode="plain", batch_size=b, steps=s.maxbatch_steps,
+                                         env=SYSTEM_ALLOC), f"max-batch plain b={b}")
+        return fits(rep.plain_runs[b], rep.budget_bytes)
+
+    def et_fit(b: int) -> bool:
+        if b not in rep.edgetrain_runs:
+            rep.edgetrain_runs[b] = run(_job(spec, s, mode="edgetrain", batch_size=b, steps=s.maxbatch_steps,
+                                             budget=rep.budget_bytes, micro_batch_size=b, env=NO_CACHE),
+                                        f"max-batch edgetrain b={b} mb={b}")
+        return fits(rep.edgetrain_runs[b], rep.budget_bytes)
+
+    rep.plain = max_batch_search(plain_fit, spec.batch_size, s.maxbatch_resolution, s.maxbatch_limit)
+    rep.edgetrain = max_batch_search(et_fit, max(1, rep.plain[0]), s.maxbatch_resolution, s.maxbatch_limit)
+    return rep
+
+
+# --------------------------------------------------------------------------------------------- tables
+def _label(spec: ModelSpec) -> str:
+    return f"{spec.name} {'x'.join(map(str, spec.input_shape))} batch {spec.batch_size}"
+
+
+def reference_table(reports: Sequence[ModelReport]) -> Table:
+    t = Table("Unconstrained plain PyTorch per model (P = peak, T = step time, system allocator)",
+              ["model", "input", "batch", "stages n", "segments tried", "P MiB", "T s", "samples/s",
+               "plain+mmap MiB", "plain+mmap s", "mmap peak/P"], left=(0, 1, 4))
+    for r in reports:
+        mm = r.plain_mmap if r.plain_mmap is not None and r.plain_mmap.ok else None
+        t.add(r.spec.name, "x".join(map(str, r.spec.input_shape)), r.spec.batch_size, r.n_stages,
+              ",".join(map(str, r.segments)), mib(r.plain.peak_bytes) if r.plain.ok else "failed",
+              secs(r.plain.step_time_s), rate(throughput(r.plain, r.spec.batch_size)),
+              mib(mm.peak_bytes) if mm else "-", secs(mm.step_time_s) if mm else "-",
+              ratio(mm.peak_bytes / r.plain.peak_bytes) if mm and r.plain.peak_bytes else "-")
+    t.notes.append("plain+mmap: plain PyTorch with glibc's mmap threshold fixed at 64 KiB (what edgetrain sets at "
+                   "import); mmap peak/P shows the allocator's share of plain's peak.")
+    return t
+
+
+def budget_table(rep: ModelReport) -> Table:
+    """Per budget and method: config, measured peak, fit, step time, throughput, ratios."""
+    t = Table(f"{_label(rep.spec)}: P = {mib(rep.plain.peak_bytes)} MiB, T = {secs(rep.plain.step_time_s)} s",
+              ["budget", "method", "config", "peak MiB", "fits", "step s", "samples/s", "time/T", "thr/plain",
+               "thr/ckpt"], left=(0, 1, 2, 4))
+    T = rep.plain.step_time_s
+    for frac, budget in rep.budgets:
+        base = {m: rep.entries[(frac, m)].throughput for m in ("plain", "checkpoint_sequential")}
+        for m in METHODS:
+            e = rep.entries[(frac, m)]
+            r = e.result
+            ok = r is not None and r.ok
+            rel = lambda d: ratio(e.throughput / d) if ok and d else "-"  # noqa: E731
+            t.add(f"{frac:.0%} ({mib(budget)} MiB)", m, e.config or e.note, mib(r.peak_bytes) if ok else "-",
+                  ("yes" if e.fits else "NO") if ok else "-", secs(r.step_time_s) if ok else "-",
+                  rate(e.throughput), ratio(r.step_time_s / T) if ok and T else "-", rel(base["plain"]),
+                  rel(base["checkpoint_sequential"]))
+    t.notes.append("thr/plain and thr/ckpt: throughput over plain's / checkpoint_sequential's at the same budget "
+                   "('-' where that one has nothing that fits).")
+    return t
+
+
+def versus_line(rep: ModelReport) -> str:
+    """Whether edgetrain's throughput beats checkpoint_sequential's at every budget, and by how much.
+
+    A budget where only edgetrain fits counts for it, one where only checkpoint_sequential fits against it,
+    and one where neither fits is left out of the count.
+    """
+    parts, wins, compared = [], 0, 0
+    for frac, _ in rep.budgets:
+        et, ck = rep.entries[(frac, "edgetrain")], rep.entries[(frac, "checkpoint_sequential")]
+        if et.fits and ck.fits:
+            x = et.throughput / ck.throughput if ck.throughput else math.inf
+            parts.append(f"{frac:.0%}: {x:.2f}x")
+        elif et.fits or ck.fits:
+            x = math.inf if et.fits else 0.0
+            parts.append(f"{frac:.0%}: {'edgetrain' if et.fits else 'checkpoint_sequential'} only")
+        else:
+            parts.append(f"{frac:.0%}: neither fits")
+            continue
+        compared += 1
+        wins += x > 1.0
+    verdict = "YES" if compared and wins == compared else "NO"
+    return (f"{rep.spec.name}: edgetrain vs checkpoint_sequential throughput -- {'; '.join(parts)} -- "
+            f"edgetrain higher at every budget: {verdict} ({wins} of {compared} budgets where either fits)")
+
+
+def plans_table(rep: ModelReport) -> Table:
+    t = Table(f"{_label(rep.spec)}: edgetrain plans", ["budget", "micro-batch", "recomputed", "pred peak MiB",
+              "meas peak MiB", "meas/pred", "pred step s", "meas step s", "meas/pred", "prepare s"], left=(0,))
+    for frac, budget in rep.budgets:
+        e = rep.entries[(frac, "edgetrain")]
+        r = e.result
+        if r is None or not r.plan:
+            t.add(f"{frac:.0%} ({mib(budget)} MiB)", e.note or "-")
+            continue
+        p = r.plan
+        rec = sum(x == "recompute" for x in p["policies"])
+        t.add(f"{frac:.0%} ({mib(budget)} MiB)", f"{p['micro_batch_size']} of {p['batch_size']}",
+              f"{rec}/{len(p['policies'])}", mib(p["peak_bytes"]), mib(r.peak_bytes),
+              ratio(r.peak_bytes / p["peak_bytes"]) if p["peak_bytes"] else "-", secs(p["step_time_s"], 3),
+              secs(r.step_time_s, 3), ratio(r.step_time_s / p["step_time_s"]) if p["step_time_s"] else "-",
+              secs(r.prepare_time_s, 1))
+    return t
+
+
+def claims_table(reports: Sequence[ModelReport]) -> Table:
+    t = Table(f"Claim: at {CLAIM_FRACTION:.0%} of P, edgetrain trains the batch with step <= "
+              f"{CLAIM_MAX_SLOWDOWN}x T and measured peak within the budget",
+              ["model", "budget MiB", "T s (median)", "edgetrain s (median)", "ratio", "max peak MiB", "runs",
+               "verdict"], left=(0, 7))
+    for r in reports:
+        c = r.claim
+        if c is None:
+            continue
+        need = "" if r.spec.name in ("mobilenet_v2", "resnet18") else " (not required by the issue)"
+        t.add(r.spec.name, mib(c.budget_bytes), secs(statistics.median(c.plain_times_s)),
+              secs(statistics.median([x.step_time_s for x in c.ok_runs])) if c.ok_runs else "-",
+              ratio(c.slowdown), mib(c.max_peak_bytes), f"{len(c.ok_runs)}/{len(c.edgetrain)}",
+              ("PASS" if c.passed else "FAIL") + need)
+    t.notes.append("Medians pool the table's run with the interleaved repeats (plain, edgetrain, plain, ...); "
+                   "the peak is the largest of the edgetrain runs.")
+    return t
+
+
+def maxbatch_table(m: MaxBatchReport) -> tuple[Table, str]:
+    t = Table(f"Largest batch without micro-batching inside {mib(m.budget_bytes)} MiB "
+              f"(= plain's peak at batch {m.spec.batch_size}), {m.spec.name} {'x'.join(map(str, m.spec.input_shape))}",
+              ["method", "largest batch", "its peak MiB", "smallest failing", "why it failed", "vs plain"],
+              left=(0, 4))
+    for name, (lo, hi), runs in (("plain", m.plain, m.plain_runs), ("edgetrain mb=batch", m.edgetrain, m.edgetrain_runs)):
+        r_lo, r_hi = runs.get(lo), runs.get(hi) if hi else None
+        why = "-" if r_hi is None else (f"peak {mib(r_hi.peak_bytes)} MiB" if r_hi.ok else
+                                        f"BudgetError (min {mib(r_hi.min_feasible_bytes)} MiB)"
+                                        if r_hi.error_type == "BudgetError" else f"{r_hi.error_type}")
+        t.add(name, lo, mib(r_lo.peak_bytes) if r_lo is not None and r_lo.ok else "-",
+              hi if hi else f"none up to {lo}", why, ratio(lo / m.plain[0]) if m.plain[0] else "-")
+    x = m.edgetrain[0] / m.plain[0] if m.plain[0] else 0.0
+    line = (f"edgetrain trains {x:.2f}x plain's largest batch inside the same budget without micro-batching "
+            f"(BatchNorm exact); Melon's headline is {MELON_HEADLINE}x.")
+    return t, line
+
+
+# --------------------------------------------------------------------------------------------- main
+def build_report(reports: Sequence[ModelReport], maxb: MaxBatchReport | None, meta: list[tuple[str, str]],
+                 markdown: bool) -> str:
+    sections: list[tuple[str, list[Table | str]]] = [("Reference", [reference_table(reports)])]
+    for r in reports:
+        items: list[Table | str] = [r.error] if r.error else [budget_table(r), versus_line(r), plans_table(r)]
+        sections.append((_label(r.spec), items))
+    if any(r.claim for r in reports):
+        sections.append(("Claims", [claims_table(reports)] + [versus_line(r) for r in reports if not r.error]))
+    if maxb is not None:
+        t, line = maxbatch_table(maxb)
+        sections.append(("Max batch at a fixed budget", [t, line]))
+    return render("edgetrain bench: training under memory budgets (issue 2)", meta, sections, markdown)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke-sized run (small inputs and batches, 3 budgets)")
+    p.add_argument("--models", default=",".join(FULL_MODELS), help="comma-separated subset of "
+                   f"{','.join(FULL_MODELS)}")
+    p.add_argument("--budgets", default=None, help="comma-separated fractions of P, e.g. 0.2,0.5,1")
+    p.add_argument("--sections", default="budgets,maxbatch", help="budgets and/or maxbatch")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per job (first is warm-up)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved re-measurements for the 50%% claim")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per job (0: torch's default)")
+    p.add_argument("--out", default=None, help="write the report as markdown here")
+    p.add_argument("--json", default=None, help="write every job and its raw result here")
+    p.add_argument("--note", default="", help="a line added to the report (e.g. 'machine shared')")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    s, models = (QUICK, QUICK_MODELS) if args.quick else (Settings(), FULL_MODELS)
+    if args.budgets:
+        s = replace(s, budgets=tuple(sorted(float(x) for x in args.budgets.split(","))))
+    if args.steps is not None:
+        s = replace(s, steps=args.steps)
+    if args.repeats is not None:
+        s = replace(s, repeats=args.repeats)
+    s = replace(s, threads=args.threads)
+    names = [x.strip() for x in args.models.split(",") if x.strip()]
+    unknown = [x for x in names if x not in models]
+    if unknown:
+        print(f"unknown model(s) {unknown}; choose from {list(models)}", file=sys.stderr)
+        return 2
+    sections = set(args.sections.split(","))
+    progress = Progress()
+    info = machine_info()
+    meta = [("command", " ".join(["python", "bench/bench_budget.py", *(sys.argv[1:] if argv is None else argv)])),
+            ("date", time.strftime("%Y-%m-%d %H:%M %Z")),
+            ("machine", f"{info['nproc']} CPUs, {info['cpu']}, {info.get('memory', '?')} RAM, {info['os']}"),
+            ("torch", info["torch"]), ("load average at start", info["loadavg (1/5/15 min)"]),
+            ("settings", f"budgets {', '.join(f'{b:.0%}' for b in s.budgets)} of P; {s.steps} steps per job "
+                         f"(median of all but the first); {s.repeats} interleaved repeat(s) for the 50% claim")]
+    if args.note:
+        meta.append(("note", args.note))
+    print(render("edgetrain bench: training under memory budgets (issue 2)", meta, [], False), flush=True)
+    run = Runner(s, progress)
+    reports: list[ModelReport] = []
+    if "budgets" in sections:
+        for name in names:
+            reports.append(bench_model(models[name], s, run))
+            r = reports[-1]
+            print("\n" + (r.error or "\n\n".join([budget_table(r).to_text(), versus_line(r),
+                                                   plans_table(r).to_text()])) + "\n", flush=True)
+    maxb = None
+    if "maxbatch" in sections and s.maxbatch.name in names:
+        maxb = bench_maxbatch(s, run, reports)
+    meta += [("load average at end", machine_info()["loadavg (1/5/15 min)"]),
+             ("wall time", f"{progress.elapsed_s() / 60:.1f} min, {len(run.log)} jobs")]
+    print("\n" + build_report(reports, maxb, meta, markdown=False))
+    if args.out:
+        Path(args.out).write_text(build_report(reports, maxb, meta, markdown=True))
+        print(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(run.log, indent=1))
+        print(f"wrote {args.json}")
+    print(f"total wall time {progress.elapsed_s() / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

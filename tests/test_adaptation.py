@@ -1,0 +1,123 @@
+"""Paging and budget changes while training keep the maths exact and the state safe."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import edgetrain
+from edgetrain.graph import simulate
+from edgetrain.planners import min_feasible_bytes
+from _models import convnet, mlp
+
+
+def plain_step(model, opt, loss_fn, x, y, seed=0):
+    torch.manual_seed(seed)
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_paging_is_bit_exact_and_cleans_its_files(tmp_path: Path):
+    ref = convnet(width=16)
+    ours = copy.deepcopy(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    o_ours = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 5, (16,))
+    loss_fn = nn.CrossEntropyLoss()
+    step = edgetrain.prepare(ours, o_ours, loss_fn, (x, y), paging=True, page_dir=str(tmp_path))
+    n = step.plan.num_stages
+    paged = tuple("page" if 0 < i < n - 1 and i % 2 else p for i, p in enumerate(step.plan.policies))
+    step.set_plan(step.plan.replace(policies=paged, metadata={"async_stages": [i for i in range(n) if i % 4 == 1]}))
+    assert "page" in step.plan.policies
+    for i in range(2):
+        lr = plain_step(ref, o_ref, loss_fn, x, y, i)
+        torch.manual_seed(i)
+        assert step(x, y) == lr
+    for a, b in zip(ours.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+    assert step._pager.stats.written_bytes > 0
+    assert list(tmp_path.glob("edgetrain-pages-*"))
+    step.close()
+    assert not list(tmp_path.glob("edgetrain-pages-*"))
+
+
+def _budgets(step):
+    lo = min_feasible_bytes(step.costs)
+    hi = simulate(step.costs, step.costs.batch_size, ["keep"] * step.costs.n).peak_bytes
+    return lo, hi
+
+
+def test_budget_drop_and_rise_match_final_plans_exactly():
+    ref = mlp(d=64, n_blocks=6)
+    ours = copy.deepcopy(ref)
+    o_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    o_ours = torch.optim.Adam(ours.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(32, 16), torch.randint(0, 5, (32,))
+    step = edgetrain.prepare(ours, o_ours, loss_fn, (x, y))
+    lo, hi = _budgets(step)
+    plans = []
+    for i, budget in enumerate([hi, lo + (hi - lo) // 2, lo + (hi - lo) // 100, hi]):
+        plans.append(step.set_memory_budget(int(budget)))
+        xb, yb = torch.randn(32, 16), torch.randint(0, 5, (32,))
+        plain_step(ref, o_ref, loss_fn, xb, yb)
+        step(xb, yb)
+    assert plans[2].peak_bytes <= lo + (hi - lo) // 100 and plans[2].peak_bytes < plans[0].peak_bytes
+    assert plans[2].num_micro_batches > 1 or "recompute" in plans[2].policies
+    for a, b in zip(ours.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_budget_drop_between_micro_batches_loses_no_sample():
+    ref = mlp(d=64, n_blocks=6)
+    ours = copy.deepcopy(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    o_ours = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(30, 16), torch.randint(0, 5, (30,))
+    step = edgetrain.prepare(ours, o_ours, loss_fn, (x, y), micro_batch_size=10)
+    lo, hi = _budgets(step)
+    calls = []
+
+    def source():
+        calls.append(1)
+        return lo + (hi - lo) // 100 if len(calls) >= 2 else None  # drops after the first micro-batch
+
+    step.budget_source = source
+    loss = step(x, y)
+    assert len(calls) >= 2 and step.plan.peak_bytes <= lo + (hi - lo) // 100 and step.plan.micro_batch_size < 10
+    assert loss == pytest.approx(plain_step(ref, o_ref, loss_fn, x, y), rel=1e-6)
+    for a, b in zip(ours.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_infeasible_budget_change_leaves_model_and_optimizer_untouched():
+    model = mlp(d=64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(20, 16), torch.randint(0, 5, (20,))
+    step = edgetrain.prepare(model, opt, loss_fn, (x, y), micro_batch_size=5)
+    step(x, y)
+    params = copy.deepcopy(model.state_dict())
+    opt_state = copy.deepcopy(opt.state_dict())
+    plan = step.plan
+    with pytest.raises(edgetrain.BudgetError) as e:
+        step.set_memory_budget(1000)
+    assert e.value.min_feasible_bytes and e.value.min_feasible_bytes > 1000
+    assert step.plan is plan
+    calls = []
+    step.budget_source = lambda: (calls.append(1), 1000 if len(calls) >= 2 else None)[1]
+    with pytest.raises(edgetrain.BudgetError):
+        step(x, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k])
+    assert all(p.grad is None for p in model.parameters())
+    after = opt.state_dict()
+    for k, st in opt_state["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(after["state"][k][name]), torch.as_tensor(v))
