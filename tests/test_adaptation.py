@@ -121,3 +121,13 @@ def test_infeasible_budget_change_leaves_model_and_optimizer_untouched():
     for k, st in opt_state["state"].items():
         for name, v in st.items():
             assert torch.equal(torch.as_tensor(after["state"][k][name]), torch.as_tensor(v))
+
+
+def test_system_budget_source_reads_this_machine():
+    from edgetrain.budget_sources import available_bytes, system_budget_source
+
+    src = system_budget_source(reserve_bytes=0, cap_bytes=10 << 30)
+    first = src()
+    assert first is not None and 0 < first <= 10 << 30
+    assert available_bytes() is None or first <= available_bytes() + (1 << 30)
+    assert src() is None  # unchanged budgets are not reported again

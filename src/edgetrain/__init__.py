@@ -17,8 +17,9 @@ __all__ = [
 
 from .api import TrainStep, prepare  # noqa: E402
 from .memory import measure_peak  # noqa: E402
+from .offline import plan  # noqa: E402
 
-__all__ += ["TrainStep", "prepare", "measure_peak"]
+__all__ += ["TrainStep", "prepare", "measure_peak", "plan"]
 
 from . import models, planners  # noqa: E402,F401  (imported now so their import is not charged to a budget)
 

@@ -142,16 +142,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0 if peak <= budget else 1
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def _load_costs(args: argparse.Namespace) -> Any:
     from .graph import CostChain
+
+    if args.costs:
+        return CostChain.from_json(Path(args.costs).read_text())
+    import torch
+
+    from .measure import Job, build_model_and_batch
+    from .offline import profile_costs
+
+    shape = tuple(int(s) for s in args.input_shape.split(","))
+    job = Job(args.model, shape, args.batch_size or 32, model_kwargs=json.loads(args.model_kwargs))
+    model, x, y = build_model_and_batch(job)
+    return profile_costs(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
     from .planners import PLANNERS, solve
     from .units import parse_bytes
 
-    chain = CostChain.from_json(Path(args.costs).read_text())
-    if args.batch_size:
+    chain = _load_costs(args)
+    if args.batch_size and args.costs:
         chain = chain.with_batch_size(args.batch_size)
+    if args.device:
+        from .offline import plan_chain
+
+        print(plan_chain(chain, args.budget, device=args.device, objective=args.objective,
+                         time_budget=args.time_budget, measured_on=None if args.from_flops else "host").summary())
+        return 0
     budget = parse_bytes(args.budget)
-    names = list(PLANNERS) if args.solver == "all" else [args.solver]
+    names = [n for n in PLANNERS if not n.startswith("poet")] if args.solver == "all" else [args.solver]
     for name in names:
         try:
             plan = solve(chain, budget, solver=name)
@@ -220,11 +241,20 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train an in-project model on the MNIST digits under a budget")
     train_args(t, epochs=3, fraction=None)
     t.set_defaults(func=cmd_train)
-    pl = sub.add_parser("plan", help="plan a cost-chain JSON file (see `edgetrain profile`) for a budget")
-    pl.add_argument("costs")
+    pl = sub.add_parser("plan", help="plan a model or a cost-chain JSON file (see `edgetrain profile`) for a "
+                        "budget, here or for a device profile")
+    pl.add_argument("costs", nargs="?", default=None, help="cost-chain JSON (default: profile --model here)")
+    pl.add_argument("--model", default="mobilenet_v2")
+    pl.add_argument("--model-kwargs", default='{"num_classes": 10}')
+    pl.add_argument("--input-shape", default="3,64,64")
     pl.add_argument("--budget", required=True)
     pl.add_argument("--batch-size", type=int, default=None)
     pl.add_argument("--solver", default="dp", help="a planner name or 'all' to compare them")
+    pl.add_argument("--device", default=None, help="plan for a device profile (keep/recompute/page), e.g. rpi4, "
+                    "jetson-nano, phone-2024, nrf52840; see edgetrain.devices.list_profiles()")
+    pl.add_argument("--objective", default="energy", choices=["energy", "time"])
+    pl.add_argument("--time-budget", type=float, default=None, help="at most this multiple of the fastest step")
+    pl.add_argument("--from-flops", action="store_true", help="scale times from FLOPs instead of host timings")
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("profile", help="profile an in-project model here and write its cost chain as JSON")
     pr.add_argument("--model", default="mobilenet_v2")

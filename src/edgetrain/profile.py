@@ -21,7 +21,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -174,6 +174,23 @@ def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[
     return sample, {k: (o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(stage.outputs, outs)}
 
 
+def _count_flops(chain: Chain, inputs_env: dict[str, Any], m: int) -> list[float]:
+    """Forward FLOPs of every stage at micro-batch ``m`` (torch's FlopCounterMode; 0 where it counts none)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
+    flops = []
+    with torch.no_grad():
+        for st in chain.stages:
+            counter = FlopCounterMode(display=False)
+            with counter:
+                outs = st(*(env[k] for k in st.inputs))
+            flops.append(float(counter.get_total_flops()))
+            env.update(zip(st.outputs, outs))
+            chain.release(env, st.index)
+    return flops
+
+
 def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: Callable[..., torch.Tensor],
                m: int, params: set[int]) -> tuple[list[StageSample], float]:
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
@@ -318,6 +335,12 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
             s_lo, s_hi = _min_samples([r[0] for r in runs_lo]), _min_samples([r[0] for r in runs_hi])
             loss_lo, loss_hi = min(r[1] for r in runs_lo), min(r[1] for r in runs_hi)
             stages = _fit(chain, lo, s_lo, hi, s_hi)
+            try:  # FLOPs scale costs to devices we are not running on (edgetrain.devices.scale_chain)
+                f0, f1 = _count_flops(chain, inputs_env, m0), _count_flops(chain, inputs_env, m1)
+                stages = [replace(s, flops=Linear.fit(m0, a, m1, b)) if m1 > m0 else
+                          replace(s, flops=Linear(0.0, a / m0)) for s, a, b in zip(stages, f0, f1)]
+            except Exception as e:  # counting is best effort; timing-based scaling still works
+                log.debug("FLOP counting failed: %s", e)
             cached = {"stages": [CostChain(tuple(stages), 1, Linear(), 0).to_dict()["stages"]][0],
                       "loss_s": Linear.fit(lo, loss_lo, hi, loss_hi).__dict__, "sizes": list(sizes)}
             if use_cache:

@@ -8,9 +8,9 @@ the patch means of the layer input (see :mod:`edgetrain.adapt._gradfilter_impl` 
 Forward order. With an example input, layers are ordered by their first call in a forward pass (hooks,
 ``torch.no_grad``, running statistics and RNG restored afterwards); without one, by module
 registration order (``model.named_modules()``), which matches the call order of the models in
-:mod:`edgetrain.models`. "Earlier" layers, frozen when ``freeze_earlier``, are the modules that own
-parameters and come before the first filtered conv in that order; parameters owned by no leaf-like
-module that is ordered (e.g. a bare ``nn.Parameter`` on a container) are left alone.
+:mod:`edgetrain.models`. "Earlier" layers, frozen when ``freeze_earlier``, are the leaf modules that
+own parameters and come before the first filtered conv in that order; parameters a container owns
+directly (e.g. a class token on the model itself) are left alone.
 """
 
 from __future__ import annotations
@@ -190,10 +190,12 @@ def _earlier_parameters(model: nn.Module, first: str, trace: ModelTrace | None,
         order = [n for n, m in model.named_modules() if next(m.parameters(False), None) is not None]
     if first not in order:
         return []
-    earlier = order[:order.index(first)]
     out = []
-    for name in earlier:
-        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+    for name in order[:order.index(first)]:
+        module = model.get_submodule(name)
+        if next(module.children(), None) is not None:
+            continue  # a container's own parameters (e.g. a class token) have no place in the order
+        for pname, p in module.named_parameters(recurse=False):
             out.append((f"{name}.{pname}" if name else pname, p))
     return out
 
