@@ -108,10 +108,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         out(f"error: {e}")
         return 2
     out(f"prepared in {time.perf_counter() - t0:.1f} s\n" + step.plan.summary())
+    first_epoch = 0
+    if args.checkpoint and Path(args.checkpoint).exists():
+        from .checkpoint import load_checkpoint
+
+        ck = load_checkpoint(args.checkpoint, model, opt)
+        first_epoch = int(ck.extra.get("epoch", -1)) + 1
+        out(f"resumed from {args.checkpoint} after epoch {first_epoch} (step {ck.step})")
     n_steps = digits.num_batches("train", args.batch_size) if hasattr(digits, "num_batches") else None
     losses: list[float] = []
     t_train = time.perf_counter()
-    for epoch in range(args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         bar = _progress(batches(epoch), n_steps or 0, f"epoch {epoch + 1}/{args.epochs}", not args.no_progress)
         run_loss = []
         for x, y in bar:
@@ -122,8 +129,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                 bar.set_postfix(loss=f"{sum(run_loss[-20:]) / len(run_loss[-20:]):.3f}")
         acc = _evaluate(model, digits, args.image_size, channels, layout)
         out(f"epoch {epoch + 1}: mean loss {sum(run_loss) / max(len(run_loss), 1):.4f}, test accuracy {acc:.2%}")
+        if args.checkpoint:
+            from .checkpoint import save_checkpoint
+
+            save_checkpoint(args.checkpoint, model, opt, step=step.steps_done, extra={"epoch": epoch})
     elapsed = time.perf_counter() - t_train
     peak = memory.peak_rss_bytes() - memory.baseline_rss_bytes()
+    if not losses:
+        out("nothing left to train (the checkpoint is past the last epoch)")
+        return 0
     first, last = losses[:10], losses[-10:]
     out(f"loss {sum(first) / len(first):.3f} (first 10 steps) -> {sum(last) / len(last):.3f} (last 10); "
         f"{len(losses) * args.batch_size / elapsed:.1f} samples/s")
@@ -234,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
         sp.add_argument("--no-progress", action="store_true")
         sp.add_argument("--save", default=None, help="write the trained weights here (atomically)")
+        sp.add_argument("--checkpoint", default=None, help="checkpoint file: written atomically after every "
+                        "epoch; if it exists, training resumes from it")
 
     d = sub.add_parser("demo", help="train MobileNetV2 on real MNIST digits at half of plain PyTorch's memory")
     train_args(d, epochs=2, fraction=0.5)
