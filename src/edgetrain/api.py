@@ -65,6 +65,7 @@ class TrainStep:
         self._table: Any = None
         self._fixed_micro = False
         self.page_dir: str | None = None
+        self.elastic: Any = None
         self.steps_done = 0
         #: Called between micro-batches; returns the budget in force (bytes or a size string) or None.
         self.budget_source: Callable[[], int | str | None] | None = None
@@ -98,6 +99,8 @@ class TrainStep:
         """
         n = self._check(inputs, targets)
         self._poll_budget()
+        if self.elastic is not None:
+            self.elastic.maybe_reselect(self.steps_done, (inputs, targets))
         env_full = bind_inputs(self.model, inputs)
         self.optimizer.zero_grad(set_to_none=True)
         accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
@@ -240,7 +243,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True, exact_batchnorm: bool = True,
             safety_margin: float = 0.03, use_cache: bool = True, name: str | None = None,
             paging: bool = False, page_dir: str | None = None, device: Any = "host", objective: str = "time",
-            time_budget: float | None = None) -> TrainStep:
+            time_budget: float | None = None, speedup: Any = None, grad_filter: Any = None) -> TrainStep:
     """Measure ``model`` on this machine and plan an exact training step that fits ``memory_budget``.
 
     Args:
@@ -270,6 +273,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             here), a bundled profile name (``edgetrain.devices.list_profiles()``) or a ``DeviceProfile``.
         objective: with paging or a time budget, minimise ``"time"`` or ``"energy"``.
         time_budget: at most this multiple of the fastest step's time (e.g. 1.3); uses the POET planner.
+        speedup: opt-in, approximate: train only the parameter tensors that matter most so a step is this
+            many times faster (ElasticTrainer); a float or an ``edgetrain.adapt.ElasticConfig``. Re-selects
+            every ``interval_steps``; the memory plan is made for full backpropagation, an upper bound for
+            every selection.
+        grad_filter: opt-in, approximate: an ``edgetrain.adapt.GradFilter`` (gradient filtering on the
+            last convolutions, earlier layers frozen); applied before profiling, so the plan sees the
+            smaller saved activations and backward times.
 
     Returns:
         The :class:`TrainStep`.
@@ -281,6 +291,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     """
     inputs, targets = _split_example(example)
     batch = batch_size_of(inputs, targets)
+    if grad_filter is not None:
+        from .adapt import apply_grad_filter
+
+        report = apply_grad_filter(model, grad_filter)
+        log.info("gradient filtering: %s", report)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
     if not 0 <= safety_margin < 0.5:
         raise ValueError(f"safety_margin must be in [0, 0.5), got {safety_margin}")
@@ -341,6 +356,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
     step.page_dir = page_dir
+    if speedup is not None:
+        from .adapt.elastic import ElasticConfig, ElasticSelector
+
+        cfg = speedup if isinstance(speedup, ElasticConfig) else ElasticConfig(speedup=float(speedup))
+        probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))
+        step.elastic = ElasticSelector(cfg).attach(model, optimizer, probe, loss_fn)
     return step
 
 

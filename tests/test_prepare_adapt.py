@@ -1,0 +1,35 @@
+"""prepare() applies the opt-in approximations: elastic selection and gradient filtering."""
+
+import torch
+from torch import nn
+
+import edgetrain
+from edgetrain.adapt import GradFilter
+from _models import convnet, mlp
+
+
+def test_prepare_with_grad_filter_trains_only_filtered_tail():
+    model = convnet(width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))
+    keys = list(model.state_dict())
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), grad_filter=GradFilter(radius=2, last_n=1))
+    assert list(model.state_dict()) == keys
+    first = model[0].weight.detach().clone()
+    last = model[7].weight.detach().clone()
+    step(x, y)
+    assert torch.equal(model[0].weight, first)  # frozen below the filtered layer
+    assert not torch.equal(model[7].weight, last)
+
+
+def test_prepare_with_speedup_leaves_unselected_tensors_untouched():
+    model = mlp(d=64, n_blocks=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(32, 16), torch.randint(0, 5, (32,))
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), speedup=1.5)
+    sel = set(step.elastic.selected)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step(x, y)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= sel
+
