@@ -92,7 +92,7 @@ def test_radius_one_is_exact_backprop(cfg, path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("radius", [2, 3, 4])
+@pytest.mark.parametrize("radius", [2, 4])
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_matches_full_resolution_reference(cfg, radius, path):
     x, weight, b, kw = _make(cfg)
@@ -133,14 +133,36 @@ def test_random_geometries_match_reference(h, w, k, s, d, p, r, g):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-def test_only_needed_gradients_and_no_grad_mode():
-    x, weight, b, kw = _make(CONFIGS[0])
-    frozen_w = weight.detach()
-    y = filtered_conv2d(x, frozen_w, None, radius=2, **kw)
-    (gx,) = torch.autograd.grad(y, [x], torch.ones_like(y))
-    assert gx.shape == x.shape
+def test_frozen_weight_and_no_grad_mode(path):
+    x, weight, b, kw = _make(CONFIGS[1])
+    y = filtered_conv2d(x, weight.detach(), None, radius=2, **kw)  # frozen weight: input gradient only
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, [x], gy)
+    torch.testing.assert_close(gx, _reference(x.detach(), weight.detach(), None, gy, 2, kw)[0])
     with torch.no_grad():
         assert filtered_conv2d(x, weight, b, radius=2, **kw).grad_fn is None
+
+
+def test_channels_last_input_gives_the_same_gradients():
+    x, weight, b, kw = _make(CONFIGS[0])
+    y = filtered_conv2d(x, weight, b, radius=2, **kw)
+    gy = torch.randn_like(y)
+    want = _grads(y, x, weight, b, gy)
+    x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    y_cl = filtered_conv2d(x_cl, weight, b, radius=2, **kw)
+    got = _grads(y_cl, x_cl, weight, b, gy.contiguous(memory_format=torch.channels_last))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_reapply_and_remove_on_a_copy():
+    model = _small_cnn()
+    apply_grad_filter(model, GradFilter(radius=2, last_n=1))
+    report = apply_grad_filter(model, GradFilter(radius=4, last_n=2))  # replaces the first filter
+    assert report.layers == ("6", "9") and model[9].grad_filter_radius == 4
+    assert model[0].weight.requires_grad is False
+    clone = copy.deepcopy(model)
+    assert remove_grad_filter(clone) == ("6", "9") and type(clone[9]) is nn.Conv2d
 
 
 def _saved_activation_bytes(fn, params=()):

@@ -18,8 +18,9 @@ __all__ = [
 from .api import TrainStep, prepare  # noqa: E402
 from .memory import measure_peak  # noqa: E402
 from .offline import plan  # noqa: E402
+from .adapt import ElasticConfig, GradFilter  # noqa: E402
 
-__all__ += ["TrainStep", "prepare", "measure_peak", "plan"]
+__all__ += ["TrainStep", "prepare", "measure_peak", "plan", "GradFilter", "ElasticConfig"]
 
 from . import models, planners  # noqa: E402,F401  (imported now so their import is not charged to a budget)
 

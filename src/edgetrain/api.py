@@ -294,7 +294,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     if grad_filter is not None:
         from .adapt import apply_grad_filter
 
-        report = apply_grad_filter(model, grad_filter)
+        probe = slice_batch(inputs, 0, min(batch, 2)) if isinstance(inputs, torch.Tensor) else None
+        report = apply_grad_filter(model, grad_filter, example_input=probe)
         log.info("gradient filtering: %s", report)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
     if not 0 <= safety_margin < 0.5:

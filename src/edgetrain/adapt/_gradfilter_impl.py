@@ -293,15 +293,28 @@ def _tap_backward(g: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.
             gxc = gxc.permute(3, 0, 1, 2)
         return gxc, gw
     g_t = g.permute(1, 2, 3, 0).reshape(o, l_out * n)  # free: stored channel-major
+    scale = _identity_scale(ah, aw, kh, kw)
+    if scale is not None:  # 1x1 stride 1 on whole patches: T = r^2 I, so Z is the pooled input
+        g_t = g_t * scale
     if need_w:
         xc = x_pooled.permute(1, 2, 3, 0).reshape(c, l_in, n)
-        z = torch.matmul(tap, xc).reshape(c * taps, l_out * n)  # [C kH kW, H_o' W_o' N]
-        gw = (g_t @ z.T).reshape(w_shape)
+        z = xc if scale is not None else torch.matmul(tap, xc)
+        gw = (g_t @ z.reshape(c * taps, l_out * n).T).reshape(w_shape)
     if need_x:
-        gz = weight.reshape(o, c * taps).T @ g_t
-        gxs = torch.matmul(tap.T, gz.reshape(c, taps * l_out, n))
+        gz = weight.reshape(o, c * taps).T @ g_t  # [C kH kW, H_o' W_o' N]
+        gxs = gz if scale is not None else torch.matmul(tap.T, gz.reshape(c, taps * l_out, n))
         gxc = gxs.reshape(c, ah.n_in_c, aw.n_in_c, n).permute(3, 0, 1, 2)
     return gxc, gw
+
+
+@functools.lru_cache(maxsize=1024)
+def _identity_scale(ah: _Axis, aw: _Axis, kh: int, kw: int) -> float | None:
+    """``c`` when the tap matrix is ``c`` times the identity (1x1 stride-1 convs on whole patches)."""
+    one_tap = kh == kw == 1 and len(ah.blocks) == len(aw.blocks) == 1 and ah.k_c == aw.k_c == 1
+    if not (one_tap and ah.left == aw.left == 0 and ah.stride == aw.stride == 1
+            and ah.n_in_c == ah.n_out_c and aw.n_in_c == aw.n_out_c):
+        return None
+    return float(ah.tables[0][0][0] * aw.tables[0][0][0])
 
 
 def _coarse_backward(g: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,

@@ -50,7 +50,8 @@ def conv2d_backward_flops(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_
     flops = n * o * ho * wo if need_b else 0
     if radius is None:
         return flops + (int(need_x) + int(need_w)) * per_position * w_shape[2] * w_shape[3] * ho * wo
-    ah, aw = coarse_geometry(tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding, dilation, radius)
+    ah, aw = coarse_geometry(tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding,
+                             dilation, radius)
     coarse = per_position * ah.k_c * aw.k_c * ah.n_out_c * aw.n_out_c
     flops += (int(need_x) + int(need_w)) * coarse
     if need_x or need_w:
