@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -83,9 +82,9 @@ class Settings:
     maxbatch_limit: int = 2048
 
 
-QUICK = Settings(budgets=(0.35, 0.5, 1.0), steps=2, repeats=0, quick_segments=True,
-                 maxbatch=replace(QUICK_MODELS["mobilenet_v2"], batch_size=8), maxbatch_resolution=0.25,
-                 maxbatch_limit=256)
+QUICK = Settings(budgets=(0.5, 1.0), steps=2, repeats=0, quick_segments=True,
+                 maxbatch=replace(FULL_MODELS["mobilenet_v2"], batch_size=8), maxbatch_resolution=0.5,
+                 maxbatch_limit=64)
 
 
 # --------------------------------------------------------------------------------------------- selection
@@ -115,6 +114,18 @@ def segment_candidates(n_stages: int, quick: bool = False) -> list[int]:
     root = max(1, round(math.sqrt(n_stages)))
     cand = {2, root} if quick else {2, 4, root, n_stages // 2}
     return sorted(s for s in cand if 1 <= s <= n_stages) or [1]
+
+
+def hopeless(peaks_bytes: Sequence[int], budget_bytes: int) -> bool:
+    """Whether halving the micro-batch further cannot bring the peak under the budget.
+
+    ``peaks_bytes`` are measured peaks at successively halved micro-batches. If a peak is F + a*m, the last
+    halving saved d = a*m/2 and no micro-batch gets below last - d; twice d is allowed for noise.
+    """
+    if len(peaks_bytes) < 2:
+        return False
+    last, d = peaks_bytes[-1], max(0, peaks_bytes[-2] - peaks_bytes[-1])
+    return last - 2 * d > budget_bytes
 
 
 def largest_fitting(by_micro: dict[int, JobResult], budget_bytes: int) -> int | None:
@@ -233,25 +244,45 @@ class MaxBatchReport:
 
 
 # --------------------------------------------------------------------------------------------- measuring
-class Runner:
-    """Runs jobs one at a time in fresh processes, prints a progress line per job, never raises."""
+_KEY_FIELDS = ("model", "input_shape", "batch_size", "mode", "model_kwargs", "budget", "micro_batch_size",
+               "segments", "solver", "steps", "optimizer", "seed", "threads", "env")
 
-    def __init__(self, settings: Settings, progress: Progress) -> None:
+
+def job_key(job: Job | dict[str, Any]) -> str:
+    """Identity of a job for the run's cache and for ``--replay`` (the fields this bench sets)."""
+    d = asdict(job) if isinstance(job, Job) else job
+    return json.dumps({k: d.get(k) for k in _KEY_FIELDS}, sort_keys=True)
+
+
+class Runner:
+    """Runs jobs one at a time in fresh processes, prints a progress line per job, never raises.
+
+    With ``replay`` (the job log of an earlier run), results come from the log instead: the same selection
+    logic then rebuilds the same tables without measuring anything.
+    """
+
+    def __init__(self, settings: Settings, progress: Progress, replay: list[dict[str, Any]] | None = None) -> None:
         self.settings = settings
         self.progress = progress
         self.log: list[dict[str, Any]] = []
         self._cache: dict[str, JobResult] = {}
+        self._replay = None if replay is None else {job_key(e["job"]): e for e in replay}
 
     def __call__(self, job: Job, label: str) -> JobResult:
-        key = json.dumps(asdict(job), sort_keys=True)
+        key = job_key(job)
         if key in self._cache:
             return self._cache[key]
         t0 = time.perf_counter()
-        try:
-            r = run_isolated(job, timeout_s=self.settings.job_timeout_s)
-        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-            r = JobResult(error=str(e)[-500:], error_type=type(e).__name__)
-        wall = time.perf_counter() - t0
+        if self._replay is not None:
+            logged = self._replay.get(key)
+            r = JobResult(**logged["result"]) if logged else JobResult(error="not in the replayed log",
+                                                                       error_type="NotMeasured")
+        else:
+            try:
+                r = run_isolated(job, timeout_s=self.settings.job_timeout_s)
+            except Exception as e:  # noqa: BLE001 - a crashed job is a table entry, never the end of the run
+                r = JobResult(error=str(e)[-500:], error_type=type(e).__name__)
+        wall = time.perf_counter() - t0 if self._replay is None or not logged else logged.get("wall_s", 0.0)
         if r.ok:
             what = f"peak {mib(r.peak_bytes)} MiB, step {secs(r.step_time_s)} s"
         elif r.error_type == "BudgetError":
@@ -297,7 +328,8 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
 
     plain_by_mb = {B: plain}  # measured once, reused at every budget
     for m in micro_batch_candidates(B)[1:]:
-        if any(fits(r, lowest) for r in plain_by_mb.values()):
+        if any(fits(r, lowest) for r in plain_by_mb.values()) or \
+                hopeless([r.peak_bytes for r in plain_by_mb.values() if r.ok], lowest):
             break
         plain_by_mb[m] = run(_job(spec, s, mode="plain", micro_batch_size=m, env=SYSTEM_ALLOC), f"plain mb={m}")
 
@@ -319,24 +351,30 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
         m = largest_fitting(plain_by_mb, budget)
         e = Entry("plain", budget, B)
         if m is None:
-            e.note = f"nothing fits (mb={min(plain_by_mb)}: {mib(plain_by_mb[min(plain_by_mb)].peak_bytes)} MiB)"
+            ran = min((k for k, r in plain_by_mb.items() if r.ok), default=B)
+            e.note = f"nothing fits (mb={ran}: {mib(plain_by_mb[ran].peak_bytes)} MiB)"
         else:
             e.result, e.config = plain_by_mb[m], f"mb={m}" + (f" x{math.ceil(B / m)} accum" if m < B else "")
         rep.entries[(frac, "plain")] = e
 
         # checkpoint_sequential: fastest fitting segment count; accumulate only when nothing fits at B.
         # Going down in micro-batch, the leanest segment count at B is tried first; the others only where it fits.
-        if fastest_fitting({k: v for k, v in ckpt.items() if k[0] == B}, budget) is None:
+        if full and fastest_fitting({k: v for k, v in ckpt.items() if k[0] == B}, budget) is None:
             for m in micro_batch_candidates(B)[1:]:
                 if fits(ck(m, lean_seg), budget):
                     for seg in segs:
                         ck(m, seg)
                     break
+                lean = [r.peak_bytes for (mb, sg), r in sorted(ckpt.items(), reverse=True) if sg == lean_seg and r.ok]
+                if hopeless(lean, budget):
+                    break
         best = fastest_fitting(ckpt, budget)
         e = Entry("checkpoint_sequential", budget, B)
         if best is None:
             low = min((r.peak_bytes for r in ckpt.values() if r.ok), default=None)
-            e.note = f"nothing fits (lowest measured {mib(low)} MiB)"
+            failed = next((r for r in ckpt.values() if not r.ok), None)
+            e.note = (f"nothing fits (lowest measured {mib(low)} MiB)" if low is not None else
+                      f"failed: {failed.error_type if failed else '?'}")
         else:
             e.result = ckpt[best]
             e.config = f"seg={best[1]}" + (f", mb={best[0]} x{math.ceil(B / best[0])} accum" if best[0] < B else "")
@@ -367,6 +405,8 @@ def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int) -
         e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp"
     elif r.error_type == "BudgetError":
         e.note = f"infeasible, min {mib(r.min_feasible_bytes)} MiB"
+        if r.peak_bytes > budget:  # prepare() must stay inside the budget even when it gives up
+            e.note += f"; prepare peaked at {mib(r.peak_bytes)} MiB, over the budget"
     elif not r.ok:
         e.note = f"failed: {r.error_type}"
     return e
@@ -471,7 +511,7 @@ def versus_line(rep: ModelReport) -> str:
 
 def plans_table(rep: ModelReport) -> Table:
     t = Table(f"{_label(rep.spec)}: edgetrain plans", ["budget", "micro-batch", "recomputed", "pred peak MiB",
-              "meas peak MiB", "meas/pred", "pred step s", "meas step s", "meas/pred", "prepare s"], left=(0,))
+              "meas peak MiB", "meas/pred", "pred step s", "meas step s", "meas/pred", "prepare s"], left=(0, 1))
     for frac, budget in rep.budgets:
         e = rep.entries[(frac, "edgetrain")]
         r = e.result
@@ -528,7 +568,7 @@ def maxbatch_table(m: MaxBatchReport) -> tuple[Table, str]:
 # --------------------------------------------------------------------------------------------- main
 def build_report(reports: Sequence[ModelReport], maxb: MaxBatchReport | None, meta: list[tuple[str, str]],
                  markdown: bool) -> str:
-    sections: list[tuple[str, list[Table | str]]] = [("Reference", [reference_table(reports)])]
+    sections: list[tuple[str, list[Table | str]]] = [("Reference", [reference_table(reports)])] if reports else []
     for r in reports:
         items: list[Table | str] = [r.error] if r.error else [budget_table(r), versus_line(r), plans_table(r)]
         sections.append((_label(r.spec), items))
@@ -542,7 +582,7 @@ def build_report(reports: Sequence[ModelReport], maxb: MaxBatchReport | None, me
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke-sized run (small inputs and batches, 3 budgets)")
+    p.add_argument("--quick", action="store_true", help="smoke-sized run (small inputs and batches, budgets 50%% and 100%%)")
     p.add_argument("--models", default=",".join(FULL_MODELS), help="comma-separated subset of "
                    f"{','.join(FULL_MODELS)}")
     p.add_argument("--budgets", default=None, help="comma-separated fractions of P, e.g. 0.2,0.5,1")
@@ -553,6 +593,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the report as markdown here")
     p.add_argument("--json", default=None, help="write every job and its raw result here")
     p.add_argument("--note", default="", help="a line added to the report (e.g. 'machine shared')")
+    p.add_argument("--replay", default=None, help="rebuild the tables from a --json log of an earlier run "
+                   "(same flags as that run; nothing is measured)")
     return p.parse_args(argv)
 
 
@@ -580,10 +622,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("torch", info["torch"]), ("load average at start", info["loadavg (1/5/15 min)"]),
             ("settings", f"budgets {', '.join(f'{b:.0%}' for b in s.budgets)} of P; {s.steps} steps per job "
                          f"(median of all but the first); {s.repeats} interleaved repeat(s) for the 50% claim")]
+    replay = None
+    if args.replay:
+        logged = json.loads(Path(args.replay).read_text())
+        replay = logged["jobs"] if isinstance(logged, dict) else logged
+        if isinstance(logged, dict) and logged.get("meta"):
+            meta = [tuple(m) for m in logged["meta"] if m[0] not in ("load average at end", "wall time")]
+        meta.append(("replayed", f"tables rebuilt from {args.replay} at {time.strftime('%Y-%m-%d %H:%M %Z')}"))
     if args.note:
         meta.append(("note", args.note))
     print(render("edgetrain bench: training under memory budgets (issue 2)", meta, [], False), flush=True)
-    run = Runner(s, progress)
+    run = Runner(s, progress, replay)
     reports: list[ModelReport] = []
     if "budgets" in sections:
         for name in names:
@@ -594,15 +643,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     maxb = None
     if "maxbatch" in sections and s.maxbatch.name in names:
         maxb = bench_maxbatch(s, run, reports)
-    meta += [("load average at end", machine_info()["loadavg (1/5/15 min)"]),
-             ("wall time", f"{progress.elapsed_s() / 60:.1f} min, {len(run.log)} jobs")]
+    if replay is None:
+        meta += [("load average at end", machine_info()["loadavg (1/5/15 min)"]),
+                 ("wall time", f"{progress.elapsed_s() / 60:.1f} min, {len(run.log)} jobs")]
+    else:
+        meta += [(k, v) for k, v in (logged.get("meta", []) if isinstance(logged, dict) else [])
+                 if k in ("load average at end", "wall time")]
+    if args.json:  # first, so that the raw measurements survive any error below
+        Path(args.json).write_text(json.dumps({"meta": meta, "jobs": run.log}, indent=1))
+        print(f"wrote {args.json}")
     print("\n" + build_report(reports, maxb, meta, markdown=False))
     if args.out:
         Path(args.out).write_text(build_report(reports, maxb, meta, markdown=True))
         print(f"wrote {args.out}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(run.log, indent=1))
-        print(f"wrote {args.json}")
     print(f"total wall time {progress.elapsed_s() / 60:.1f} min")
     return 0
 

@@ -42,6 +42,8 @@ class Job:
         seed: for the model's initialisation and the random batch.
         threads: torch intra-op threads (0: leave the default).
         env: extra environment variables for the worker (e.g. ``EDGETRAIN_ALLOCATOR=system``).
+        paging: for edgetrain, let the planner page saved tensors as well as recompute (``prepare(paging=)``).
+        objective: for edgetrain with paging, ``"time"`` or ``"energy"`` (``prepare(objective=)``).
     """
 
     model: str
@@ -58,6 +60,8 @@ class Job:
     seed: int = 0
     threads: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    paging: bool = False
+    objective: str = "time"
 
 
 @dataclass
@@ -110,6 +114,45 @@ def _make_optimizer(job: Job, model: Any) -> Any:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
+def _single_value_functions(chain: Any) -> list[Any] | None:
+    """The chain as functions of the one value crossing each clean cut, for ``checkpoint_sequential``.
+
+    Consecutive stages are grouped until exactly one value produced so far is read later (values such as
+    sizes that cross a stage boundary beside the activation stay inside a group); a chain of single-input,
+    single-output stages gives one function per stage. None when no such grouping exists.
+    """
+    from .capture import OUTPUT_KEY
+
+    stages = chain.stages
+    if len(chain.input_names) != 1:
+        return None
+    read_after: list[set[str]] = []
+    reads: set[str] = set()
+    for st in reversed(stages):
+        read_after.append(set(reads))
+        reads |= set(st.inputs)
+    read_after.reverse()
+    produced, start, name_in = set(chain.input_names), 0, chain.input_names[0]
+    funcs = []
+    for k, st in enumerate(stages):
+        produced |= set(st.outputs)
+        crossing = {OUTPUT_KEY} & produced if k == len(stages) - 1 else produced & read_after[k]
+        if len(crossing) != 1:
+            continue
+        (name_out,) = crossing
+
+        def run(v: Any, group: tuple[Any, ...] = tuple(stages[start:k + 1]), a: str = name_in,
+                b: str = name_out) -> Any:
+            env = {a: v}
+            for g in group:
+                env.update(zip(g.outputs, g(*(env[i] for i in g.inputs))))
+            return env[b]
+
+        funcs.append(run)
+        start, name_in = k + 1, name_out
+    return funcs if start == len(stages) and funcs else None
+
+
 def _worker(job: Job) -> JobResult:
     import torch
 
@@ -127,7 +170,8 @@ def _worker(job: Job) -> JobResult:
     if job.mode == "edgetrain":
         try:
             step = edgetrain.prepare(model, opt, loss_fn, (x, y), memory_budget=job.budget,
-                                     micro_batch_size=job.micro_batch_size, solver=job.solver)
+                                     micro_batch_size=job.micro_batch_size, solver=job.solver,
+                                     paging=job.paging, objective=job.objective)
         except BudgetError as e:
             res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
             res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())
@@ -153,10 +197,10 @@ def _worker(job: Job) -> JobResult:
         from .capture import capture
 
         chain = capture(model, x[:2])
-        if any(len(s.inputs) != 1 or len(s.outputs) != 1 for s in chain.stages):
+        funcs = _single_value_functions(chain)
+        if funcs is None:
             res.error, res.error_type = "model is not a plain sequence of single-tensor stages", "ValueError"
             return res
-        funcs = [lambda v, s=s: s(v)[0] for s in chain.stages]
         segments = max(1, min(job.segments or 1, len(funcs)))
         m = job.micro_batch_size or job.batch_size
 

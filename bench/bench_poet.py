@@ -1,0 +1,766 @@
+"""Bench (issue 3): joint recomputation + paging (POET-style) against recompute-only and paging-only.
+
+Run: ``python bench/bench_poet.py [--quick] [--models mobilenet_v2,resnet18,transformer] [--out FILE.md]``
+
+Per model, at a batch where activations dominate and with the micro-batch FIXED to the full batch (paging
+cannot beat recomputation at micro-batch 1, where both fit the same few tensors, so every family is compared
+at one size):
+
+1. profile once in a fresh process (``prepare`` without a budget; ``step.costs``) and, with the measured
+   ``host`` device profile, the smallest feasible budget of each policy family (recompute-only,
+   paging-only, joint), from the planners' ``BudgetError.min_feasible_bytes``;
+2. a budget sweep from the joint minimum to plain PyTorch's peak: per family the predicted step time and
+   energy (energy objective), solve time and proven gap, by the exact DP (``poet``) and the MILP
+   (``poet-milp``);
+3. a real run in a fresh process (``measure.run_isolated``, ``prepare(paging=True)``) at a budget below
+   recompute-only's minimum but above joint's: measured peak vs budget, measured vs predicted step time;
+   the same budget with ``paging=False`` (expected: BudgetError) and plain PyTorch for reference; then,
+   in this process, the plan that ran vs plain PyTorch for 2 steps, ``torch.equal`` on every parameter
+   and buffer;
+4. solve time of both planners on chains of 100+ stages (a random synthetic chain and a real profiled
+   chain repeated), each solve in a forked child with a hard wall-clock cap.
+
+Every subprocess uses a private profile cache (a temp dir), so nothing measured by others is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Progress, Table, machine_info, mib, render, secs  # noqa: E402
+
+MIB = 2**20
+FAMILIES = (("recompute-only", False, True), ("paging-only", True, False), ("joint", True, True))
+SOLVERS = ("poet", "poet-milp")            # exact DP, HiGHS MILP
+TIME_TOLERANCE = 0.25                      # measured step time within 25% of the prediction
+SOLVE_LIMIT_S, GAP_LIMIT = 10.0, 0.01      # issue 3: under 10 s to a proven gap under 1%
+SAFETY_MARGIN = 0.03                       # prepare()'s default share of the budget held back
+MAX_TRIES = 3                              # fresh runs at rising budgets before a real run counts as failed
+OPT_LR, OPT_MOMENTUM = 0.01, 0.9           # as edgetrain.measure's "sgd"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the bench trains it (``name`` from ``edgetrain.models.MODEL_NAMES``)."""
+
+    name: str
+    kwargs: dict[str, Any]
+    input_shape: tuple[int, ...]
+    batch_size: int
+
+
+_MNV2 = {"num_classes": 10, "in_channels": 3}
+_RN18 = {"num_classes": 10, "in_channels": 3, "small_input": True}
+_TF = {"num_classes": 10, "input_dim": 28}
+FULL_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", _MNV2, (3, 64, 64), 32),
+               "resnet18": ModelSpec("resnet18", _RN18, (3, 32, 32), 32),
+               "transformer": ModelSpec("transformer", _TF, (28, 28), 64)}
+QUICK_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", _MNV2, (3, 32, 32), 16),
+                "resnet18": ModelSpec("resnet18", _RN18, (3, 16, 16), 16),
+                "transformer": ModelSpec("transformer", _TF, (28, 28), 32)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much to measure (``--quick`` picks the small values)."""
+
+    steps: int = 3                          # optimizer steps per fresh-process job (first is warm-up)
+    fraction: float = 0.5                   # real-run plan budget: joint min + f x (recompute min - joint min)
+    real_models: tuple[str, ...] | None = None   # models given a real run (None: all)
+    check_recompute: bool = True            # fresh run with paging=False at the same budget
+    plain_runs: bool = True                 # fresh plain-PyTorch run per model
+    exact_steps: int = 2
+    synth_stages: int = 120
+    tiled_copies: int = 5                   # real chain repeated to 100+ stages (0: skip)
+    synth_objectives: tuple[tuple[str, float | None], ...] = (("energy", None), ("time", None), ("energy", 1.5))
+    solve_cap_s: float = 30.0               # hard wall-clock cap per synthetic solve (forked child)
+    job_timeout_s: float = 900.0
+
+
+QUICK = Settings(steps=2, plain_runs=False, tiled_copies=0, real_models=("transformer",),
+                 synth_objectives=(("energy", None), ("time", None)), solve_cap_s=15.0, job_timeout_s=300.0)
+
+
+# ----------------------------------------------------------------------------------------------- rows
+@dataclass
+class MinRow:
+    """Smallest feasible budget per family for one model at micro-batch = batch (bytes; None: not found)."""
+
+    model: str
+    batch: int
+    stages: int
+    fixed_bytes: int
+    plain_peak_bytes: int
+    plain_time_s: float
+    mins: dict[str, int | None]
+
+
+@dataclass
+class SweepRow:
+    """One family planned by one solver at one budget (energy objective)."""
+
+    model: str
+    budget_bytes: int
+    plain_peak_bytes: int
+    family: str
+    solver: str
+    feasible: bool
+    time_s: float = 0.0
+    energy_j: float = 0.0
+    peak_bytes: int = 0
+    solve_s: float = 0.0
+    gap: float | None = None
+    recomputed: int = 0
+    paged: int = 0
+
+
+@dataclass
+class RealRow:
+    """The fresh-process run at a budget below recompute-only's minimum, and its checks."""
+
+    model: str
+    budget_bytes: int
+    joint_min_bytes: int
+    rec_min_bytes: int
+    error: str | None = None
+    peak_bytes: int = 0
+    predicted_peak_bytes: int = 0
+    predicted_time_s: float = 0.0
+    measured_time_s: float = 0.0
+    predicted_energy_j: float | None = None
+    micro_batch: int = 0
+    recomputed: int = 0
+    paged: int = 0
+    rec_only: str = "not run"               # what a paging=False run at this budget did
+    rec_only_ran: bool | None = None        # None: not run; True: it fitted (paging gained nothing here)
+    failed_tries: list[str] = field(default_factory=list)   # earlier attempts' BudgetErrors, budget raised after
+    predicted_stall_s: float = 0.0
+    plain_peak_bytes: int = 0
+    plain_time_s: float = 0.0
+    plain_predicted_time_s: float = 0.0     # plain's step time predicted by the bench's profile (table 1)
+    exact: bool | None = None
+    exact_tensors: int = 0
+    paged_written_bytes: int = 0
+    exact_note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None and 0 < self.peak_bytes <= self.budget_bytes
+
+    @property
+    def time_ratio(self) -> float | None:
+        ok = self.error is None and self.predicted_time_s > 0 and self.measured_time_s > 0
+        return self.measured_time_s / self.predicted_time_s if ok else None
+
+
+@dataclass
+class SolveRow:
+    """One solve of a long chain."""
+
+    chain: str
+    stages: int
+    budget_label: str
+    budget_bytes: int
+    objective: str
+    time_budget: float | None
+    solver: str
+    status: str                              # ok / ok, time limit / infeasible / killed / error
+    wall_s: float = 0.0
+    gap: float | None = None
+    energy_j: float = 0.0
+    time_s: float = 0.0
+
+    @property
+    def meets(self) -> bool:
+        return (self.status.startswith("ok") and self.wall_s < SOLVE_LIMIT_S and self.gap is not None
+                and self.gap < GAP_LIMIT)
+
+
+# ------------------------------------------------------------------------------------------ table code
+def _pct(part: float, whole: float) -> str:
+    return "-" if not whole else f"{100 * part / whole:.0f}%"
+
+
+def _gap(g: float | None) -> str:
+    return "-" if g is None else f"{100 * g:.2f}%"
+
+
+def _mark(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "NO")
+
+
+def min_table(rows: Sequence[MinRow]) -> Table:
+    """Table 1: smallest feasible budget per family, at micro-batch = batch."""
+    t = Table("1. Smallest feasible budget per policy family (MiB; micro-batch fixed to the batch)",
+              ["model", "batch", "stages", "fixed", "plain peak", "recompute-only", "paging-only", "joint",
+               "joint / recompute", "joint < recompute"])
+    for r in rows:
+        rec, joint = r.mins.get("recompute-only"), r.mins.get("joint")
+        ratio = "-" if not rec or joint is None else f"{joint / rec:.2f}"
+        t.add(r.model, r.batch, r.stages, mib(r.fixed_bytes), mib(r.plain_peak_bytes), mib(rec),
+              mib(r.mins.get("paging-only")), mib(joint), ratio,
+              _mark(None if rec is None or joint is None else joint < rec))
+    t.notes.append("predicted by the planners (BudgetError.min_feasible_bytes) from one profile per model; "
+                   "whole training memory: fixed bytes (weights, gradients, optimizer state, batch, runtime) "
+                   "+ activations")
+    t.notes.append("the micro-batch is the full batch for every family: at micro-batch 1 recomputation and "
+                   "paging keep the same few tensors resident, so paging cannot lower the minimum there")
+    return t
+
+
+def sweep_claims(rows: Sequence[SweepRow], solver: str = "poet") -> dict[tuple[str, int], bool | None]:
+    """Per (model, budget): joint energy <= min(recompute-only, paging-only) where both are feasible.
+
+    ``None`` where one of the single families is infeasible (the claim does not apply).
+    """
+    by: dict[tuple[str, int], dict[str, SweepRow]] = {}
+    for r in rows:
+        if r.solver == solver:
+            by.setdefault((r.model, r.budget_bytes), {})[r.family] = r
+    out: dict[tuple[str, int], bool | None] = {}
+    for key, fam in by.items():
+        rec, pag, joint = fam.get("recompute-only"), fam.get("paging-only"), fam.get("joint")
+        if not (rec and pag and joint and rec.feasible and pag.feasible):
+            out[key] = None
+            continue
+        out[key] = joint.feasible and joint.energy_j <= min(rec.energy_j, pag.energy_j) * (1 + 1e-9)
+    return out
+
+
+def sweep_table(rows: Sequence[SweepRow], energy_label: str) -> Table:
+    """Table 2: the budget sweep, one row per (model, budget, family): the exact DP's plan, the MILP beside it."""
+    claims = sweep_claims(rows)
+    by: dict[tuple[str, int, str], dict[str, SweepRow]] = {}
+    for r in rows:
+        by.setdefault((r.model, r.budget_bytes, r.family), {})[r.solver] = r
+    t = Table("2. Budget sweep (energy objective, micro-batch = batch): predicted time and energy per family",
+              ["model", "budget", "% plain", "family", "step s", "energy J", "peak", "rec/page", "DP ms",
+               "MILP energy J", "MILP ms", "MILP gap", "joint <= best single"])
+    for (model, budget, family), by_solver in by.items():
+        dp, mi = by_solver.get("poet"), by_solver.get("poet-milp")
+        claim = _mark(claims.get((model, budget))) if family == "joint" else ""
+        cells: list[Any] = [model, mib(budget), _pct(budget, dp.plain_peak_bytes if dp else 0), family]
+        if dp is None or not dp.feasible:
+            cells += ["infeasible", "", "", "", "-" if dp is None else f"{dp.solve_s * 1e3:.0f}"]
+        else:
+            cells += [f"{dp.time_s:.3f}", f"{dp.energy_j:.3f}", mib(dp.peak_bytes), f"{dp.recomputed}/{dp.paged}",
+                      f"{dp.solve_s * 1e3:.0f}"]
+        if mi is None or not mi.feasible:
+            cells += ["infeasible" if mi else "-", "-" if mi is None else f"{mi.solve_s * 1e3:.0f}", ""]
+        else:
+            cells += [f"{mi.energy_j:.3f}", f"{mi.solve_s * 1e3:.0f}", _gap(mi.gap)]
+        t.add(*cells, claim)
+    t.left = (0, 3)
+    t.notes.append(f"energy: {energy_label}")
+    t.notes.append("step s, energy, peak, rec/page (stages recomputed / paged): the exact DP's plan (solver poet, "
+                   "gap 0); MILP (poet-milp, HiGHS, mip_rel_gap 1%) energy, solve time and proven gap beside it")
+    t.notes.append("last column: joint energy <= min(recompute-only, paging-only) (exact DP) at budgets both "
+                   "single families meet; n/a where one of them is infeasible")
+    return t
+
+
+def real_table(rows: Sequence[RealRow], steps: int) -> Table:
+    """Table 3: fresh-process runs at a budget only joint/paging plans meet."""
+    t = Table("3. Real runs (fresh process, prepare(paging=True, objective='energy'), micro-batch = batch)",
+              ["model", "budget", "joint min", "rec min", "measured peak", "fits", "rec/page", "pred step s",
+               "meas step s", "meas/pred", "within 25%", "pred stall s", "pred J", "paging=False here",
+               "plain peak", "plain step s (pred)", "bit-exact"])
+    for r in rows:
+        if r.error is not None:
+            t.add(r.model, mib(r.budget_bytes), mib(r.joint_min_bytes), mib(r.rec_min_bytes),
+                  f"FAILED: {r.error[:60]}", "NO")
+            continue
+        ratio = r.time_ratio
+        exact = _mark(r.exact) + (f" ({r.exact_tensors} tensors, {mib(r.paged_written_bytes)} MiB paged)"
+                                  if r.exact is not None else f" ({r.exact_note})" if r.exact_note else "")
+        t.add(r.model, mib(r.budget_bytes), mib(r.joint_min_bytes), mib(r.rec_min_bytes), mib(r.peak_bytes),
+              _mark(r.fits), f"{r.recomputed}/{r.paged}", secs(r.predicted_time_s, 3),
+              secs(r.measured_time_s, 3), "-" if ratio is None else f"{ratio:.2f}",
+              _mark(None if ratio is None else abs(ratio - 1) <= TIME_TOLERANCE), f"{r.predicted_stall_s:.3f}",
+              "-" if r.predicted_energy_j is None else f"{r.predicted_energy_j:.3f}", r.rec_only,
+              mib(r.plain_peak_bytes) if r.plain_peak_bytes else "-",
+              f"{secs(r.plain_time_s, 3)} ({secs(r.plain_predicted_time_s, 3)})", exact)
+    t.notes.append("budget: first try with the plan part (budget minus prepare's 3% margin) halfway between the joint "
+                   f"and the recompute-only minimum of table 1; on BudgetError again (at most {MAX_TRIES} tries) at the "
+                   "larger of the budget the error names and 1.02x the budget tried")
+    t.notes.append("peaks: VmHWM minus RSS after import, profiling and validation included; 'paging=False here': "
+                   "a fresh run at the same budget restricted to keep/recompute")
+    t.notes += [f"{r.model}: earlier tries: {'; '.join(r.failed_tries)}" for r in rows if r.failed_tries]
+    t.notes.append(f"measured step: median of the {steps - 1} step(s) after the first; predicted: the plan's "
+                   "step_time_s from the run's own profile (pred stall: the part of it spent waiting for paging)")
+    t.notes.append("plain step s: a fresh plain-PyTorch run (glibc's default allocator), in brackets the step "
+                   "time the bench's profile predicts for it: how far profiling and running disagree without paging")
+    t.notes.append("bit-exact: in this process, the plan that ran vs plain PyTorch from the same initial weights, "
+                   "torch.equal on every parameter and buffer after the steps")
+    return t
+
+
+def solve_table(rows: Sequence[SolveRow], cap_s: float) -> Table:
+    """Table 4: solve time and proven gap on long chains."""
+    t = Table(f"4. Solve time on chains of 100+ stages (limit {SOLVE_LIMIT_S:g} s to a gap < {GAP_LIMIT:.0%})",
+              ["chain", "stages", "budget", "objective", "solver", "status", "wall s", "gap", "energy J",
+               "step s", "< 10 s and < 1%"])
+    for r in rows:
+        obj = r.objective + ("" if r.time_budget is None else f", time <= {r.time_budget:g}x")
+        t.add(r.chain, r.stages, f"{r.budget_label} {mib(r.budget_bytes)}", obj, r.solver, r.status,
+              f"{r.wall_s:.2f}", _gap(r.gap), f"{r.energy_j:.3f}" if r.status.startswith("ok") else "",
+              f"{r.time_s:.3f}" if r.status.startswith("ok") else "",
+              "n/a" if r.status == "infeasible" else _mark(r.meets))
+    t.left = (0, 2, 3, 4, 5)
+    t.notes.append("budgets: tight = recompute-only's smallest feasible budget (any micro-batch), mid = halfway "
+                   "from there to the all-keep peak at the full batch; micro-batch sizes chosen by the planner")
+    t.notes.append(f"both planners are given time_limit_s={SOLVE_LIMIT_S:g}; each solve runs in a forked child "
+                   f"killed after {cap_s:g} s ('killed'); 'ok, time limit': the Plan notes that the time limit "
+                   "ended the search (the gap is what was proven)")
+    return t
+
+
+def claims_table(lines: Sequence[str]) -> Table:
+    """The claim lines of :func:`claim_lines` as a two-column table (verdict, what was checked)."""
+    t = Table("Claims of issue 3", ["verdict", "claim"], left=(0, 1))
+    for line in lines:
+        verdict, _, text = line.partition(" ")
+        t.add(verdict, text.strip())
+    return t
+
+
+def claim_lines(mins: Sequence[MinRow], sweep: Sequence[SweepRow], real: Sequence[RealRow],
+                solves: Sequence[SolveRow]) -> list[str]:
+    """The issue's claims, one line each, PASS / FAIL / n/a first, with the numbers behind them."""
+    out = []
+    for r in mins:
+        rec, joint = r.mins.get("recompute-only"), r.mins.get("joint")
+        ok = rec is not None and joint is not None and joint < rec
+        out.append(f"{'PASS' if ok else 'FAIL'} min budget {r.model}: joint {mib(joint)} MiB vs recompute-only "
+                   f"{mib(rec)} MiB (paging-only {mib(r.mins.get('paging-only'))} MiB)")
+    if sweep:
+        applicable = {k: v for k, v in sweep_claims(sweep).items() if v is not None}
+        bad = [f"{m} @ {mib(b)} MiB" for (m, b), v in applicable.items() if not v]
+        out.append(f"{'PASS' if applicable and not bad else 'FAIL'} joint energy <= best single family at "
+                   f"{len(applicable) - len(bad)}/{len(applicable)} budgets both meet (exact DP)"
+                   + (f"; fails at {', '.join(bad)}" if bad else ""))
+    for r in real:
+        if r.error is not None:
+            out.append(f"FAIL real run {r.model} at {mib(r.budget_bytes)} MiB: {r.error[:100]}")
+            continue
+        ratio = r.time_ratio
+        below = (not r.rec_only_ran) if r.rec_only_ran is not None else \
+            r.budget_bytes * (1 - SAFETY_MARGIN) < r.rec_min_bytes
+        how = (f"paging=False at this budget: {r.rec_only}" if r.rec_only_ran is not None else
+               f"recompute-only minimum {mib(r.rec_min_bytes)} MiB (planner)")
+        out.append(f"{'PASS' if r.fits and below else 'FAIL'} real run {r.model}: peak {mib(r.peak_bytes)} <= budget "
+                   f"{mib(r.budget_bytes)} MiB: {_mark(r.fits)}; below recompute-only: {_mark(below)} ({how})")
+        within = ratio is not None and abs(ratio - 1) <= TIME_TOLERANCE
+        out.append(f"{'PASS' if within else 'FAIL'} step time {r.model}: measured {secs(r.measured_time_s, 3)} s "
+                   f"vs predicted {secs(r.predicted_time_s, 3)} s"
+                   + ("" if ratio is None else f" ({ratio:.2f}x)"))
+        verdict = "n/a" if r.exact is None else ("PASS" if r.exact else "FAIL")
+        out.append(f"{verdict} bit-exact {r.model}: {r.exact_tensors} tensors equal after the steps"
+                   + (f" ({r.exact_note})" if r.exact_note else ""))
+    groups: dict[tuple[str, str, str, float | None], list[SolveRow]] = {}
+    for s in solves:
+        groups.setdefault((s.chain, s.budget_label, s.objective, s.time_budget), []).append(s)
+    configs = [rs for rs in groups.values() if not all(s.status == "infeasible" for s in rs)]
+    if not configs:
+        return out
+    for solver in sorted({s.solver for rs in configs for s in rs}):
+        rs = [s for g in configs for s in g if s.solver == solver]
+        misses = [f"{s.chain} {s.budget_label} {s.objective}{'' if s.time_budget is None else f' <={s.time_budget:g}x'}"
+                  f" ({s.status}, {s.wall_s:.1f} s, gap {_gap(s.gap)})" for s in rs if not s.meets]
+        out.append(f"{'FAIL' if misses else 'PASS'} solve {solver}: {len(rs) - len(misses)}/{len(rs)} long-chain "
+                   f"solves under {SOLVE_LIMIT_S:g} s to a gap < {GAP_LIMIT:.0%}"
+                   + (f"; misses: {'; '.join(misses)}" if misses else ""))
+    either = sum(any(s.meets for s in g) for g in configs)
+    out.append(f"{'PASS' if either == len(configs) else 'FAIL'} solve, better planner per configuration: "
+               f"{either}/{len(configs)} under {SOLVE_LIMIT_S:g} s to a gap < {GAP_LIMIT:.0%}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- measurement
+def _job(spec: ModelSpec, **kw: Any) -> Any:
+    from edgetrain.measure import Job
+
+    return Job(spec.name, spec.input_shape, spec.batch_size, model_kwargs=dict(spec.kwargs), **kw)
+
+
+def profile_model(spec: ModelSpec, env: dict[str, str], timeout_s: float) -> Any:
+    """Profile ``spec`` in a fresh process (``prepare`` without a budget) and return its ``CostChain``."""
+    from edgetrain.graph import CostChain
+
+    arg = json.dumps({"name": spec.name, "kwargs": spec.kwargs, "shape": spec.input_shape, "batch": spec.batch_size})
+    proc = subprocess.run([sys.executable, __file__, "--profile-worker", arg], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, **env})
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("BENCH_POET_COSTS "):
+            return CostChain.from_json(line[len("BENCH_POET_COSTS "):])
+    raise RuntimeError(f"profiling {spec.name} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def _profile_worker(arg: str) -> int:
+    import torch
+
+    import edgetrain
+    from edgetrain.measure import build_model_and_batch
+
+    d = json.loads(arg)
+    spec = ModelSpec(d["name"], d["kwargs"], tuple(d["shape"]), d["batch"])
+    model, x, y = build_model_and_batch(_job(spec))
+    opt = torch.optim.SGD(model.parameters(), lr=OPT_LR, momentum=OPT_MOMENTUM)
+    step = edgetrain.prepare(model, opt, torch.nn.CrossEntropyLoss(), (x, y), name=spec.name)
+    print("BENCH_POET_COSTS " + json.dumps(step.costs.to_dict()), flush=True)
+    step.close()
+    return 0
+
+
+def family_minimums(costs: Any, device: Any, batch: int) -> dict[str, int | None]:
+    """Smallest feasible budget of each family at micro-batch ``batch`` (the planners' BudgetError)."""
+    from edgetrain.errors import BudgetError
+    from edgetrain.planners import solve_poet_dp
+
+    out: dict[str, int | None] = {}
+    for fam, paging, recompute in FAMILIES:
+        try:
+            solve_poet_dp(costs, 0, device=device, paging=paging, recompute=recompute, micro_batch_sizes=[batch])
+            out[fam] = 0
+        except BudgetError as e:
+            out[fam] = e.min_feasible_bytes
+    return out
+
+
+def _solve(solver: str, costs: Any, budget: int, **kw: Any) -> Any:
+    from edgetrain.planners import solve_poet, solve_poet_dp
+
+    return (solve_poet_dp if solver == "poet" else solve_poet)(costs, budget, **kw)
+
+
+def sweep_model(model: str, costs: Any, device: Any, budgets: Sequence[int], plain_peak: int) -> list[SweepRow]:
+    """Plan every family with both solvers at every budget (energy objective, micro-batch = batch)."""
+    from edgetrain.errors import BudgetError
+
+    rows = []
+    for b in budgets:
+        for fam, paging, recompute in FAMILIES:
+            for solver in SOLVERS:
+                t0 = time.perf_counter()
+                try:
+                    p = _solve(solver, costs, b, device=device, objective="energy", paging=paging,
+                               recompute=recompute, micro_batch_sizes=[costs.batch_size])
+                except BudgetError:
+                    rows.append(SweepRow(model, b, plain_peak, fam, solver, False, solve_s=time.perf_counter() - t0))
+                    continue
+                rows.append(SweepRow(model, b, plain_peak, fam, solver, True, p.step_time_s, float(p.energy_j or 0),
+                                     p.peak_bytes, p.solve_time_s, p.optimality_gap, p.policies.count("recompute"),
+                                     p.policies.count("page")))
+    return rows
+
+
+def sweep_budgets(joint_min: int, rec_min: int | None, plain_peak: int) -> list[int]:
+    """Joint minimum, recompute-only minimum, two points between it and plain's peak, plain's peak."""
+    lo = rec_min if rec_min is not None and joint_min < rec_min < plain_peak else joint_min
+    pts = [joint_min, lo] + [int(lo + (plain_peak - lo) * k / 3) for k in (1, 2)] + [plain_peak]
+    return sorted(set(pts))
+
+
+def check_exact(spec: ModelSpec, plan: Any, steps: int, env: dict[str, str]) -> tuple[bool, int, int]:
+    """Train ``plan`` (with its paging) and plain PyTorch from the same weights; compare every tensor.
+
+    Returns:
+        (all equal, tensors compared, bytes the pager wrote).
+    """
+    import torch
+
+    import edgetrain
+    from edgetrain.measure import build_model_and_batch
+
+    os.environ.update(env)
+    ref, x, y = build_model_and_batch(_job(spec))
+    new, _, _ = build_model_and_batch(_job(spec))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=OPT_LR, momentum=OPT_MOMENTUM)
+    opt_new = torch.optim.SGD(new.parameters(), lr=OPT_LR, momentum=OPT_MOMENTUM)
+    step = edgetrain.prepare(new, opt_new, loss_fn, (x, y), paging=True, micro_batch_size=spec.batch_size,
+                             objective="energy", name=spec.name)
+    try:
+        step.set_plan(plan)
+        for i in range(steps):
+            torch.manual_seed(1000 + i)     # the same dropout masks for both (the transformer has dropout)
+            opt_ref.zero_grad(set_to_none=True)
+            loss_fn(ref(x), y).backward()
+            opt_ref.step()
+            torch.manual_seed(1000 + i)
+            step(x, y)
+        pager = getattr(step, "_pager", None)     # TrainStep has no public accessor for its pager
+        written = pager.stats.written_bytes if pager is not None else 0
+    finally:
+        step.close()
+    a, b = ref.state_dict(), new.state_dict()
+    equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return equal, len(a), written
+
+
+def _paging_job(spec: ModelSpec, budget: int, paging: bool, s: Settings, env: dict[str, str]) -> Any:
+    return _job(spec, budget=budget, micro_batch_size=spec.batch_size, paging=paging, objective="energy",
+                solver="poet", steps=s.steps, env=env)
+
+
+def real_run(spec: ModelSpec, mins: dict[str, int | None], s: Settings, env: dict[str, str],
+             log: Callable[[str], None], plain_predicted_time_s: float = 0.0) -> RealRow | None:
+    """Section 3 for one model; ``None`` when paging does not lower the minimum (nothing to show).
+
+    The budget's plan part (budget minus prepare's margin) starts between the joint and the recompute-only
+    minimum of the bench's profile. The fresh process measures its own fixed bytes, which may be larger;
+    if it raises BudgetError the run is repeated once at the budget the error names (what a user would do).
+    Whether that budget is below recompute-only's minimum is then checked the same way: a fresh run with
+    ``paging=False`` at the same budget.
+    """
+    from edgetrain.measure import run_isolated
+    from edgetrain.plan import Plan
+
+    joint, rec = mins.get("joint"), mins.get("recompute-only")
+    if joint is None or rec is None or joint >= rec:
+        return None
+    budget = math.ceil(int(joint + s.fraction * (rec - joint)) / (1 - SAFETY_MARGIN))
+    row = RealRow(spec.name, budget, joint, rec, plain_predicted_time_s=plain_predicted_time_s)
+    for attempt in range(MAX_TRIES):
+        log(f"{spec.name}: fresh run with paging at {mib(budget)} MiB")
+        res = run_isolated(_paging_job(spec, budget, True, s, env), timeout_s=s.job_timeout_s)
+        row.budget_bytes = budget
+        if res.ok:
+            row.error = None
+            break
+        row.error = f"{res.error_type}: {res.error}"
+        log(f"{spec.name}: {row.error[:300]}")
+        if attempt + 1 == MAX_TRIES or res.error_type != "BudgetError":
+            return row
+        row.failed_tries.append(f"{mib(budget)} MiB: {res.error_type} naming {mib(res.min_feasible_bytes)} MiB")
+        budget = max(int(res.min_feasible_bytes or 0), math.ceil(budget * 1.02))
+    p = res.plan or {}
+    policies = list(p.get("policies", []))
+    row.peak_bytes, row.measured_time_s = res.peak_bytes, res.step_time_s
+    row.predicted_peak_bytes, row.predicted_time_s = int(p.get("peak_bytes", 0)), float(p.get("step_time_s", 0))
+    row.predicted_energy_j, row.micro_batch = p.get("energy_j"), int(p.get("micro_batch_size", 0))
+    row.recomputed, row.paged = policies.count("recompute"), policies.count("page")
+    row.predicted_stall_s = float(p.get("metadata", {}).get("stall_time_s") or 0.0)
+    if s.check_recompute:
+        log(f"{spec.name}: fresh run with paging=False at {mib(budget)} MiB (expected: BudgetError)")
+        r2 = run_isolated(_paging_job(spec, budget, False, s, env), timeout_s=s.job_timeout_s)
+        row.rec_only_ran = r2.ok
+        row.rec_only = (f"ran, peak {mib(r2.peak_bytes)}" if r2.ok else
+                        f"{r2.error_type}, needs {mib(r2.min_feasible_bytes)}" if r2.min_feasible_bytes else
+                        f"{r2.error_type}")
+    if s.plain_runs:
+        log(f"{spec.name}: fresh plain PyTorch run")
+        r3 = run_isolated(_job(spec, mode="plain", steps=s.steps, env={**env, "EDGETRAIN_ALLOCATOR": "system"}),
+                          timeout_s=s.job_timeout_s)
+        row.plain_peak_bytes, row.plain_time_s = (r3.peak_bytes, r3.step_time_s) if r3.ok else (0, 0.0)
+    plan = Plan.from_json(json.dumps(p))
+    if "page" not in plan.policies:
+        row.exact_note = "the plan that ran pages nothing"
+        return row
+    log(f"{spec.name}: bit-exactness in process ({s.exact_steps} steps, plan with {row.paged} paged stages)")
+    try:
+        row.exact, row.exact_tensors, row.paged_written_bytes = check_exact(spec, plan, s.exact_steps, env)
+    except Exception as e:  # report, do not hide: the table shows the failure
+        row.exact, row.exact_note = False, f"{type(e).__name__}: {e}"[:120]
+    return row
+
+
+def synthetic_chain(n: int, seed: int, batch: int = 8) -> Any:
+    """A random chain of ``n`` stages (seeded): compute per sample log-normal, saved bytes often large."""
+    from edgetrain.graph import CostChain, Linear, StageCost
+
+    rng = random.Random(seed)
+    stages = []
+    for t in range(n):
+        fwd = rng.lognormvariate(-7.0, 0.8)              # ~1 ms per sample, spread over ~5x
+        saved = rng.choice([0.0, 0.5, 1.0, 2.0, 3.0, 6.0]) * 2**16
+        out = rng.choice([0.5, 1.0, 2.0]) * 2**16
+        stages.append(StageCost(f"s{t}", fwd_s=Linear(1e-5, fwd), bwd_s=Linear(2e-5, 2.1 * fwd),
+                                saved_bytes=Linear(0, saved), out_bytes=Linear(0, out),
+                                workspace_bytes=Linear(4096, rng.uniform(0, 0.3) * out), flops=Linear(0, fwd * 1e10)))
+    return CostChain(tuple(stages), batch, Linear(0, 2**16), 8 << 20, Linear(1e-5, 1e-5), 1e-3, f"synthetic-{n}")
+
+
+def tiled_chain(costs: Any, copies: int) -> Any:
+    """A real profiled chain repeated ``copies`` times (a deeper network with the same kinds of stages)."""
+    stages = tuple(replace(st, name=f"{k}.{st.name}") for k in range(copies) for st in costs.stages)
+    return replace(costs, stages=stages, name=f"{costs.name}x{copies}")
+
+
+def _child(conn: Any, solver: str, chain: Any, budget: int, kw: dict[str, Any]) -> None:
+    from edgetrain.errors import BudgetError
+
+    t0 = time.perf_counter()
+    try:
+        p = _solve(solver, chain, budget, **kw)
+        status = "ok, time limit" if any("time limit" in n for n in p.notes) else "ok"
+        conn.send((status, time.perf_counter() - t0, p.optimality_gap, float(p.energy_j or 0), p.step_time_s))
+    except BudgetError:
+        conn.send(("infeasible", time.perf_counter() - t0, None, 0.0, 0.0))
+    except Exception as e:  # pragma: no cover - reported in the table
+        conn.send((f"error {type(e).__name__}", time.perf_counter() - t0, None, 0.0, 0.0))
+
+
+def capped_solve(solver: str, chain: Any, budget: int, cap_s: float, **kw: Any) -> tuple[str, float, Any, float, float]:
+    """Run one solve in a forked child; kill it after ``cap_s`` seconds."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    t0 = time.perf_counter()
+    proc = ctx.Process(target=_child, args=(send, solver, chain, budget, kw), daemon=True)
+    proc.start()
+    got = recv.poll(cap_s)
+    result = recv.recv() if got else ("killed", time.perf_counter() - t0, None, 0.0, 0.0)
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+    return result
+
+
+def long_chain_solves(chains: Sequence[Any], device: Any, s: Settings, log: Callable[[str], None]) -> list[SolveRow]:
+    """Section 4: both planners on each long chain, at a tight and a mid budget, per objective."""
+    from edgetrain.errors import BudgetError
+    from edgetrain.planners import solve_poet_dp
+    from edgetrain.planners.paging_model import simulate_paged
+
+    rows = []
+    for chain in chains:
+        try:
+            solve_poet_dp(chain, 0, device=device, paging=False)
+            raise RuntimeError("a zero budget cannot be feasible")
+        except BudgetError as e:
+            tight = int(e.min_feasible_bytes)
+        keep = simulate_paged(chain, device, chain.batch_size, ["keep"] * chain.n).peak_bytes
+        for label, budget in (("tight", tight), ("mid", (tight + keep) // 2)):
+            for obj, tb in s.synth_objectives:
+                for solver in SOLVERS:
+                    log(f"solve {chain.name} ({chain.n} stages) {label} {obj}{'' if tb is None else f' <= {tb}x'} "
+                        f"with {solver}")
+                    status, wall, gap, e_j, t_s = capped_solve(solver, chain, budget, s.solve_cap_s, device=device,
+                                                               objective=obj, time_budget=tb,
+                                                               time_limit_s=SOLVE_LIMIT_S)
+                    rows.append(SolveRow(chain.name, chain.n, label, budget, obj, tb, solver, status, wall, gap,
+                                         e_j, t_s))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ main
+def energy_label(device: Any) -> str:
+    """Whether the host profile's powers are measured (RAPL) or estimated, from its provenance."""
+    prov = {k: device.provenance.get(k, "?") for k in ("active_power_w", "memory_power_w")}
+    kind = "measured (RAPL)" if set(prov.values()) == {"measured"} else "ESTIMATED (RAPL unreadable here)"
+    return (f"predicted from the host profile, powers {kind}: active {device.active_power_w:.2f} W "
+            f"({prov['active_power_w']}), paging {device.memory_power_w:.2f} W ({prov['memory_power_w']}); "
+            "no measured energy column: no RAPL counter is readable")
+
+
+def host_profile_table(device: Any) -> Table:
+    t = Table("Host device profile (edgetrain.devices.load_profile('host'))", ["field", "value", "provenance"])
+    for k in ("compute_flops_per_s", "active_power_w", "memory_power_w", "page_out_bytes_per_s",
+              "page_out_latency_s", "page_in_bytes_per_s", "page_in_latency_s"):
+        t.add(k, f"{getattr(device, k):.4g}", device.provenance.get(k, "?"))
+    return t
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke-sized run (smaller inputs, no reference runs)")
+    p.add_argument("--models", default=",".join(FULL_MODELS), help="comma-separated subset of "
+                   + ", ".join(FULL_MODELS))
+    p.add_argument("--sections", default="min,sweep,real,solve", help="subset of min,sweep,real,solve "
+                   "(sweep and real need min)")
+    p.add_argument("--out", default=None, help="write the report as markdown here")
+    p.add_argument("--costs-dir", default=None, help="write each model's profiled cost chain (JSON) here, to "
+                   "re-plan or reproduce a solve later")
+    p.add_argument("--note", default="machine shared with other jobs: timings are noisy",
+                   help="a line added to the report")
+    p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.profile_worker is not None:
+        return _profile_worker(args.profile_worker)
+    s = QUICK if args.quick else Settings()
+    specs = [(QUICK_MODELS if args.quick else FULL_MODELS)[m] for m in args.models.split(",") if m]
+    sections = set(args.sections.split(","))
+    log = Progress()
+    cache = tempfile.TemporaryDirectory(prefix="bench-poet-cache-")
+    env = {"EDGETRAIN_CACHE_DIR": cache.name}
+    os.environ.update(env)
+    from edgetrain.devices import load_profile
+    from edgetrain.planners import solve_poet_dp
+
+    device = load_profile("host")
+    meta = [("command", " ".join([Path(sys.executable).name, *sys.argv])),
+            ("date", time.strftime("%Y-%m-%d %H:%M:%S %Z")), *machine_info().items(), ("note", args.note)]
+    print(render("edgetrain bench: joint recomputation + paging (issue 3)", meta, [], False), flush=True)
+    mins: list[MinRow] = []
+    sweep: list[SweepRow] = []
+    real: list[RealRow] = []
+    solves: list[SolveRow] = []
+    profiled: dict[str, Any] = {}
+    for spec in specs if sections & {"min", "sweep", "real"} or s.tiled_copies else []:
+        log(f"{spec.name}: profiling in a fresh process (batch {spec.batch_size}, input {spec.input_shape})")
+        costs = profile_model(spec, env, s.job_timeout_s)
+        profiled[spec.name] = costs
+        if args.costs_dir:
+            Path(args.costs_dir).mkdir(parents=True, exist_ok=True)
+            (Path(args.costs_dir) / f"{spec.name}.json").write_text(costs.to_json())
+        plain = solve_poet_dp(costs, 2**62, device=device, paging=False, recompute=False,
+                              micro_batch_sizes=[spec.batch_size])
+        fam = family_minimums(costs, device, spec.batch_size)
+        mins.append(MinRow(spec.name, spec.batch_size, costs.n, costs.fixed_bytes, plain.peak_bytes,
+                           plain.step_time_s, fam))
+        log(f"{spec.name}: minimums (MiB) " + ", ".join(f"{k} {mib(v)}" for k, v in fam.items()))
+        if "sweep" in sections and fam.get("joint"):
+            budgets = sweep_budgets(int(fam["joint"]), fam.get("recompute-only"), plain.peak_bytes)
+            log(f"{spec.name}: sweep over {len(budgets)} budgets x 3 families x 2 solvers")
+            sweep += sweep_model(spec.name, costs, device, budgets, plain.peak_bytes)
+        if "real" in sections and (s.real_models is None or spec.name in s.real_models):
+            row = real_run(spec, fam, s, env, log, plain.step_time_s)
+            if row is not None:
+                real.append(row)
+    if "solve" in sections:
+        chains = [synthetic_chain(s.synth_stages, seed=1)]
+        base = profiled.get("resnet18") or next(iter(profiled.values()), None)
+        if s.tiled_copies and base is not None:
+            copies = max(s.tiled_copies, math.ceil(100 / base.n))
+            chains.append(tiled_chain(base, copies))
+        solves = long_chain_solves(chains, device, s, log)
+    items: list[tuple[str, list[Table | str]]] = [("Device", [host_profile_table(device)])]
+    if mins and "min" in sections:
+        items.append(("Smallest feasible budgets", [min_table(mins)]))
+    if sweep:
+        items.append(("Budget sweep", [sweep_table(sweep, energy_label(device))]))
+    if real:
+        items.append(("Real runs", [real_table(real, s.steps)]))
+    if solves:
+        items.append(("Solve time", [solve_table(solves, s.solve_cap_s)]))
+    claims = claim_lines(mins if "min" in sections else [], sweep, real, solves)
+    items.append(("Claims", [claims_table(claims)]))
+    items.append(("Wall time", [f"total {log.elapsed_s():.0f} s"]))
+    print(render("Results", [], items, False), flush=True)
+    if args.out:
+        Path(args.out).write_text(render("edgetrain bench: joint recomputation + paging (issue 3)", meta,
+                                         items, True))
+        log(f"wrote {args.out}")
+    cache.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Smoke tests of bench/bench_budget.py: selection rules, the batch search and the tables, on fake results.
+
+No job runs here (no subprocess); the results are JobResult objects built by hand.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import _common  # noqa: E402
+import bench_budget as bb  # noqa: E402
+from edgetrain.measure import JobResult  # noqa: E402
+
+MIB = 2**20
+
+
+def ok(peak_mib: float, step_s: float, plan: dict | None = None) -> JobResult:
+    return JobResult(peak_bytes=int(peak_mib * MIB), step_time_s=step_s, plan=plan)
+
+
+def budget_error(min_mib: float) -> JobResult:
+    return JobResult(error="no plan fits", error_type="BudgetError", min_feasible_bytes=int(min_mib * MIB),
+                     peak_bytes=5 * MIB)
+
+
+def plan(mb: int, batch: int, policies: list[str], peak_mib: float, step_s: float) -> dict:
+    return {"micro_batch_size": mb, "batch_size": batch, "policies": policies, "peak_bytes": int(peak_mib * MIB),
+            "step_time_s": step_s}
+
+
+def test_candidates() -> None:
+    assert bb.micro_batch_candidates(32) == [32, 16, 8, 4, 2, 1]
+    assert bb.micro_batch_candidates(6) == [6, 3, 2, 1]
+    assert bb.micro_batch_candidates(1) == [1]
+    assert bb.segment_candidates(25) == [2, 4, 5, 12]
+    assert bb.segment_candidates(16, quick=True) == [2, 4]
+    assert bb.segment_candidates(1) == [1]
+
+
+def test_selection_uses_measured_peaks() -> None:
+    by_mb = {32: ok(300, 2.0), 16: ok(180, 2.2), 8: ok(120, 2.6), 4: JobResult(error="boom", error_type="X")}
+    assert bb.largest_fitting(by_mb, 300 * MIB) == 32
+    assert bb.largest_fitting(by_mb, 299 * MIB) == 16
+    assert bb.largest_fitting(by_mb, 119 * MIB) is None  # the failed job never counts as fitting
+    configs = {(32, 2): ok(250, 2.5), (32, 5): ok(150, 2.9), (16, 2): ok(140, 2.7)}
+    assert bb.fastest_fitting(configs, 260 * MIB) == (32, 2)
+    assert bb.fastest_fitting(configs, 200 * MIB) == (16, 2)
+    assert bb.fastest_fitting(configs, 100 * MIB) is None
+
+
+@pytest.mark.parametrize("true_max", [0, 1, 5, 31, 32, 33, 100, 255])
+def test_max_batch_search_finds_the_boundary(true_max: int) -> None:
+    tried: list[int] = []
+
+    def fit(b: int) -> bool:
+        tried.append(b)
+        return b <= true_max
+
+    lo, hi = bb.max_batch_search(fit, start=32, resolution=0.0, limit=1024)
+    assert lo == true_max and hi == true_max + 1
+    assert len(tried) <= 2 * 11
+
+
+def test_max_batch_search_resolution_and_limit() -> None:
+    lo, hi = bb.max_batch_search(lambda b: b <= 200, start=32, resolution=0.25, limit=1024)
+    assert lo <= 200 < hi and hi - lo <= max(1, int(lo * 0.25))
+    assert bb.max_batch_search(lambda b: True, start=32, resolution=0.1, limit=100) == (64, None)
+
+
+def fake_report() -> bb.ModelReport:
+    spec = bb.ModelSpec("mobilenet_v2", {"num_classes": 10}, (3, 64, 64), 32)
+    P = 400 * MIB
+    rep = bb.ModelReport(spec, n_stages=25, segments=[2, 4, 5, 12], plain=ok(400, 2.0), plain_mmap=ok(320, 2.1))
+    rep.budgets = [(0.2, int(0.2 * P)), (0.5, int(0.5 * P)), (1.0, P)]
+    pol = ["recompute"] * 10 + ["keep"] * 15
+    rows = {  # budget: (plain, ckpt, edgetrain)
+        0.2: (None, None, bb.edgetrain_entry(budget_error(95), int(0.2 * P), 32, 25)),
+        0.5: (("mb=8 x4 accum", ok(190, 3.2)), ("seg=5", ok(170, 2.8)),
+              bb.edgetrain_entry(ok(180, 2.4, plan(32, 32, pol, 185, 2.3)), int(0.5 * P), 32, 25)),
+        1.0: (("mb=32", ok(400, 2.0)), ("seg=2", ok(300, 2.0)),
+              bb.edgetrain_entry(ok(390, 2.05, plan(32, 32, ["keep"] * 25, 380, 2.0)), P, 32, 25)),
+    }
+    for (frac, budget) in rep.budgets:
+        p, c, e = rows[frac]
+        for method, cell in (("plain", p), ("checkpoint_sequential", c)):
+            entry = bb.Entry(method, budget, 32)
+            if cell is None:
+                entry.note = "nothing fits"
+            else:
+                entry.config, entry.result = cell
+            rep.entries[(frac, method)] = entry
+        rep.entries[(frac, "edgetrain")] = e
+    rep.claim = bb.Claim(int(0.5 * P), [2.0, 2.2], [rep.entries[(0.5, "edgetrain")].result, ok(180, 2.6)])
+    return rep
+
+
+def test_budget_table_ratios() -> None:
+    rep = fake_report()
+    text = bb.budget_table(rep).to_text()
+    assert "P = 400.0 MiB, T = 2.00 s" in text
+    row = next(line for line in text.splitlines() if line.startswith("50%") and "edgetrain" in line)
+    # 32 samples / 2.4 s = 13.3/s; vs plain 32/3.2 = 10/s -> 1.33x; vs ckpt 32/2.8 -> 1.17x; time 2.4/2.0 = 1.20x
+    for cell in ("13.3", "1.33x", "1.17x", "1.20x", "yes"):
+        assert cell in row.split(), (cell, row)
+    assert "infeasible, min 95.0 MiB" in text
+    md = bb.budget_table(rep).to_markdown()
+    table_lines = [x for x in md.splitlines() if x.startswith("|")]
+    assert len(table_lines) == 2 + 3 * 3 and all(x.count("|") == 11 for x in table_lines)
+
+
+def test_versus_and_claim() -> None:
+    rep = fake_report()
+    line = bb.versus_line(rep)
+    assert "50%: 1.17x" in line and "100%: 0.98x" in line and "20%: neither fits" in line
+    assert line.endswith("edgetrain higher at every budget: NO (1 of 2 budgets where either fits)")
+    c = rep.claim
+    assert c.slowdown == pytest.approx(2.5 / 2.1) and c.passed
+    text = bb.claims_table([rep]).to_text()
+    assert "PASS" in text and "2/2" in text
+    c.edgetrain.append(ok(210, 2.5))  # one run over the budget fails the claim
+    assert not c.passed
+    assert "FAIL" in bb.claims_table([rep]).to_text()
+
+
+def test_plans_and_full_report() -> None:
+    rep = fake_report()
+    plans = bb.plans_table(rep).to_text()
+    assert "10/25" in plans and "185.0" in plans and "0.97x" in plans
+    spec = bb.ModelSpec("mobilenet_v2", {}, (3, 64, 64), 32)
+    mb = bb.MaxBatchReport(spec, 400 * MIB, plain=(33, 34), edgetrain=(96, 104),
+                           plain_runs={33: ok(399, 1.0), 34: ok(405, 1.0)},
+                           edgetrain_runs={96: ok(390, 3.0), 104: budget_error(420)})
+    t, line = bb.maxbatch_table(mb)
+    assert "2.91x" in t.to_text() and "BudgetError (min 420.0 MiB)" in t.to_text()
+    assert line.startswith("edgetrain trains 2.91x")
+    for markdown in (False, True):
+        out = bb.build_report([rep], mb, [("machine", "test")], markdown=markdown)
+        assert "Max batch at a fixed budget" in out and "Claims" in out and "Reference" in out
+        assert "mmap peak/P" in out and "0.80x" in out  # 320 / 400 MiB
+
+
+def test_table_alignment_and_errors() -> None:
+    t = _common.Table("t", ["name", "value"])
+    t.add("a", "1.0")
+    t.add("longer", "10.25")
+    lines = t.to_text().splitlines()
+    assert lines[3].endswith("  1.0") and len(lines[3]) == len(lines[4])
+    with pytest.raises(ValueError):
+        t.add("x", "y", "z")
+    assert _common.mib(3 * MIB) == "3.0" and _common.ratio(None) == "-" and _common.secs(0) == "-"
+
+
+def test_failed_plain_is_reported_not_raised() -> None:
+    spec = bb.ModelSpec("resnet18", {}, (3, 32, 32), 32)
+    rep = bb.ModelReport(spec, 23, [2], plain=JobResult(error="crash", error_type="RuntimeError"),
+                         error="plain PyTorch failed at batch 32: crash")
+    out = bb.build_report([rep], None, [], markdown=False)
+    assert "plain PyTorch failed" in out and "failed" in bb.reference_table([rep]).to_text()
+
+
+def test_hopeless_extrapolates_the_micro_batch_floor() -> None:
+    # peaks 300, 250 MiB at m, m/2: the activations of m/2 are ~50 MiB, so nothing goes below ~200 MiB
+    # (the rule allows twice that saving for noise: floor 150 MiB)
+    assert not bb.hopeless([300 * MIB], 10 * MIB)
+    assert bb.hopeless([300 * MIB, 250 * MIB], 149 * MIB)
+    assert not bb.hopeless([300 * MIB, 250 * MIB], 151 * MIB)
+    assert not bb.hopeless([300 * MIB, 200 * MIB], 150 * MIB)
+    assert bb.hopeless([300 * MIB, 200 * MIB, 180 * MIB], 130 * MIB)
+    assert not bb.hopeless([300 * MIB, 200 * MIB, 180 * MIB], 150 * MIB)
+
+
+def test_main_replays_a_logged_run(tmp_path: Path) -> None:
+    """main() end to end on a hand-made job log: the same selection code rebuilds the tables."""
+    s = bb.replace(bb.QUICK, budgets=(1.0,))
+    spec = bb.QUICK_MODELS["transformer"]
+    pl = dict(policies=["keep"] * 15 + ["recompute"], micro_batch_size=16, batch_size=16,
+              peak_bytes=40 * MIB, step_time_s=0.5)
+    jobs = [(bb._job(spec, s, mode="plain", env=bb.SYSTEM_ALLOC), ok(44, 0.5)),
+            (bb._job(spec, s, mode="plain"), ok(38, 0.5)),
+            (bb._job(spec, s, mode="checkpoint_sequential", segments=2, env=bb.SYSTEM_ALLOC), ok(40, 0.6)),
+            (bb._job(spec, s, mode="checkpoint_sequential", segments=4, env=bb.SYSTEM_ALLOC), ok(36, 0.7)),
+            (bb._job(spec, s, mode="edgetrain", budget=44 * MIB, env=bb.NO_CACHE), ok(41, 0.55, pl))]
+    log = {"meta": [["date", "then"], ["wall time", "1.0 min, 5 jobs"]],
+           "jobs": [{"label": "x", "job": bb.asdict(j), "result": bb.asdict(r), "wall_s": 1.0} for j, r in jobs]}
+    src, out, again = tmp_path / "log.json", tmp_path / "out.md", tmp_path / "again.json"
+    src.write_text(bb.json.dumps(log))
+    argv = ["--quick", "--models", "transformer", "--budgets", "1", "--sections", "budgets", "--replay", str(src),
+            "--out", str(out), "--json", str(again)]
+    assert bb.main(argv) == 0
+    md = out.read_text()
+    assert "**date**: then" in md and "**wall time**: 1.0 min, 5 jobs" in md
+    row = next(x for x in md.splitlines() if x.startswith("| 100%") and "| edgetrain |" in x)
+    assert "mb=16, 1/16 recomp" in row and "| 41.0 | yes | 0.55 |" in row
+    assert "seg=2" in md and "100%: 1.09x" in md  # (16/0.55) / (16/0.6): the faster fitting segment count
+    assert len(bb.json.loads(again.read_text())["jobs"]) == 5  # nothing was run that the log lacked
+
+
+def test_budget_error_entry_flags_a_prepare_over_budget() -> None:
+    inside = bb.edgetrain_entry(budget_error(95), 90 * MIB, 32, 25)  # the failed prepare peaked at 5 MiB
+    assert inside.note == "infeasible, min 95.0 MiB" and not inside.fits
+    over = bb.edgetrain_entry(budget_error(95), 4 * MIB, 32, 25)
+    assert "prepare peaked at 5.0 MiB, over the budget" in over.note
