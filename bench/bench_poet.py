@@ -275,18 +275,19 @@ def sweep_table(rows: Sequence[SweepRow], energy_label: str) -> Table:
 def real_table(rows: Sequence[RealRow], steps: int) -> Table:
     """Table 3: fresh-process runs at a budget only joint/paging plans meet."""
     t = Table("3. Real runs (fresh process, prepare(paging=True, objective='energy'), micro-batch = batch)",
-              ["model", "budget", "joint min", "rec min", "measured peak", "fits", "rec/page", "pred step s",
-               "meas step s", "meas/pred", "within 25%", "pred stall s", "pred J", "paging=False here",
+              ["model", "budget", "joint min", "rec min", "pred peak", "measured peak", "fits", "rec/page",
+               "pred step s", "meas step s", "meas/pred", "within 25%", "pred stall s", "pred J", "paging=False here",
                "plain peak", "plain step s (pred)", "bit-exact"])
     for r in rows:
         if r.error is not None:
-            t.add(r.model, mib(r.budget_bytes), mib(r.joint_min_bytes), mib(r.rec_min_bytes),
+            t.add(r.model, mib(r.budget_bytes), mib(r.joint_min_bytes), mib(r.rec_min_bytes), "-",
                   f"FAILED: {r.error[:60]}", "NO")
             continue
         ratio = r.time_ratio
         exact = _mark(r.exact) + (f" ({r.exact_tensors} tensors, {mib(r.paged_written_bytes)} MiB paged)"
                                   if r.exact is not None else f" ({r.exact_note})" if r.exact_note else "")
-        t.add(r.model, mib(r.budget_bytes), mib(r.joint_min_bytes), mib(r.rec_min_bytes), mib(r.peak_bytes),
+        t.add(r.model, mib(r.budget_bytes), mib(r.joint_min_bytes), mib(r.rec_min_bytes),
+              mib(r.predicted_peak_bytes), mib(r.peak_bytes),
               _mark(r.fits), f"{r.recomputed}/{r.paged}", secs(r.predicted_time_s, 3),
               secs(r.measured_time_s, 3), "-" if ratio is None else f"{ratio:.2f}",
               _mark(None if ratio is None else abs(ratio - 1) <= TIME_TOLERANCE), f"{r.predicted_stall_s:.3f}",
@@ -294,9 +295,10 @@ def real_table(rows: Sequence[RealRow], steps: int) -> Table:
               mib(r.plain_peak_bytes) if r.plain_peak_bytes else "-",
               f"{secs(r.plain_time_s, 3)} ({secs(r.plain_predicted_time_s, 3)})", exact)
     t.notes.append("budget: first try with the plan part (budget minus prepare's 3% margin) halfway between the joint "
-                   f"and the recompute-only minimum of table 1; on BudgetError again (at most {MAX_TRIES} tries) at the "
-                   "larger of the budget the error names and 1.02x the budget tried")
-    t.notes.append("peaks: VmHWM minus RSS after import, profiling and validation included; 'paging=False here': "
+                   f"and the recompute-only minimum of table 1; on BudgetError again (at most {MAX_TRIES} tries) at "
+                   "the larger of the budget the error names and 1.02x the budget tried")
+    t.notes.append("peaks: VmHWM minus RSS after import, profiling and validation included (pred peak: the plan's "
+                   "peak_bytes); 'paging=False here': "
                    "a fresh run at the same budget restricted to keep/recompute")
     t.notes += [f"{r.model}: earlier tries: {'; '.join(r.failed_tries)}" for r in rows if r.failed_tries]
     t.notes.append(f"measured step: median of the {steps - 1} step(s) after the first; predicted: the plan's "

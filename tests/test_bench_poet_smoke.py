@@ -70,8 +70,8 @@ def test_real_rows_and_claims():
     assert good.fits and not slow.fits and not failed.fits
     assert good.time_ratio == pytest.approx(1.2) and failed.time_ratio is None
     t = bp.real_table([good, slow, failed], steps=3)
-    assert t.rows[0][5] == "yes" and t.rows[0][10] == "yes" and t.rows[1][10] == "NO"
-    assert t.rows[2][4].startswith("FAILED")
+    assert t.rows[0][6] == "yes" and t.rows[0][11] == "yes" and t.rows[1][11] == "NO"
+    assert t.rows[2][5].startswith("FAILED")
     assert any(n.startswith("b: earlier tries: x") for n in t.notes)
     verdicts = [line.split(" ", 1)[0] for line in bp.claim_lines([], [], [good, slow, failed], [])]
     assert verdicts == ["PASS", "PASS", "PASS", "FAIL", "FAIL", "FAIL", "FAIL"]
