@@ -261,35 +261,40 @@ class Runner:
     logic then rebuilds the same tables without measuring anything.
     """
 
-    def __init__(self, settings: Settings, progress: Progress, replay: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, settings: Settings, progress: Progress, replay: list[dict[str, Any]] | None = None,
+                 measure_missing: bool = False) -> None:
         self.settings = settings
         self.progress = progress
         self.log: list[dict[str, Any]] = []
+        self.measured = 0
         self._cache: dict[str, JobResult] = {}
-        self._replay = None if replay is None else {job_key(e["job"]): e for e in replay}
+        self._replay = {job_key(e["job"]): e for e in replay or []}
+        self._measure = replay is None or measure_missing
 
     def __call__(self, job: Job, label: str) -> JobResult:
         key = job_key(job)
         if key in self._cache:
             return self._cache[key]
         t0 = time.perf_counter()
-        if self._replay is not None:
-            logged = self._replay.get(key)
-            r = JobResult(**logged["result"]) if logged else JobResult(error="not in the replayed log",
-                                                                       error_type="NotMeasured")
+        logged = self._replay.get(key)
+        if logged is not None:
+            r, wall = JobResult(**logged["result"]), float(logged.get("wall_s", 0.0))
+        elif not self._measure:
+            r, wall = JobResult(error="not in the replayed log", error_type="NotMeasured"), 0.0
         else:
             try:
                 r = run_isolated(job, timeout_s=self.settings.job_timeout_s)
             except Exception as e:  # noqa: BLE001 - a crashed job is a table entry, never the end of the run
                 r = JobResult(error=str(e)[-500:], error_type=type(e).__name__)
-        wall = time.perf_counter() - t0 if self._replay is None or not logged else logged.get("wall_s", 0.0)
+            wall = time.perf_counter() - t0
+            self.measured += 1
         if r.ok:
             what = f"peak {mib(r.peak_bytes)} MiB, step {secs(r.step_time_s)} s"
         elif r.error_type == "BudgetError":
             what = f"BudgetError, min {mib(r.min_feasible_bytes)} MiB (peak {mib(r.peak_bytes)} MiB)"
         else:
             what = f"FAILED {r.error_type}: {(r.error or '').strip().splitlines()[-1:] or ''}"
-        self.progress(f"{job.model} | {label} | {what} ({wall:.0f} s)")
+        self.progress(f"{job.model} | {label} | {what} ({wall:.0f} s{', from the log' if logged else ''})")
         self._cache[key] = r
         self.log.append({"label": label, "job": asdict(job), "result": asdict(r), "wall_s": wall})
         return r
@@ -324,14 +329,17 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
         return rep
     rep.plain_mmap = run(_job(spec, s, mode="plain"), f"plain+mmap b={B}")
     rep.budgets = [(f, int(f * plain.peak_bytes)) for f in s.budgets]
-    lowest = min(b for _, b in rep.budgets)
 
-    plain_by_mb = {B: plain}  # measured once, reused at every budget
-    for m in micro_batch_candidates(B)[1:]:
-        if any(fits(r, lowest) for r in plain_by_mb.values()) or \
-                hopeless([r.peak_bytes for r in plain_by_mb.values() if r.ok], lowest):
-            break
-        plain_by_mb[m] = run(_job(spec, s, mode="plain", micro_batch_size=m, env=SYSTEM_ALLOC), f"plain mb={m}")
+    plain_by_mb = {B: plain}  # each micro-batch measured once, reused at every budget
+    for _, budget in rep.budgets:
+        for m in micro_batch_candidates(B)[1:]:
+            if largest_fitting(plain_by_mb, budget) is not None or \
+                    hopeless([plain_by_mb[k].peak_bytes for k in sorted(plain_by_mb, reverse=True)
+                              if plain_by_mb[k].ok], budget):
+                break
+            if m not in plain_by_mb:
+                plain_by_mb[m] = run(_job(spec, s, mode="plain", micro_batch_size=m, env=SYSTEM_ALLOC),
+                                     f"plain mb={m}")
 
     ckpt: dict[tuple[int, int], JobResult] = {}
 
@@ -594,7 +602,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write every job and its raw result here")
     p.add_argument("--note", default="", help="a line added to the report (e.g. 'machine shared')")
     p.add_argument("--replay", default=None, help="rebuild the tables from a --json log of an earlier run "
-                   "(same flags as that run; nothing is measured)")
+                   "(same flags as that run); jobs the log lacks are not run unless --measure-missing")
+    p.add_argument("--measure-missing", action="store_true", help="with --replay: run the jobs the log lacks")
     return p.parse_args(argv)
 
 
@@ -632,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.note:
         meta.append(("note", args.note))
     print(render("edgetrain bench: training under memory budgets (issue 2)", meta, [], False), flush=True)
-    run = Runner(s, progress, replay)
+    run = Runner(s, progress, replay, args.measure_missing)
     reports: list[ModelReport] = []
     if "budgets" in sections:
         for name in names:
@@ -649,6 +658,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         meta += [(k, v) for k, v in (logged.get("meta", []) if isinstance(logged, dict) else [])
                  if k in ("load average at end", "wall time")]
+        if run.measured:
+            meta.append(("measured now", f"{run.measured} job(s) the log lacked, at load average "
+                                         f"{machine_info()['loadavg (1/5/15 min)']} ({progress.elapsed_s() / 60:.1f} min)"))
     if args.json:  # first, so that the raw measurements survive any error below
         Path(args.json).write_text(json.dumps({"meta": meta, "jobs": run.log}, indent=1))
         print(f"wrote {args.json}")

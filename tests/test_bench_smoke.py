@@ -205,3 +205,20 @@ def test_budget_error_entry_flags_a_prepare_over_budget() -> None:
     assert inside.note == "infeasible, min 95.0 MiB" and not inside.fits
     over = bb.edgetrain_entry(budget_error(95), 4 * MIB, 32, 25)
     assert "prepare peaked at 5.0 MiB, over the budget" in over.note
+
+
+def test_plain_descends_for_every_budget_not_just_the_lowest() -> None:
+    """A budget hopeless for plain (20%) must not stop the search that a larger one (75%) needs."""
+    s = bb.replace(bb.QUICK, budgets=(0.2, 0.75))
+    spec = bb.QUICK_MODELS["transformer"]  # batch 16
+    peaks = {16: 100, 8: 80, 4: 70, 2: 65, 1: 62}
+    log = [{"label": f"plain mb={m}", "job": bb.asdict(bb._job(spec, s, mode="plain", env=bb.SYSTEM_ALLOC,
+                                                               micro_batch_size=None if m == 16 else m)),
+            "result": bb.asdict(ok(p, 1.0))} for m, p in peaks.items()]
+    run = bb.Runner(s, _common.Progress(quiet=True), replay=log)
+    rep = bb.bench_model(spec, s, run)
+    assert rep.entries[(0.75, "plain")].config == "mb=4 x4 accum"
+    assert rep.entries[(0.2, "plain")].result is None and "nothing fits" in rep.entries[(0.2, "plain")].note
+    asked = {e["job"]["micro_batch_size"] for e in run.log if e["job"]["mode"] == "plain"}
+    assert asked == {None, 8, 4}  # 100 -> 80 MiB: nothing below ~40 MiB, so 2 and 1 are never run for 20 MiB
+    assert rep.entries[(0.75, "edgetrain")].note.startswith("failed")  # not in the log, and nothing was run

@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator, TypeVar
 
 __all__ = [
     "rss_bytes", "peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",

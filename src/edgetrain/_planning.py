@@ -1,0 +1,171 @@
+"""Plan, validate plans by running them once, and name the smallest feasible budget (used by prepare)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import BudgetError
+from .graph import CostChain
+from .plan import Plan
+from .units import format_bytes
+
+__all__ = ["Measured", "Planner", "candidate_sizes"]
+
+log = logging.getLogger("edgetrain.api")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One validation run, in bytes above the import baseline."""
+
+    rss_before: int
+    peak: int
+    rss_after: int
+
+
+def candidate_sizes(batch: int) -> list[int]:
+    return sorted({math.ceil(batch / k) for k in range(1, batch + 1)}, reverse=True)
+
+
+class Planner:
+    """Plans, validates plans by running them once, and names the smallest feasible budget when none fits.
+
+    Validation measures what the cost model cannot see (kernel caches for new tensor shapes, allocator
+    slack); the excess is added to the fixed bytes and the plan is made again, so the steps that follow
+    stay inside the budget. The same correction applies to the smallest feasible budget a BudgetError
+    names: it is the budget at which a plan was actually run and measured.
+    """
+
+    def __init__(self, costs: CostChain, budget: int | None, margin: int, solver: str,
+                 micro_batch_size: int | None, prefer_full_batch: bool, min_micro: int, update_bytes: int,
+                 solver_kw: dict[str, Any] | None = None) -> None:
+        self.costs = costs
+        self.budget = budget
+        self.margin = margin
+        self.solver = solver
+        self.micro_batch_size = micro_batch_size
+        self.prefer_full_batch = prefer_full_batch
+        self.min_micro = min_micro
+        self.update_bytes = update_bytes
+        self.solver_kw = dict(solver_kw or {})
+        self.reprofile: Callable[[int], CostChain] | None = None
+
+    def _with_fixed(self, extra: int) -> None:
+        c = self.costs
+        self.costs = CostChain(c.stages, c.batch_size, c.input_bytes, c.fixed_bytes + extra, c.loss_s,
+                               c.step_fixed_s, c.name)
+
+    def _sizes(self) -> list[list[int]]:
+        b = self.costs.batch_size
+        if self.micro_batch_size is not None:
+            return [[min(self.micro_batch_size, b)]]
+        lo = min(self.min_micro, b)  # and no trailing micro-batch smaller than that (BatchNorm needs 2)
+        sizes = [m for m in candidate_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
+        return [[b], sizes] if self.prefer_full_batch else [sizes]
+
+    def _min_needed(self) -> int:
+        """Smallest plan budget for the current cost model."""
+        try:
+            self._solve(0)
+        except BudgetError as e:
+            return int(e.min_feasible_bytes or 0)
+        return 0
+
+    def _solve(self, plan_budget: int) -> Plan:
+        from .planners import solve
+
+        update_peak = self.costs.fixed_bytes + self.update_bytes
+        err: BudgetError | None = None
+        for cand in self._sizes():
+            try:
+                plan = solve(self.costs, plan_budget, solver=self.solver, micro_batch_sizes=cand, **self.solver_kw)
+            except BudgetError as e:
+                err = e
+                continue
+            if update_peak <= plan_budget:
+                return plan.replace(peak_bytes=max(plan.peak_bytes, update_peak), budget_bytes=self.budget)
+            err = BudgetError("the optimizer update does not fit", min_feasible_bytes=plan.peak_bytes)
+            break
+        assert err is not None
+        need = max(update_peak, int(err.min_feasible_bytes or 0))
+        raise BudgetError(str(err), budget_bytes=plan_budget, min_feasible_bytes=need)
+
+    def plan(self, plan_budget: int | None) -> Plan:
+        if plan_budget is None:
+            from .planners import solve
+
+            sizes = [self.micro_batch_size or self.costs.batch_size]
+            return solve(self.costs, 2**62, solver=self.solver, micro_batch_sizes=sizes,
+                         **self.solver_kw).replace(budget_bytes=None)
+        return self._solve(plan_budget)
+
+    def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int,
+                       grads: int) -> tuple[Plan, CostChain]:
+        """Plan, run the plan once, correct the cost model by what was measured, and re-plan if needed.
+
+        Args:
+            run: runs a plan's micro-batches once (no optimizer step) and measures resident memory.
+            unallocated: bytes the real steps add that validation does not (gradients freed again
+                afterwards, optimizer state not yet created).
+            grads: gradient bytes allocated during validation.
+        """
+        assert self.budget is not None
+        plan_budget = self.budget - self.margin
+        for _ in range(4):
+            try:
+                plan = self._solve(plan_budget)
+            except BudgetError as e:
+                raise self._infeasible(e, run, unallocated, grads) from None
+            if self._correct(plan, run(plan), unallocated, grads) <= plan_budget:
+                return plan, self.costs
+        try:
+            return self._solve(plan_budget), self.costs
+        except BudgetError as e:
+            raise self._infeasible(e, run, unallocated, grads) from None
+
+    def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> int:
+        """Set the fixed bytes to what the process really holds, plus any activation under-prediction.
+
+        Returns the plan's peak under the corrected model.
+        """
+        act_pred = int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - self.costs.fixed_bytes))
+        act_meas = m.peak - m.rss_before - grads
+        act_excess = max(0, act_meas - act_pred)
+        fixed = m.rss_after + unallocated + act_excess
+        log.info("validation: activations measured %.1f MiB vs %.1f predicted; fixed %.1f MiB (was %.1f)",
+                 act_meas / 2**20, act_pred / 2**20, fixed / 2**20, self.costs.fixed_bytes / 2**20)
+        self._with_fixed(fixed - self.costs.fixed_bytes)
+        return max(fixed + act_pred, fixed + self.update_bytes)
+
+    def _infeasible(self, err: BudgetError, run: Callable[[Plan], Measured], unallocated: int,
+                    grads: int) -> BudgetError:
+        need = int(err.min_feasible_bytes or 0)
+        # Do what a retry at the estimated budget would do (profile at the sizes it allows, run its plan once
+        # and correct), twice, so that the number we name is one at which a fresh run really works.
+        for _ in range(2):
+            try:
+                if self.reprofile is not None:
+                    fixed = self.costs.fixed_bytes
+                    self.costs = self.reprofile(int(need * 1.1))
+                    self._with_fixed(max(0, fixed - self.costs.fixed_bytes))
+                    need = self._min_needed()
+                plan = self._solve(need)
+                self._correct(plan, run(plan), unallocated, grads)
+                need = self._min_needed()
+            except BudgetError as e:
+                log.debug("could not refine the smallest feasible budget: %s", e)
+                break
+        assert self.budget is not None
+        # A fresh process profiling at larger sizes loads kernels for more tensor shapes than this failed
+        # attempt did; keep 3% for that, so that a retry at the named budget succeeds.
+        user_need = math.ceil(1.03 * need * self.budget / (self.budget - self.margin))
+        hint = "" if self.micro_batch_size is None else " or let the planner choose micro_batch_size"
+        return BudgetError(
+            f"no {self.solver} plan trains this batch of {self.costs.batch_size} within "
+            f"{format_bytes(self.budget)}: the smallest feasible budget is {format_bytes(user_need)} (the model, "
+            f"its gradients, optimizer state, batch and runtime take {format_bytes(self.costs.fixed_bytes)} before "
+            f"any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
+            budget_bytes=self.budget, min_feasible_bytes=user_need)
