@@ -82,7 +82,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = print
     if args.threads:
         torch.set_num_threads(args.threads)
-    budget = args.budget
+    budget = None if args.budget is None else edgetrain.parse_bytes(args.budget)
     if budget is None and args.budget_fraction:
         out(f"measuring plain PyTorch's peak for {args.model}, batch {args.batch_size} "
             f"({args.image_size}x{args.image_size}) in a fresh process ...")
