@@ -10,10 +10,11 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-__all__ = ["Table", "mib", "ratio", "secs", "rate", "machine_info", "Progress", "render"]
+__all__ = ["Progress", "Table", "machine_info", "mib", "rate", "ratio", "render", "secs"]
 
 MIB = 2**20
 

@@ -18,6 +18,11 @@ Per model, at the full batch B:
    a step at most 1.35x T inside the budget (re-measured ``--repeats`` times, interleaved with plain).
 Then the largest batch without micro-batching that plain and edgetrain (``micro_batch_size=batch``) each train
 inside a fixed budget (plain's peak at batch 32) for MobileNetV2 at 64x64: doubling, then bisection.
+
+Search economy: micro-batches are tried from large to small and stop once one fits, or once two measured peaks
+show the rest cannot (:func:`hopeless`); checkpoint_sequential first tries its leanest segment count at each
+smaller micro-batch and the others only where that one fits. ``--json`` keeps every job; ``--replay`` rebuilds
+the tables from such a log (``--measure-missing`` runs only the jobs it lacks).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Progress, Table, machine_info, mib, rate, ratio, render, secs  # noqa: E402
@@ -76,7 +82,7 @@ class Settings:
     repeats: int = 1
     quick_segments: bool = False
     job_timeout_s: float = 900.0
-    maxbatch: ModelSpec = replace(FULL_MODELS["mobilenet_v2"], batch_size=32)
+    maxbatch: ModelSpec = field(default_factory=lambda: replace(FULL_MODELS["mobilenet_v2"], batch_size=32))
     maxbatch_steps: int = 2
     maxbatch_resolution: float = 1 / 16
     maxbatch_limit: int = 2048
@@ -346,7 +352,8 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
     def ck(m: int, seg: int) -> JobResult:
         if (m, seg) not in ckpt:
             ckpt[(m, seg)] = run(_job(spec, s, mode="checkpoint_sequential", segments=seg, env=SYSTEM_ALLOC,
-                                      micro_batch_size=None if m == B else m), f"checkpoint_sequential seg={seg} mb={m}")
+                                      micro_batch_size=None if m == B else m),
+                               f"checkpoint_sequential seg={seg} mb={m}")
         return ckpt[(m, seg)]
 
     for seg in segs:
@@ -482,11 +489,10 @@ def budget_table(rep: ModelReport) -> Table:
             e = rep.entries[(frac, m)]
             r = e.result
             ok = r is not None and r.ok
-            rel = lambda d: ratio(e.throughput / d) if ok and d else "-"  # noqa: E731
+            rel = [ratio(e.throughput / d) if ok and d else "-" for d in base.values()]
             t.add(f"{frac:.0%} ({mib(budget)} MiB)", m, e.config or e.note, mib(r.peak_bytes) if ok else "-",
                   ("yes" if e.fits else "NO") if ok else "-", secs(r.step_time_s) if ok else "-",
-                  rate(e.throughput), ratio(r.step_time_s / T) if ok and T else "-", rel(base["plain"]),
-                  rel(base["checkpoint_sequential"]))
+                  rate(e.throughput), ratio(r.step_time_s / T) if ok and T else "-", *rel)
     t.notes.append("thr/plain and thr/ckpt: throughput over plain's / checkpoint_sequential's at the same budget "
                    "('-' where that one has nothing that fits).")
     return t
@@ -560,7 +566,8 @@ def maxbatch_table(m: MaxBatchReport) -> tuple[Table, str]:
               f"(= plain's peak at batch {m.spec.batch_size}), {m.spec.name} {'x'.join(map(str, m.spec.input_shape))}",
               ["method", "largest batch", "its peak MiB", "smallest failing", "why it failed", "vs plain"],
               left=(0, 4))
-    for name, (lo, hi), runs in (("plain", m.plain, m.plain_runs), ("edgetrain mb=batch", m.edgetrain, m.edgetrain_runs)):
+    for name, (lo, hi), runs in (("plain", m.plain, m.plain_runs),
+                                 ("edgetrain mb=batch", m.edgetrain, m.edgetrain_runs)):
         r_lo, r_hi = runs.get(lo), runs.get(hi) if hi else None
         why = "-" if r_hi is None else (f"peak {mib(r_hi.peak_bytes)} MiB" if r_hi.ok else
                                         f"BudgetError (min {mib(r_hi.min_feasible_bytes)} MiB)"
@@ -590,9 +597,11 @@ def build_report(reports: Sequence[ModelReport], maxb: MaxBatchReport | None, me
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke-sized run (small inputs and batches, budgets 50%% and 100%%)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke-sized run (small inputs and batches, budgets 50%% and 100%%)")
     p.add_argument("--models", default=",".join(FULL_MODELS), help="comma-separated subset of "
                    f"{','.join(FULL_MODELS)}")
+    p.add_argument("--batch-mult", type=int, default=1, help="multiply every model's batch (budget section)")
     p.add_argument("--budgets", default=None, help="comma-separated fractions of P, e.g. 0.2,0.5,1")
     p.add_argument("--sections", default="budgets,maxbatch", help="budgets and/or maxbatch")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per job (first is warm-up)")
@@ -617,6 +626,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats is not None:
         s = replace(s, repeats=args.repeats)
     s = replace(s, threads=args.threads)
+    if args.batch_mult != 1:
+        models = {k: replace(v, batch_size=v.batch_size * args.batch_mult) for k, v in models.items()}
     names = [x.strip() for x in args.models.split(",") if x.strip()]
     unknown = [x for x in names if x not in models]
     if unknown:
@@ -629,8 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("date", time.strftime("%Y-%m-%d %H:%M %Z")),
             ("machine", f"{info['nproc']} CPUs, {info['cpu']}, {info.get('memory', '?')} RAM, {info['os']}"),
             ("torch", info["torch"]), ("load average at start", info["loadavg (1/5/15 min)"]),
-            ("settings", f"budgets {', '.join(f'{b:.0%}' for b in s.budgets)} of P; {s.steps} steps per job "
-                         f"(median of all but the first); {s.repeats} interleaved repeat(s) for the 50% claim")]
+            ("settings", (f"budgets {', '.join(f'{b:.0%}' for b in s.budgets)} of P; {s.steps} steps per job "
+                          f"(median of all but the first); {s.repeats} interleaved repeat(s) for the 50% claim"))]
     replay = None
     if args.replay:
         logged = json.loads(Path(args.replay).read_text())
@@ -659,8 +670,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta += [(k, v) for k, v in (logged.get("meta", []) if isinstance(logged, dict) else [])
                  if k in ("load average at end", "wall time")]
         if run.measured:
-            meta.append(("measured now", f"{run.measured} job(s) the log lacked, at load average "
-                                         f"{machine_info()['loadavg (1/5/15 min)']} ({progress.elapsed_s() / 60:.1f} min)"))
+            load = machine_info()["loadavg (1/5/15 min)"]
+            meta.append(("measured now", f"{run.measured} job(s) the log lacked, at load average {load} "
+                                         f"({progress.elapsed_s() / 60:.1f} min)"))
     if args.json:  # first, so that the raw measurements survive any error below
         Path(args.json).write_text(json.dumps({"meta": meta, "jobs": run.log}, indent=1))
         print(f"wrote {args.json}")

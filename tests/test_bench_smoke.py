@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import _common  # noqa: E402
 import bench_budget as bb  # noqa: E402
+
 from edgetrain.measure import JobResult  # noqa: E402
 
 MIB = 2**20
@@ -178,8 +179,8 @@ def test_main_replays_a_logged_run(tmp_path: Path) -> None:
     """main() end to end on a hand-made job log: the same selection code rebuilds the tables."""
     s = bb.replace(bb.QUICK, budgets=(1.0,))
     spec = bb.QUICK_MODELS["transformer"]
-    pl = dict(policies=["keep"] * 15 + ["recompute"], micro_batch_size=16, batch_size=16,
-              peak_bytes=40 * MIB, step_time_s=0.5)
+    pl = {"policies": ["keep"] * 15 + ["recompute"], "micro_batch_size": 16, "batch_size": 16,
+          "peak_bytes": 40 * MIB, "step_time_s": 0.5}
     jobs = [(bb._job(spec, s, mode="plain", env=bb.SYSTEM_ALLOC), ok(44, 0.5)),
             (bb._job(spec, s, mode="plain"), ok(38, 0.5)),
             (bb._job(spec, s, mode="checkpoint_sequential", segments=2, env=bb.SYSTEM_ALLOC), ok(40, 0.6)),
