@@ -82,11 +82,6 @@ class JobResult:
     def ok(self) -> bool:
         return self.error is None
 
-    @property
-    def throughput(self) -> float:
-        """Samples per second (0 when failed)."""
-        return 0.0
-
 
 def build_model_and_batch(job: Job) -> tuple[Any, Any, Any]:
     """The job's model and a random batch (inputs, integer targets), built deterministically from ``seed``."""
