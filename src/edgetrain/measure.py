@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["Job", "JobResult", "run_isolated", "build_model_and_batch"]
 
@@ -148,6 +148,25 @@ def _single_value_functions(chain: Any) -> list[Any] | None:
     return funcs if start == len(stages) and funcs else None
 
 
+def _accumulating_step(job: Job, forward: Callable[[Any], Any], opt: Any, loss_fn: Any, x: Any,
+                       y: Any) -> Callable[[], float]:
+    """One optimizer step as users write it: gradient accumulation over micro-batches of the job's size."""
+    m = job.micro_batch_size or job.batch_size
+
+    def run() -> float:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in range(0, job.batch_size, m):
+            xb, yb = x[i:i + m], y[i:i + m]
+            loss = loss_fn(forward(xb), yb)
+            (loss * (xb.shape[0] / job.batch_size)).backward()
+            total += float(loss) * xb.shape[0]
+        opt.step()
+        return total / job.batch_size
+
+    return run
+
+
 def _worker(job: Job) -> JobResult:
     import torch
 
@@ -174,18 +193,7 @@ def _worker(job: Job) -> JobResult:
         res.plan = json.loads(step.plan.to_json())
         run = lambda: step(x, y)  # noqa: E731
     elif job.mode == "plain":
-        m = job.micro_batch_size or job.batch_size
-
-        def run() -> float:
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for i in range(0, job.batch_size, m):
-                xb, yb = x[i:i + m], y[i:i + m]
-                loss = loss_fn(model(xb), yb)
-                (loss * (xb.shape[0] / job.batch_size)).backward()
-                total += float(loss) * xb.shape[0]
-            opt.step()
-            return total / job.batch_size
+        run = _accumulating_step(job, model, opt, loss_fn, x, y)
     elif job.mode == "checkpoint_sequential":
         from torch.utils.checkpoint import checkpoint_sequential
 
@@ -197,18 +205,8 @@ def _worker(job: Job) -> JobResult:
             res.error, res.error_type = "model is not a plain sequence of single-tensor stages", "ValueError"
             return res
         segments = max(1, min(job.segments or 1, len(funcs)))
-        m = job.micro_batch_size or job.batch_size
-
-        def run() -> float:
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for i in range(0, job.batch_size, m):
-                xb, yb = x[i:i + m], y[i:i + m]
-                loss = loss_fn(checkpoint_sequential(funcs, segments, xb, use_reentrant=False), yb)
-                (loss * (xb.shape[0] / job.batch_size)).backward()
-                total += float(loss) * xb.shape[0]
-            opt.step()
-            return total / job.batch_size
+        run = _accumulating_step(job, lambda xb: checkpoint_sequential(funcs, segments, xb, use_reentrant=False),
+                                 opt, loss_fn, x, y)
     else:
         raise ValueError(f"unknown mode {job.mode!r}")
     res.prepare_time_s = time.perf_counter() - t0
