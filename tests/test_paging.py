@@ -75,8 +75,11 @@ def test_gradients_are_bit_identical(tmp_path, paged):
     assert torch.equal(loss, ref_loss)
     for a, b in zip(ref, _grads(model, xp)):
         assert torch.equal(a, b)
-    assert stats.paged_tensors > 0 and stats.written_bytes > 0
-    assert stats.read_bytes == stats.written_bytes     # everything written came back once
+    assert stats.paged_tensors > 0
+    # Each pack comes back at most once. An asynchronous pack still held by its write-behind when backward
+    # reaches it is served from memory (its write may even be dropped), so the byte counts are
+    # timing-dependent; the bounded-residency test below checks that paging really happens.
+    assert stats.read_bytes <= stats.written_bytes
     assert stats.held_bytes == 0
     assert list(tmp_path.iterdir()) == []              # the page file is gone after close
 

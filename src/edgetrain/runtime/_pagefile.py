@@ -7,6 +7,7 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 import queue
 import re
 from pathlib import Path
@@ -63,8 +64,12 @@ def remove_stale_page_files(page_dir: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-def cleanup(fd: int, path: str, jobs: "queue.Queue[Any]") -> None:
+def cleanup(fd: int, path: str, jobs: "queue.Queue[Any]", worker: Any = None) -> None:
     jobs.put(None)
+    # Let the worker finish its job before the file goes (and before interpreter shutdown: a daemon thread
+    # still inside torch when the process exits can abort it).
+    if worker is not None and worker is not threading.current_thread():
+        worker.join(timeout=30)
     with contextlib.suppress(OSError):
         os.close(fd)
     with contextlib.suppress(OSError):

@@ -147,7 +147,7 @@ class Pager:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._worker = threading.Thread(target=work, args=(self._jobs,), name="edgetrain-pager", daemon=True)
         self._worker.start()
-        self._finalizer = weakref.finalize(self, cleanup, self._fd, str(self.path), self._jobs)
+        self._finalizer = weakref.finalize(self, cleanup, self._fd, str(self.path), self._jobs, self._worker)
         self._entries: dict[int, list[_Entry]] = {}
         self._by_key: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], weakref.ref[_Handle]]] = {}
         self._boundaries: dict[int, int] = {}
