@@ -66,6 +66,8 @@ class TrainStep:
         self.page_dir: str | None = None
         self.elastic: Any = None
         self.steps_done = 0
+        #: Serve each backward pass from glibc's heap and return it afterwards (see memory.backward_phase).
+        self.backward_heap = True
         #: Called between micro-batches; returns the budget in force (bytes or a size string) or None.
         self.budget_source: Callable[[], int | str | None] | None = None
 
@@ -116,7 +118,8 @@ class TrainStep:
                     raise InputError("loss_fn must return a scalar tensor (the mean loss over the batch it is "
                                      f"given), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
                 scaled = loss if size == n else loss * (size / n)
-                scaled.backward()
+                with memory.backward_phase(self.backward_heap):
+                    scaled.backward()
                 total += float(loss.detach()) * size
                 del out, loss, scaled, env
                 start += size
@@ -203,7 +206,7 @@ class TrainStep:
 
 
 def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
-              loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
+              loss_fn: Callable[..., torch.Tensor], pager: Any = None, backward_heap: bool = True) -> Measured:
     """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
     executor = Executor(chain, plan, pager=pager if "page" in plan.policies else None)
     sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
@@ -215,7 +218,8 @@ def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
         for size in sizes:
             env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
             loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
-            (loss * (size / plan.batch_size)).backward()
+            with memory.backward_phase(backward_heap):
+                (loss * (size / plan.batch_size)).backward()
             del loss, env
             start += size
             if executor.pager is not None:
@@ -226,7 +230,8 @@ def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
             example: Any, memory_budget: int | str | None = None, *, micro_batch_size: int | None = None,
-            solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True, exact_batchnorm: bool = True,
+            solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True, backward_heap: bool = True,
+            exact_batchnorm: bool = True,
             safety_margin: float = 0.03, use_cache: bool = True, name: str | None = None,
             paging: bool = False, page_dir: str | None = None, device: Any = "host", objective: str = "time",
             time_budget: float | None = None, speedup: Any = None, grad_filter: Any = None) -> TrainStep:
@@ -246,6 +251,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             "recompute_all", "chen_sqrt", "checkpoint_sequential".
         max_stages: upper bound on the number of stages the model is cut into.
         tune_allocator: fix glibc's mmap threshold so freed activations return to the OS (process-wide).
+        backward_heap: with a tuned allocator, serve each backward pass from glibc's heap and return it
+            afterwards: the same peak with about half the page faults (``edgetrain.memory.backward_phase``).
         exact_batchnorm: for models with BatchNorm in training mode, prefer plans without micro-batching
             (identical to plain PyTorch) and micro-batch only if no such plan fits.
         safety_margin: share of the budget held back for allocator noise.
@@ -327,7 +334,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         plan = planner.plan(None)
     else:
         grads = _grad_bytes_missing(model)
-        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn, pager),
+        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn, pager,
+                                                                       backward_heap),
                                              grads + opt_costs.state_bytes, grads)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
@@ -342,6 +350,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
+    step.backward_heap = backward_heap
     step.page_dir = page_dir
     if speedup is not None:
         from .adapt.elastic import ElasticConfig, ElasticSelector

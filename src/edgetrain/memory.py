@@ -24,7 +24,7 @@ from typing import Iterator, TypeVar
 
 __all__ = [
     "rss_bytes", "peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
-    "tune_allocator", "allocator_tuned", "PeakMeter", "measure_peak",
+    "tune_allocator", "allocator_tuned", "PeakMeter", "measure_peak", "backward_phase",
 ]
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 DEFAULT_MMAP_THRESHOLD_BYTES = 64 * 1024
+# glibc's largest allowed mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): below it, the heap serves all.
+_HEAP_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+_NO_TRIM_BYTES = 1 << 30
 
 
 def _status_kib(field: str) -> int | None:
@@ -118,6 +121,26 @@ def record_baseline() -> int:
 _TUNED: int | None = None
 
 
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL | None:
+    """glibc with ``mallopt`` / ``malloc_trim`` typed, or None (other libc, other OS)."""
+    global _LIBC
+    if _LIBC is None and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            libc.mallopt.restype = ctypes.c_int
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            libc.malloc_trim.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            log.info("glibc mallopt not available; allocator left as it is")
+            return None
+        _LIBC = libc
+    return _LIBC
+
+
 def tune_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> bool:
     """Make glibc return freed tensor memory to the OS at once (a process-wide setting).
 
@@ -134,18 +157,11 @@ def tune_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> 
     global _TUNED
     if _TUNED == mmap_threshold_bytes:
         return True
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        log.info("glibc mallopt not available; allocator left as it is")
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)))
-    ok = bool(mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold_bytes) * 2)) and ok
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)))
+    ok = bool(libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold_bytes) * 2)) and ok
     if ok:
         _TUNED = mmap_threshold_bytes
         log.debug("glibc mmap threshold fixed at %d bytes", mmap_threshold_bytes)
@@ -155,6 +171,39 @@ def tune_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> 
 def allocator_tuned() -> bool:
     """Whether :func:`tune_allocator` (or ``MALLOC_MMAP_THRESHOLD_``) is in force in this process."""
     return _TUNED is not None or "MALLOC_MMAP_THRESHOLD_" in os.environ
+
+
+@contextlib.contextmanager
+def backward_phase(enabled: bool = True) -> Iterator[None]:
+    """Serve a backward pass from glibc's heap, then give that heap back: fast reuse, exact release.
+
+    With the mmap threshold fixed low (:func:`tune_allocator`), every activation is its own mapping, so
+    freeing one returns its pages at once and resident memory tracks live bytes; the price is a page
+    fault per 4 KiB of every new tensor (measured here: MobileNetV2 64x64 batch 32 faults 209k times a
+    step and runs 1.8x slower than with glibc's defaults). In the forward pass that price buys exactness:
+    saved activations live until backward and must not pin heap pages after they die. Backward tensors
+    (gradients of activations, recomputed segments) die in stack order, so the heap reuses them without
+    faults; inside this block the heap serves everything below 32 MiB and never trims, and on exit the
+    whole free heap is returned (``malloc_trim(0)``) and the low threshold restored, so the next forward
+    starts from live bytes again. Measured on that model: 92k faults a step, the same peak.
+
+    A no-op when the allocator is not tuned (``EDGETRAIN_ALLOCATOR=system``) or glibc is absent.
+
+    Args:
+        enabled: False makes the block a no-op (one call site for both settings).
+    """
+    libc = _libc() if enabled and _TUNED is not None else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_TRIM_THRESHOLD, _NO_TRIM_BYTES)
+    libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_MMAP_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, _TUNED)
+        libc.mallopt(_M_TRIM_THRESHOLD, _TUNED * 2)
+        libc.malloc_trim(0)
 
 
 @dataclass

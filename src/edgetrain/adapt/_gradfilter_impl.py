@@ -115,8 +115,8 @@ def coarse_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape:
                        padding[j], radius) for j in (0, 1))  # type: ignore[return-value]
 
 
-# Small maps pool, unpool and gather kernel taps with GEMMs against small dense matrices: on NCHW
-# tensors with tiny planes, avg_pool2d and strided copies are an order of magnitude slower.
+# Small maps pool, unpool and gather kernel taps with GEMMs against small dense matrices: on tensors
+# with tiny planes, avg_pool2d and strided copies are an order of magnitude slower.
 _DENSE_MAX_COARSE = 64
 
 
@@ -142,23 +142,16 @@ def _patch_counts(h: int, w: int, radius: int, dtype: torch.dtype, device: torch
                        torch.tensor(count_w, dtype=torch.float64)).to(dtype=dtype, device=device)
 
 
-def _mean_pool(t: torch.Tensor, radius: int, channel_major: bool = False) -> torch.Tensor:
-    """Patch means ``[N, C, ceil(H/r), ceil(W/r)]``; a partial edge patch averages its real positions.
+def _is_channels_last(t: torch.Tensor) -> bool:
+    """Stored N, H, W, C (and not also plain contiguous, as maps with a 1x1 plane are)."""
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
-    With ``channel_major`` the result is stored in memory order ``C, H', W', N`` (a permuted view),
-    the layout the dense backward GEMMs read; else contiguous NCHW. ``radius == 1`` returns ``t``
-    itself when NCHW is asked for.
-    """
-    n, c, h, w = t.shape
-    hc, wc = -(-h // radius), -(-w // radius)
+
+def _mean_pool(t: torch.Tensor, radius: int) -> torch.Tensor:
+    """Patch means ``[N, C, ceil(H/r), ceil(W/r)]`` of a large map; ``t`` itself when ``radius == 1``."""
     if radius == 1:
-        pooled = t
-    elif hc * wc <= _DENSE_MAX_COARSE:
-        m = _patch_matrix(h, w, radius, t.dtype, t.device)
-        pooled = (t.reshape(n * c, h * w) @ m.T).reshape(n, c, hc, wc)
-    else:  # ceil_mode with no padding divides each window by the number of real positions in it
-        pooled = F.avg_pool2d(t, radius, radius, ceil_mode=True)
-    return pooled.permute(1, 2, 3, 0).contiguous().permute(3, 0, 1, 2) if channel_major else pooled
+        return t
+    return F.avg_pool2d(t, radius, radius, ceil_mode=True)  # ceil mode divides by the real positions
 
 
 def _mean_unpool(t: torch.Tensor, h: int, w: int, radius: int) -> torch.Tensor:
@@ -167,13 +160,47 @@ def _mean_unpool(t: torch.Tensor, h: int, w: int, radius: int) -> torch.Tensor:
     if radius == 1:
         return t
     n, c, hc, wc = t.shape
-    if hc * wc <= _DENSE_MAX_COARSE:
-        m = _patch_matrix(h, w, radius, t.dtype, t.device)
-        return (t.reshape(n * c, hc * wc) @ m).reshape(n, c, h, w)
     t = t / _patch_counts(h, w, radius, t.dtype, t.device)
     up = t[:, :, :, None, :, None].expand(-1, -1, -1, radius, -1, radius)
     up = up.reshape(n, c, hc * radius, wc * radius)
     return up if up.shape[2:] == (h, w) else up[:, :, :h, :w].contiguous()
+
+
+def _pool_dense(t: torch.Tensor, radius: int, channels_last: bool) -> torch.Tensor:
+    """Patch means of a small map by one GEMM with :func:`_patch_matrix`, read in place.
+
+    Returns ``[N, L, C]`` (``channels_last``) or ``[N, C, L]``, contiguous, ``L = H' W'``; ``t`` may be
+    stored NCHW or channels-last (anything else is made contiguous first).
+    """
+    n, c, h, w = t.shape
+    m = _patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]
+    lc, hw = m.shape
+    if _is_channels_last(t):
+        flat = t.permute(0, 2, 3, 1).reshape(n, hw, c)  # a view: memory order N, H, W, C
+        if channels_last:
+            return torch.bmm(m.expand(n, lc, hw), flat)
+        return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
+    flat = t.contiguous().view(n, c, hw)
+    if channels_last:
+        return torch.bmm(m.expand(n, lc, hw), flat.transpose(1, 2))
+    return (flat.view(n * c, hw) @ m.T).view(n, c, lc)
+
+
+def _unpool_dense(t: torch.Tensor, h: int, w: int, radius: int, channels_last: bool) -> torch.Tensor:
+    """Adjoint of :func:`_pool_dense` from ``t = [N, C, L]`` (any strides): ``[N, C, h, w]``.
+
+    One GEMM writes the full-size map, stored channels-last when ``channels_last`` (to match an input
+    stored that way), else contiguous.
+    """
+    n, c, lc = t.shape
+    m = _patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]
+    hw = h * w
+    if channels_last:  # [N, HW, C] = M^T [HW, L] @ t^T [L, C]
+        out = torch.bmm(m.T.expand(n, hw, lc), t.transpose(1, 2))
+        return out.view(n, h, w, c).permute(0, 3, 1, 2)
+    if t.is_contiguous():
+        return (t.view(n * c, lc) @ m).view(n, c, h, w)
+    return torch.bmm(t, m.expand(n, lc, hw)).view(n, c, h, w)
 
 
 class _FilteredConv2dFn(torch.autograd.Function):
@@ -182,13 +209,22 @@ class _FilteredConv2dFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, radius):  # type: ignore[override]
         y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Only what backward needs: the pooled input for dW, the weight (a parameter) for dx.
+        need_w = ctx.needs_input_grad[1]
         geometry = (tuple(x.shape), tuple(weight.shape), tuple(y.shape), stride, padding, dilation,
                     groups, radius)
-        ctx.save_for_backward(_mean_pool(x, radius, _uses_taps(geometry)) if need_w else None,
-                              weight if need_x else None)
+        dense = _uses_taps(geometry)
+        x_pooled = None
+        if need_w:  # only what backward needs: the pooled input for dW, the weight (a parameter) for dx
+            if dense:
+                ah, aw = coarse_geometry(*geometry[:6], radius)
+                one_tap = groups == 1 and _identity_scale(ah, aw, *weight.shape[2:]) is not None
+                x_pooled = _pool_dense(x, radius, channels_last=one_tap)
+            else:
+                x_pooled = _mean_pool(x, radius)
+        ctx.save_for_backward(x_pooled, weight if ctx.needs_input_grad[0] else None)
         ctx.geometry = geometry
+        ctx.dense = dense
+        ctx.x_channels_last = _is_channels_last(x)
         return y
 
     @staticmethod
@@ -197,21 +233,20 @@ class _FilteredConv2dFn(torch.autograd.Function):
         x_pooled, weight = ctx.saved_tensors
         x_shape, w_shape, y_shape, stride, padding, dilation, groups, radius = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        taps = _uses_taps(ctx.geometry)
-        g = _mean_pool(gy, radius, taps)
+        ah, aw = coarse_geometry(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
+        if ctx.dense:
+            gx, gw, gb = _dense_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, groups, radius,
+                                         (need_x, need_w, need_b), ctx.x_channels_last)
+            return gx, gw, gb, None, None, None, None, None
+        g = _mean_pool(gy, radius)
         gb = None
         if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
             count = _patch_counts(y_shape[2], y_shape[3], radius, g.dtype, g.device)
             gb = torch.einsum("noij,ij->o", g, count)
         if not (need_x or need_w):
             return None, None, gb, None, None, None, None, None
-        ah, aw = coarse_geometry(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
-        if taps:
-            gxc, gw = _tap_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups, need_x,
-                                    need_w)
-        else:
-            gxc, gw = _coarse_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups,
-                                       need_x, need_w)
+        gxc, gw = _coarse_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups, need_x,
+                                   need_w)
         gx = _mean_unpool(gxc, x_shape[2], x_shape[3], radius) if need_x else None
         return gx, gw, gb, None, None, None, None, None
 
@@ -236,7 +271,7 @@ def _uses_taps(geometry: tuple) -> bool:
     coarse_in = -(-x_shape[2] // radius) * -(-x_shape[3] // radius)
     coarse_out = -(-y_shape[2] // radius) * -(-y_shape[3] // radius)
     depthwise = w_shape[1] == 1 and w_shape[0] == groups == x_shape[1]
-    # radius 1 keeps the input itself (no channel-major copy) and runs plain convolutions
+    # radius 1 keeps the input itself (no pooled copy) and runs plain convolutions
     return radius > 1 and (groups == 1 or depthwise) and max(coarse_in, coarse_out) <= _DENSE_MAX_COARSE
 
 
@@ -264,47 +299,67 @@ def _tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype,
                                                                                  device=device)
 
 
-def _tap_backward(g: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
-                  x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis,
-                  groups: int, need_x: bool, need_w: bool,
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Coarse backward with GEMMs on small maps; ``g`` and ``x_pooled`` are stored channel-major.
+def _dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
+                    x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis,
+                    groups: int, radius: int, needs: tuple[bool, bool, bool], x_channels_last: bool,
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dW, dbias)`` of a small map with GEMMs (dense or depthwise conv), pooling included.
 
-    Dense: ``Z[c, p, q, I, J, n] = (T X[c, :, :, n])[p, q, I, J]`` holds, per kernel tap, the
-    patch-summed input the tap reads, so ``dW = G Z^T`` and ``dZ = W^T G`` are single GEMMs in the
-    weight's own layout, and ``dX = T^T dZ``. Depthwise: contract the batch first,
+    Dense: ``G`` (pooled ``dL/dy``) is stored ``[N H_o' W_o', O]`` so that, with ``K = N H_o' W_o'``
+    and ``Z[K, C kH kW]`` the patch-mean input each kernel tap reads (``Z = X T^T``, permuted),
+    ``dW = G^T Z`` and ``dZ = G W`` are single GEMMs on contiguous operands in the weight's own
+    layout; ``dX = dZ T`` (1x1 stride-1 convs on whole patches: ``T = r^2 I``, so ``Z`` is the
+    pooled input itself, saved as ``[N, H' W', C]``). Depthwise: contract the batch first,
     ``R[c] = G[c] X[c]^T`` (``H_o'W_o' x H'W'``), then ``dW[c] = T . R[c]`` and
     ``dX[c] = (W[c] . T)^T G[c]``, which never builds the ``kH kW`` times larger ``Z``.
     """
-    n, c = x_shape[0], x_shape[1]
-    o, cg, kh, kw = w_shape
+    need_x, need_w, need_b = needs
+    n, c, h, w = x_shape
+    o, _, kh, kw = w_shape
     taps, l_out, l_in = kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
-    tap = _tap_matrix(ah, aw, kh, kw, g.dtype, g.device)  # [kH kW L_out, L_in]
-    gw = gxc = None
+    count = _patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
+    gx = gw = gb = None
     if groups > 1:  # depthwise (the caller routes other grouped convs to convolutions)
-        g_c = g.permute(1, 2, 3, 0).reshape(c, l_out, n)  # free: stored channel-major
+        g = _pool_dense(gy, radius, channels_last=False)  # [N, C, L_out]
+        if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
+            gb = g.sum(0) @ count
+        if not (need_x or need_w):
+            return None, None, gb
+        tap = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device).view(taps, l_out * l_in)
         if need_w:
-            xc = x_pooled.permute(1, 2, 3, 0).reshape(c, l_in, n)
-            r = torch.bmm(g_c, xc.transpose(1, 2))  # [C, L_out, L_in]
-            gw = (r.reshape(c, l_out * l_in) @ tap.reshape(taps, l_out * l_in).T).reshape(w_shape)
+            r = torch.bmm(g.permute(1, 2, 0), x_pooled.permute(1, 0, 2))  # [C, L_out, L_in]
+            gw = (r.view(c, l_out * l_in) @ tap.T).view(w_shape)
         if need_x:
-            k = (weight.reshape(c, taps) @ tap.reshape(taps, l_out * l_in)).reshape(c, l_out, l_in)
-            gxc = torch.bmm(k.transpose(1, 2), g_c).reshape(c, ah.n_in_c, aw.n_in_c, n)
-            gxc = gxc.permute(3, 0, 1, 2)
-        return gxc, gw
-    g_t = g.permute(1, 2, 3, 0).reshape(o, l_out * n)  # free: stored channel-major
+            k = (weight.reshape(c, taps) @ tap).view(c, l_out, l_in)
+            gxc = torch.bmm(g.permute(1, 0, 2), k)  # [C, N, L_in]
+            gx = _unpool_dense(gxc.transpose(0, 1), h, w, radius, x_channels_last)
+        return gx, gw, gb
+    g = _pool_dense(gy, radius, channels_last=True).view(n * l_out, o)  # [K, O]
+    if need_b:
+        gb = count.repeat(n) @ g
+    if not (need_x or need_w):
+        return None, None, gb
     scale = _identity_scale(ah, aw, kh, kw)
     if scale is not None:  # 1x1 stride 1 on whole patches: T = r^2 I, so Z is the pooled input
-        g_t = g_t * scale
+        g = g * scale
+    else:
+        tap = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device)  # [kH kW L_out, L_in]
     if need_w:
-        xc = x_pooled.permute(1, 2, 3, 0).reshape(c, l_in, n)
-        z = xc if scale is not None else torch.matmul(tap, xc)
-        gw = (g_t @ z.reshape(c * taps, l_out * n).T).reshape(w_shape)
+        if scale is not None:
+            z = x_pooled.view(n * l_in, c)  # saved as [N, L_in, C]
+        else:  # Z[(n, I), (c, p, q)] from X T^T [(n, c), (p, q, I)]
+            z = (x_pooled.view(n * c, l_in) @ tap.T).view(n, c, taps, l_out)
+            z = z.permute(0, 3, 1, 2).reshape(n * l_out, c * taps)
+        gw = (g.T @ z).view(w_shape)
     if need_x:
-        gz = weight.reshape(o, c * taps).T @ g_t  # [C kH kW, H_o' W_o' N]
-        gxs = gz if scale is not None else torch.matmul(tap.T, gz.reshape(c, taps * l_out, n))
-        gxc = gxs.reshape(c, ah.n_in_c, aw.n_in_c, n).permute(3, 0, 1, 2)
-    return gxc, gw
+        gz = g @ weight.reshape(o, c * taps)  # [K, C kH kW]: memory order N, I, C, taps
+        if scale is not None:
+            gxc = gz.view(n, l_in, c).transpose(1, 2)
+        else:
+            gz = gz.view(n, l_out, c, taps).permute(0, 2, 3, 1).reshape(n * c, taps * l_out)
+            gxc = (gz @ tap).view(n, c, l_in)
+        gx = _unpool_dense(gxc, h, w, radius, x_channels_last)
+    return gx, gw, gb
 
 
 @functools.lru_cache(maxsize=1024)
