@@ -155,6 +155,56 @@ def test_channels_last_input_gives_the_same_gradients():
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[3], CONFIGS[5], CONFIGS[10]],
+                         ids=["depthwise", "depthwise-s2", "1x1-s2", "1x1"])
+def test_channels_last_dense_paths_match_reference_and_keep_the_layout(cfg, path):
+    """Depthwise and 1x1 convs on channels-last tensors: same gradients, input gradient stored N,H,W,C."""
+    x, weight, b, kw = _make(cfg)
+    x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = filtered_conv2d(x_cl, weight, b, radius=2, **kw)
+    gy = torch.randn_like(y).contiguous(memory_format=torch.channels_last)
+    got = _grads(y, x_cl, weight, b, gy)
+    for g, w in zip(got, _reference(x.detach(), weight.detach(), b, gy.contiguous(), 2, kw)):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    if path == "dense":
+        assert got[0].is_contiguous(memory_format=torch.channels_last) and not got[0].is_contiguous()
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]], ids=["dense", "depthwise"])
+def test_bias_only_gradient_is_the_exact_sum(cfg, path):
+    x, weight, b, kw = _make(cfg)
+    y = filtered_conv2d(x.detach(), weight.detach(), b, radius=2, **kw)
+    gy = torch.randn_like(y)
+    (gb,) = torch.autograd.grad(y, [b], gy)
+    torch.testing.assert_close(gb, gy.sum((0, 2, 3)), rtol=1e-10, atol=1e-10)
+
+
+def test_tap_matrix_orders_are_the_same_matrix():
+    """The per-position stacks the dense backward reads are permutations of T[(p, q, I, J), (U, V)]."""
+    x_shape, w_shape, y_shape = (2, 4, 9, 7), (6, 4, 3, 3), (2, 6, 5, 4)
+    ah, aw = impl.coarse_geometry(x_shape, w_shape, y_shape, (2, 2), (1, 1), (1, 1), 2)
+    flat = impl._tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"))
+    l_out, l_in = ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
+    t = flat.view(9, l_out, l_in)
+    iu_tap = impl._tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"), "i,u,tap")
+    i_tap_u = impl._tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"), "i,tap,u")
+    assert torch.equal(iu_tap, t.permute(1, 2, 0)) and torch.equal(i_tap_u, t.permute(1, 0, 2))
+    assert iu_tap.is_contiguous() and i_tap_u.is_contiguous() and flat.sum() > 0
+
+
+def test_flop_estimate_counts_kernel_taps_when_fewer_than_coarse_taps():
+    """A 1x1 stride-2 conv reads 2 x 2 coarse inputs per coarse output, but all with the same weight."""
+    from edgetrain.adapt._gradfilter_trace import conv2d_backward_flops
+    args = ((8, 256, 16, 16), (512, 256, 1, 1), (8, 512, 8, 8), (2, 2), (0, 0), (1, 1))
+    exact, r2 = conv2d_backward_flops(*args, None), conv2d_backward_flops(*args, 2)
+    assert 3.5 < exact / r2 < 4  # r^2 fewer products, plus the gathering and pooling adds
+    args3 = ((8, 64, 8, 8), (64, 64, 3, 3), (8, 64, 8, 8), (1, 1), (1, 1), (1, 1))
+    ah, aw = impl.coarse_geometry(*args3, 2)
+    assert ah.k_c * aw.k_c == 9  # 3x3: as many coarse taps as kernel taps, the coarse formula
+    assert 3.5 < conv2d_backward_flops(*args3, None) / conv2d_backward_flops(*args3, 2) <= 4
+
+
 def test_reapply_and_remove_on_a_copy():
     model = _small_cnn()
     apply_grad_filter(model, GradFilter(radius=2, last_n=1))

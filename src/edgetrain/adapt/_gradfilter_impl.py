@@ -166,24 +166,24 @@ def _mean_unpool(t: torch.Tensor, h: int, w: int, radius: int) -> torch.Tensor:
     return up if up.shape[2:] == (h, w) else up[:, :, :h, :w].contiguous()
 
 
-def _pool_dense(t: torch.Tensor, radius: int, channels_last: bool) -> torch.Tensor:
+def _pool_dense(t: torch.Tensor, radius: int, spatial_major: bool) -> torch.Tensor:
     """Patch means of a small map by one GEMM with :func:`_patch_matrix`, read in place.
 
-    Returns ``[N, L, C]`` (``channels_last``) or ``[N, C, L]``, contiguous, ``L = H' W'``; ``t`` may be
-    stored NCHW or channels-last (anything else is made contiguous first).
+    Returns ``[L, N, C]`` (``spatial_major``: memory order patch, sample, channel) or ``[N, C, L]``,
+    contiguous, ``L = H' W'``; ``t`` may be stored NCHW or channels-last (else it is made contiguous).
     """
     n, c, h, w = t.shape
     m = _patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]
     lc, hw = m.shape
     if _is_channels_last(t):
         flat = t.permute(0, 2, 3, 1).reshape(n, hw, c)  # a view: memory order N, H, W, C
-        if channels_last:
-            return torch.bmm(m.expand(n, lc, hw), flat)
+        if spatial_major:  # the transposing copy is of the small pooled map
+            return torch.bmm(m.expand(n, lc, hw), flat).transpose(0, 1).contiguous()
         return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
-    flat = t.contiguous().view(n, c, hw)
-    if channels_last:
-        return torch.bmm(m.expand(n, lc, hw), flat.transpose(1, 2))
-    return (flat.view(n * c, hw) @ m.T).view(n, c, lc)
+    flat = t.contiguous().view(n * c, hw)
+    if spatial_major:
+        return (m @ flat.T).view(lc, n, c)
+    return (flat @ m.T).view(n, c, lc)
 
 
 def _unpool_dense(t: torch.Tensor, h: int, w: int, radius: int, channels_last: bool) -> torch.Tensor:
@@ -198,8 +198,8 @@ def _unpool_dense(t: torch.Tensor, h: int, w: int, radius: int, channels_last: b
     if channels_last:  # [N, HW, C] = M^T [HW, L] @ t^T [L, C]
         out = torch.bmm(m.T.expand(n, hw, lc), t.transpose(1, 2))
         return out.view(n, h, w, c).permute(0, 3, 1, 2)
-    if t.is_contiguous():
-        return (t.view(n * c, lc) @ m).view(n, c, h, w)
+    if t.stride(0) == c * t.stride(1):  # samples and channels merge into one GEMM dimension
+        return (t.reshape(n * c, lc) @ m).view(n, c, h, w)
     return torch.bmm(t, m.expand(n, lc, hw)).view(n, c, h, w)
 
 
@@ -218,7 +218,7 @@ class _FilteredConv2dFn(torch.autograd.Function):
             if dense:
                 ah, aw = coarse_geometry(*geometry[:6], radius)
                 one_tap = groups == 1 and _identity_scale(ah, aw, *weight.shape[2:]) is not None
-                x_pooled = _pool_dense(x, radius, channels_last=one_tap)
+                x_pooled = _pool_dense(x, radius, spatial_major=one_tap)
             else:
                 x_pooled = _mean_pool(x, radius)
         ctx.save_for_backward(x_pooled, weight if ctx.needs_input_grad[0] else None)
@@ -276,12 +276,14 @@ def _uses_taps(geometry: tuple) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
+def _tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype, device: torch.device,
+                order: str = "tap,i,u") -> torch.Tensor:
     """``T[(p, q, I, J), (U, V)]``: how often tap ``(p, q)`` at coarse output ``(I, J)`` reads ``X[U, V]``.
 
     ``T[p, q, I, J, U, V] = A_h(I)[p, U - s*I] * A_w(J)[q, V - s*J]`` (``A`` per patch row, so partial
-    edge patches are exact); reads of the zero padding have no column.
+    edge patches are exact); reads of the zero padding have no column. ``order`` names the memory
+    order of the result: ``"tap,i,u"`` (a ``[kH kW L_out, L_in]`` matrix), ``"i,u,tap"`` or
+    ``"i,tap,u"`` (``[L_out, ., .]`` stacks of per-position matrices), each contiguous.
     """
     def axis(a: _Axis, k: int) -> torch.Tensor:
         b = torch.zeros(k, a.n_out_c, a.n_in_c, dtype=torch.float64)
@@ -295,8 +297,10 @@ def _tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype,
         return b
 
     t = torch.einsum("piu,qjv->pqijuv", axis(ah, kh), axis(aw, kw))
-    return t.reshape(kh * kw * ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c).to(dtype=dtype,
-                                                                                 device=device)
+    t = t.reshape(kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c)
+    dims = {"tap,i,u": (0, 1, 2), "i,u,tap": (1, 2, 0), "i,tap,u": (1, 0, 2)}[order]
+    t = t.permute(dims).contiguous().to(dtype=dtype, device=device)
+    return t.view(-1, t.shape[2]) if order == "tap,i,u" else t
 
 
 def _dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
@@ -305,11 +309,12 @@ def _dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: tor
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dW, dbias)`` of a small map with GEMMs (dense or depthwise conv), pooling included.
 
-    Dense: ``G`` (pooled ``dL/dy``) is stored ``[N H_o' W_o', O]`` so that, with ``K = N H_o' W_o'``
-    and ``Z[K, C kH kW]`` the patch-mean input each kernel tap reads (``Z = X T^T``, permuted),
-    ``dW = G^T Z`` and ``dZ = G W`` are single GEMMs on contiguous operands in the weight's own
-    layout; ``dX = dZ T`` (1x1 stride-1 convs on whole patches: ``T = r^2 I``, so ``Z`` is the
-    pooled input itself, saved as ``[N, H' W', C]``). Depthwise: contract the batch first,
+    Dense: ``G`` (pooled ``dL/dy``) is stored ``[H_o' W_o' N, O]`` (patch-major, so one GEMM pools
+    an NCHW gradient) and ``Z[K, C kH kW]``, ``K = H_o' W_o' N``, holds per kernel tap the patch-mean
+    input it reads (``Z[I] = X T[I]^T``, one batched GEMM over ``I``). Then ``dW = G^T Z`` and
+    ``dZ = G W`` are single GEMMs on contiguous operands in the weight's own layout, and
+    ``dX = sum_I dZ[I] T[I]``. 1x1 stride-1 convs on whole patches have ``T = r^2 I``, so ``Z`` is the
+    pooled input itself, saved as ``[H' W' N, C]``. Depthwise: contract the batch first,
     ``R[c] = G[c] X[c]^T`` (``H_o'W_o' x H'W'``), then ``dW[c] = T . R[c]`` and
     ``dX[c] = (W[c] . T)^T G[c]``, which never builds the ``kH kW`` times larger ``Z``.
     """
@@ -320,7 +325,7 @@ def _dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: tor
     count = _patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
     gx = gw = gb = None
     if groups > 1:  # depthwise (the caller routes other grouped convs to convolutions)
-        g = _pool_dense(gy, radius, channels_last=False)  # [N, C, L_out]
+        g = _pool_dense(gy, radius, spatial_major=False)  # [N, C, L_out]
         if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
             gb = g.sum(0) @ count
         if not (need_x or need_w):
@@ -334,30 +339,36 @@ def _dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: tor
             gxc = torch.bmm(g.permute(1, 0, 2), k)  # [C, N, L_in]
             gx = _unpool_dense(gxc.transpose(0, 1), h, w, radius, x_channels_last)
         return gx, gw, gb
-    g = _pool_dense(gy, radius, channels_last=True).view(n * l_out, o)  # [K, O]
+    g = _pool_dense(gy, radius, spatial_major=True).view(l_out * n, o)  # [K, O]
     if need_b:
-        gb = count.repeat(n) @ g
+        gb = count.repeat_interleave(n) @ g
     if not (need_x or need_w):
         return None, None, gb
     scale = _identity_scale(ah, aw, kh, kw)
     if scale is not None:  # 1x1 stride 1 on whole patches: T = r^2 I, so Z is the pooled input
         g = g * scale
-    else:
-        tap = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device)  # [kH kW L_out, L_in]
+    z = None
     if need_w:
         if scale is not None:
-            z = x_pooled.view(n * l_in, c)  # saved as [N, L_in, C]
-        else:  # Z[(n, I), (c, p, q)] from X T^T [(n, c), (p, q, I)]
-            z = (x_pooled.view(n * c, l_in) @ tap.T).view(n, c, taps, l_out)
-            z = z.permute(0, 3, 1, 2).reshape(n * l_out, c * taps)
+            z = x_pooled.view(l_in * n, c)  # saved as [L_in, N, C]
+        else:  # Z[I] = X T[I]^T: [N C, L_in] x [L_in, kH kW] for each coarse output position I
+            t_w = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,u,tap")
+            z = torch.bmm(x_pooled.view(n * c, l_in).expand(l_out, n * c, l_in), t_w)
+            z = z.view(l_out * n, c * taps)
         gw = (g.T @ z).view(w_shape)
     if need_x:
-        gz = g @ weight.reshape(o, c * taps)  # [K, C kH kW]: memory order N, I, C, taps
-        if scale is not None:
-            gxc = gz.view(n, l_in, c).transpose(1, 2)
-        else:
-            gz = gz.view(n, l_out, c, taps).permute(0, 2, 3, 1).reshape(n * c, taps * l_out)
-            gxc = (gz @ tap).view(n, c, l_in)
+        # [K, C kH kW], memory order I, N, C, taps; written into Z's buffer when Z is ours (no new pages)
+        out = z if z is not None and scale is None else None
+        gz = torch.mm(g, weight.reshape(o, c * taps), out=out)
+        if scale is not None:  # [L_in, N, C] read as [N, C, L_in]
+            gxc = gz.view(l_in, n, c).permute(1, 2, 0)
+        else:  # dX = sum_I dZ[I] T[I]: a few small GEMMs, no copy of dZ
+            t_x = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,tap,u")
+            gz = gz.view(l_out, n * c, taps)
+            gxc = torch.mm(gz[0], t_x[0])
+            for big_i in range(1, l_out):
+                gxc.addmm_(gz[big_i], t_x[big_i])
+            gxc = gxc.view(n, c, l_in)
         gx = _unpool_dense(gxc, h, w, radius, x_channels_last)
     return gx, gw, gb
 

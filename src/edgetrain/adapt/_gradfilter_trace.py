@@ -42,8 +42,12 @@ def conv2d_backward_flops(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_
         need_b: the bias gradient is computed (``N * O * H_o * W_o`` additions either way).
 
     Returns:
-        The count. Filtered: both coarse convolutions, plus pooling ``dL/dy`` (one add per element)
-        and scaling ``dx`` (one per pooled element); the tiny count-matrix contractions are ignored.
+        The count. Filtered: both gradients on the coarse grid, plus pooling ``dL/dy`` (one add per
+        element) and scaling ``dx`` (one per pooled element). Each gradient takes the cheaper of two
+        equal formulas: the coarse convolution with ``K'h K'w`` taps, or (when the kernel has fewer
+        taps, e.g. a 1x1 stride-2 conv) one product per kernel tap on the ``A``-weighted input sums
+        ``sum_m A[p, m] X[s I + m]``, whose gathering adds are counted too; the tiny count-matrix
+        contractions that fold ``K'`` taps back to ``k`` are ignored.
     """
     n, o, ho, wo = y_shape
     per_position = 2 * n * o * w_shape[1]
@@ -52,7 +56,14 @@ def conv2d_backward_flops(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_
         return flops + (int(need_x) + int(need_w)) * per_position * w_shape[2] * w_shape[3] * ho * wo
     ah, aw = coarse_geometry(tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding,
                              dilation, radius)
-    coarse = per_position * ah.k_c * aw.k_c * ah.n_out_c * aw.n_out_c
+    n_out_c = ah.n_out_c * aw.n_out_c
+    taps = w_shape[2] * w_shape[3]
+    if taps < ah.k_c * aw.k_c:  # per kernel tap, on gathered sums (nonzeros of the first A table)
+        nnz = (sum(sum(1 for a in row if a) for row in ah.tables[0])
+               * sum(sum(1 for a in row if a) for row in aw.tables[0]))
+        coarse = per_position * taps * n_out_c + 2 * n * x_shape[1] * nnz * n_out_c
+    else:
+        coarse = per_position * ah.k_c * aw.k_c * n_out_c
     flops += (int(need_x) + int(need_w)) * coarse
     if need_x or need_w:
         flops += n * o * ho * wo if radius > 1 else 0
