@@ -213,12 +213,13 @@ def bench_adapt(spec: Spec, progress: Progress, threads: int, repeats: int) -> t
     return t, [f"{spec.model}: {mean_less:.1%} less redone work, {mean_rec:.1%} less recomputation"]
 
 
-FRAG_MODES = {
+FRAG_MODES = {  # label: (environment, budget: None plain / "none" / fraction of plain's peak, install the pool)
     "plain (glibc defaults)": ({"EDGETRAIN_ALLOCATOR": "system"}, None, False),
-    "plain (edgetrain's allocator setting)": ({}, None, False),
+    "plain, mmap threshold 64 KiB": ({"EDGETRAIN_ALLOCATOR": "tuned"}, None, False),
+    "plain + edgetrain's tensor pool": ({}, None, True),
     "edgetrain, no budget": ({}, "none", False),
     "edgetrain, 60% budget": ({}, 0.6, False),
-    "edgetrain, 60% budget, backward_heap": ({}, 0.6, True),
+    "edgetrain, 60% budget, mmap threshold only": ({"EDGETRAIN_ALLOCATOR": "tuned"}, 0.6, False),
 }
 
 
@@ -240,6 +241,11 @@ def frag_worker(spec_json: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     if d["budget"] is None:
+        if d["pool"]:
+            from edgetrain.runtime import pool
+
+            pool.install()
+
         def run() -> None:
             opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
@@ -247,7 +253,7 @@ def frag_worker(spec_json: str) -> None:
         plan = None
     else:
         budget = None if d["budget"] == "none" else int(d["budget"])
-        step = edgetrain.prepare(model, opt, loss_fn, (x, y), memory_budget=budget, backward_heap=d["heap"])
+        step = edgetrain.prepare(model, opt, loss_fn, (x, y), memory_budget=budget)
         run = lambda: step(x, y)  # noqa: E731
         plan = f"mb={step.plan.micro_batch_size}, {step.plan.policies.count('recompute')}/{step.plan.num_stages} recomp"
     for _ in range(2):
@@ -282,12 +288,12 @@ def bench_fragmentation(spec: Spec, threads: int, progress: Progress, quick: boo
     t = Table(f"{spec.model} {'x'.join(map(str, spec.input_shape))} batch {spec.batch}: one step's resident growth "
               f"over its live tensor bytes (plain peak {mib(plain.peak_bytes)} MiB)",
               ["mode", "config", "peak MiB", "live tensors at start MiB", "peak live tensors MiB", "peak/live"])
-    for label, (env, frac, heap) in FRAG_MODES.items():
+    for label, (env, frac, use_pool) in FRAG_MODES.items():
         if quick and isinstance(frac, float):
             label, frac = label.replace("60%", "100%"), 1.0  # small models: runtime overhead leaves no room
         budget = None if frac is None else ("none" if frac == "none" else int(frac * plain.peak_bytes))
         spec_json = json.dumps({"model": spec.model, "shape": spec.input_shape, "batch": spec.batch,
-                                "kwargs": spec.kwargs, "threads": threads, "budget": budget, "heap": heap})
+                                "kwargs": spec.kwargs, "threads": threads, "budget": budget, "pool": use_pool})
         proc = subprocess.run([sys.executable, __file__, "--frag-worker", spec_json], capture_output=True, text=True,
                               env={**os.environ, **env}, timeout=900)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FRAG ")), None)

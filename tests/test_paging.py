@@ -127,7 +127,8 @@ def test_parameters_and_tiny_tensors_stay_resident(tmp_path):
             y = lin(torch.randn(2, 256))
         y.sum().backward()
         assert pager.stats.paged_tensors == 1          # the input; the weight (a parameter) stays put
-        assert pager.stats.written_bytes == 2 * 256 * 4
+        # Written, or still held by the write-behind when backward came for it (timing-dependent).
+        assert 2 * 256 * 4 in (pager.stats.written_bytes, pager.stats.peak_held_bytes)
 
 
 def test_backward_memory_is_bounded(tmp_path):

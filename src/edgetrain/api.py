@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import memory
+from .runtime import pool
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs, capture
@@ -66,8 +67,6 @@ class TrainStep:
         self.page_dir: str | None = None
         self.elastic: Any = None
         self.steps_done = 0
-        #: Serve each backward pass from glibc's heap and return it afterwards (see memory.backward_phase).
-        self.backward_heap = False
         self._budget_source: Callable[[], int | str | None] | None = None
 
     @property
@@ -112,6 +111,7 @@ class TrainStep:
         """
         n = self._check(inputs, targets)
         self._poll_budget()
+        self._cap_pool()
         if self.elastic is not None:
             self.elastic.maybe_reselect(self.steps_done, (inputs, targets))
         env_full = bind_inputs(self.model, inputs)
@@ -130,8 +130,7 @@ class TrainStep:
                     raise InputError("loss_fn must return a scalar tensor (the mean loss over the batch it is "
                                      f"given), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
                 scaled = loss if size == n else loss * (size / n)
-                with memory.backward_phase(self.backward_heap):
-                    scaled.backward()
+                scaled.backward()
                 total += float(loss.detach()) * size
                 del out, loss, scaled, env
                 start += size
@@ -193,9 +192,19 @@ class TrainStep:
             plan = plan.replace(bn_micro_batched=True)
         self.set_plan(plan.replace(budget_bytes=budget))
         self.budget_bytes = budget
+        pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one
+        self._cap_pool()
         log.info("budget now %s: micro-batch %d, %d recomputed", format_bytes(budget), plan.micro_batch_size,
                  plan.policies.count("recompute"))
         return self._plan
+
+    def _cap_pool(self) -> None:
+        """Let the tensor pool cache only what the budget leaves beside the memory outside the pool."""
+        if not pool.installed() or self.budget_bytes is None:
+            return
+        st = pool.stats()
+        outside = memory.rss_bytes() - st.live_bytes - st.cached_bytes
+        pool.set_cap(self.budget_bytes - self.margin_bytes + memory.baseline_rss_bytes() - outside)
 
     def _poll_budget(self) -> None:
         if self.budget_source is None:
@@ -218,7 +227,7 @@ class TrainStep:
 
 
 def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
-              loss_fn: Callable[..., torch.Tensor], pager: Any = None, backward_heap: bool = False) -> Measured:
+              loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
     """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
     executor = Executor(chain, plan, pager=pager if "page" in plan.policies else None)
     sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
@@ -230,19 +239,19 @@ def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
         for size in sizes:
             env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
             loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
-            with memory.backward_phase(backward_heap):
-                (loss * (size / plan.batch_size)).backward()
+            (loss * (size / plan.batch_size)).backward()
             del loss, env
             start += size
             if executor.pager is not None:
                 executor.pager.reset()
         peak = memory.peak_rss_bytes()
+    pool.release()  # blocks cached for reuse are not memory the run left behind
     return Measured(before - base, peak - base, memory.rss_bytes() - base)
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
             example: Any, memory_budget: int | str | None = None, *, micro_batch_size: int | None = None,
-            solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True, backward_heap: bool = False,
+            solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True,
             exact_batchnorm: bool = True,
             safety_margin: float = 0.03, use_cache: bool = True, name: str | None = None,
             paging: bool = False, page_dir: str | None = None, device: Any = "host", objective: str = "time",
@@ -262,11 +271,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         solver: planner name (``edgetrain.planners.PLANNERS``): "dp" (exact, default), "no_saving",
             "recompute_all", "chen_sqrt", "checkpoint_sequential".
         max_stages: upper bound on the number of stages the model is cut into.
-        tune_allocator: fix glibc's mmap threshold so freed activations return to the OS (process-wide).
-        backward_heap: opt-in, faster: with a tuned allocator, serve each backward pass from glibc's heap and
-            return it afterwards (``edgetrain.memory.backward_phase``): about half the page faults (MobileNetV2
-            64x64 batch 32: 0.46 s instead of 0.63 s a step) but the heap's layout varies from step to step,
-            so the measured peak can exceed the validated plan (once by 8% in the bench): not for hard budgets.
+        tune_allocator: install edgetrain's CPU tensor pool (``edgetrain.runtime.pool``: freed tensor memory is
+            reused but never held beyond the peak of live tensors) and fix glibc's mmap threshold for the rest
+            (process-wide).
         exact_batchnorm: for models with BatchNorm in training mode, prefer plans without micro-batching
             (identical to plain PyTorch) and micro-batch only if no such plan fits.
         safety_margin: share of the budget held back for allocator noise.
@@ -311,6 +318,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if tune_allocator:
         memory.tune_allocator()
+        pool.install()
+    pool.set_cap(None)
+    pool.release()  # memory cached for reuse is not in use: measure from live tensors only
     rss_start = memory.rss_bytes()
     in_use = max(0, rss_start - memory.baseline_rss_bytes())
     opt_costs = optimizer_costs(optimizer)
@@ -348,8 +358,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         plan = planner.plan(None)
     else:
         grads = _grad_bytes_missing(model)
-        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn, pager,
-                                                                       backward_heap),
+        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn, pager),
                                              grads + opt_costs.state_bytes, grads)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
@@ -364,7 +373,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
-    step.backward_heap = backward_heap
     step.page_dir = page_dir
     if speedup is not None:
         from .adapt.elastic import ElasticConfig, ElasticSelector

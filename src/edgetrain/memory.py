@@ -24,7 +24,7 @@ from typing import Iterator, TypeVar
 
 __all__ = [
     "rss_bytes", "peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
-    "tune_allocator", "allocator_tuned", "PeakMeter", "measure_peak", "backward_phase",
+    "tune_allocator", "allocator_tuned", "PeakMeter", "measure_peak",
 ]
 
 log = logging.getLogger(__name__)
@@ -36,9 +36,6 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 DEFAULT_MMAP_THRESHOLD_BYTES = 64 * 1024
-# glibc's largest allowed mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): below it, the heap serves all.
-_HEAP_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
-_NO_TRIM_BYTES = 1 << 30
 
 
 def _status_kib(field: str) -> int | None:
@@ -79,7 +76,16 @@ def can_reset_peak() -> bool:
 
 
 def reset_peak() -> bool:
-    """Reset the peak RSS to the current RSS. Returns False where the kernel does not allow it."""
+    """Reset the peak RSS to the current RSS. Returns False where the kernel does not allow it.
+
+    With edgetrain's tensor pool installed, its cache is emptied first and its high-water mark restarted,
+    so that the region measured from here starts from live tensors only.
+    """
+    from .runtime import pool
+
+    if pool.installed():
+        pool.release()
+        pool.reset_peak()
     try:
         with open(_CLEAR_REFS, "w") as f:
             f.write("5")
@@ -171,41 +177,6 @@ def tune_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> 
 def allocator_tuned() -> bool:
     """Whether :func:`tune_allocator` (or ``MALLOC_MMAP_THRESHOLD_``) is in force in this process."""
     return _TUNED is not None or "MALLOC_MMAP_THRESHOLD_" in os.environ
-
-
-@contextlib.contextmanager
-def backward_phase(enabled: bool = True) -> Iterator[None]:
-    """Serve a backward pass from glibc's heap, then give that heap back: fast reuse, exact release.
-
-    With the mmap threshold fixed low (:func:`tune_allocator`), every activation is its own mapping, so
-    freeing one returns its pages at once and resident memory tracks live bytes; the price is a page
-    fault per 4 KiB of every new tensor (measured here: MobileNetV2 64x64 batch 32 faults 209k times a
-    step and runs 1.8x slower than with glibc's defaults). In the forward pass that price buys exactness:
-    saved activations live until backward and must not pin heap pages after they die. Backward tensors
-    (gradients of activations, recomputed segments) die in stack order, so the heap reuses them without
-    faults; inside this block the heap serves everything below 32 MiB and never trims, and on exit the
-    whole free heap is returned (``malloc_trim(0)``) and the low threshold restored, so the next forward
-    starts from live bytes again. Measured on that model: 92k faults a step instead of 209k, 0.46 s a step
-    instead of 0.63 s; but the heap's layout is not the same every step, and one bench run measured a peak
-    8% above the plan its validation step had fitted, so ``prepare`` leaves it off unless asked.
-
-    A no-op when the allocator is not tuned (``EDGETRAIN_ALLOCATOR=system``) or glibc is absent.
-
-    Args:
-        enabled: False makes the block a no-op (one call site for both settings).
-    """
-    libc = _libc() if enabled and _TUNED is not None else None
-    if libc is None:
-        yield
-        return
-    libc.mallopt(_M_TRIM_THRESHOLD, _NO_TRIM_BYTES)
-    libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_MMAP_THRESHOLD_BYTES)
-    try:
-        yield
-    finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, _TUNED)
-        libc.mallopt(_M_TRIM_THRESHOLD, _TUNED * 2)
-        libc.malloc_trim(0)
 
 
 @dataclass

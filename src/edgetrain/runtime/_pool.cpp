@@ -1,0 +1,222 @@
+// edgetrain's CPU tensor pool: a caching allocator whose resident memory never exceeds a cap.
+//
+// Why: glibc either keeps freed tensor memory in heaps that fragment (resident memory follows the history
+// of allocations) or, with a low mmap threshold, maps every tensor afresh and page-faults it in (about 1.8x
+// slower training steps measured on 2-core x86). This pool keeps freed blocks mapped and reuses them
+// (best fit, the unused tail of a much larger block is unmapped), and it unmaps cached blocks whenever
+// live + cached bytes would exceed the highest live bytes seen (or a lower cap): resident pool memory never
+// exceeds the peak of live tensor bytes, so there is no fragmentation above page rounding.
+//
+// Built on first use by edgetrain/runtime/pool.py with the system C++ compiler against the installed torch;
+// loaded with ctypes; installed with c10::SetCPUAllocator. Small allocations go to the default allocator.
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+constexpr size_t kPage = 4096;
+
+size_t round_pages(size_t n) { return (n + kPage - 1) / kPage * kPage; }
+
+struct Stats {
+  int64_t live = 0;        // bytes of blocks handed out (page-rounded)
+  int64_t cached = 0;      // bytes of free blocks kept mapped
+  int64_t live_peak = 0;   // highest live seen
+  int64_t hits = 0;        // allocations served from the cache
+  int64_t misses = 0;      // allocations that mapped fresh pages
+  int64_t evicted = 0;     // bytes unmapped from the cache
+  int64_t trimmed = 0;     // bytes of tails unmapped when a larger block was reused
+};
+
+class Pool final : public c10::Allocator {
+ public:
+  explicit Pool(size_t small_bytes) : small_bytes_(small_bytes) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < small_bytes_) {
+      return fallback()->allocate(n);
+    }
+    void* p = take(round_pages(n));
+    c10::profiledCPUMemoryReporter().New(p, n);  // torch.profiler's memory events, as the default allocator
+    return {p, p, &Pool::deleter, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  // oneDNN allocates through raw_allocate/raw_deallocate: small blocks then come from the fallback
+  // allocator, so the raw deleter routes pointers that are not ours to the fallback's.
+  c10::DeleterFnPtr raw_deleter() const override { return &Pool::deleter; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  void set_cap(int64_t cap) {
+    std::lock_guard<std::mutex> g(mu_);
+    cap_ = cap < 0 ? INT64_MAX : cap;
+    shrink_locked(0);
+  }
+
+  void release() {
+    std::lock_guard<std::mutex> g(mu_);
+    while (!free_.empty()) evict_one_locked();
+  }
+
+  void reset_peak() {
+    std::lock_guard<std::mutex> g(mu_);
+    st_.live_peak = st_.live;
+    shrink_locked(0);
+  }
+
+  Stats stats() {
+    std::lock_guard<std::mutex> g(mu_);
+    return st_;
+  }
+
+  static Pool* instance;
+  static c10::Allocator* fallback_allocator;
+
+ private:
+  static c10::Allocator* fallback() { return fallback_allocator; }
+
+  static void deleter(void* p) {
+    if (instance->give(p)) {
+      c10::profiledCPUMemoryReporter().Delete(p);
+    } else {
+      fallback_raw_deleter(p);
+    }
+  }
+
+  static void fallback_raw_deleter(void* p) { fallback_allocator->raw_deleter()(p); }
+
+  // live + cached may reach the highest live bytes seen and the cap, whichever is lower (live bytes are
+  // never refused, so a cap below them only empties the cache).
+  int64_t limit_locked() const { return std::max(st_.live, std::min(cap_, st_.live_peak)); }
+
+  // Unmap cached blocks (largest first) until live + cached + extra fits the limit.
+  void shrink_locked(int64_t extra) {
+    while (!free_.empty() && st_.live + st_.cached + extra > limit_locked()) evict_one_locked();
+  }
+
+  void evict_one_locked() {
+    auto it = std::prev(free_.end());
+    munmap(it->second, it->first);
+    st_.cached -= static_cast<int64_t>(it->first);
+    st_.evicted += static_cast<int64_t>(it->first);
+    free_.erase(it);
+  }
+
+  void* take(size_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = free_.lower_bound(n);
+    if (it != free_.end()) {
+      void* p = it->second;
+      size_t size = it->first;
+      free_.erase(it);
+      st_.cached -= static_cast<int64_t>(size);
+      if (size > n + n / 4) {  // reuse the head, give the tail back rather than hold it idle
+        munmap(static_cast<char*>(p) + n, size - n);
+        st_.trimmed += static_cast<int64_t>(size - n);
+        size = n;
+      }
+      sizes_[p] = size;
+      st_.live += static_cast<int64_t>(size);
+      st_.live_peak = std::max(st_.live_peak, st_.live);
+      st_.hits += 1;
+      return p;
+    }
+    st_.live_peak = std::max(st_.live_peak, st_.live + static_cast<int64_t>(n));
+    shrink_locked(static_cast<int64_t>(n));
+    void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      release_locked_all();
+      p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      TORCH_CHECK(p != MAP_FAILED, "edgetrain pool: out of memory mapping ", n, " bytes");
+    }
+    sizes_[p] = n;
+    st_.live += static_cast<int64_t>(n);
+    st_.misses += 1;
+    return p;
+  }
+
+  void release_locked_all() {
+    while (!free_.empty()) evict_one_locked();
+  }
+
+  bool give(void* p) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = sizes_.find(p);
+    if (it == sizes_.end()) return false;  // a small block of the fallback allocator (raw_deallocate)
+    size_t size = it->second;
+    sizes_.erase(it);
+    st_.live -= static_cast<int64_t>(size);
+    free_.emplace(size, p);
+    st_.cached += static_cast<int64_t>(size);
+    shrink_locked(0);
+    return true;
+  }
+
+  size_t small_bytes_;
+  int64_t cap_ = INT64_MAX;
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+  std::unordered_map<void*, size_t> sizes_;
+  Stats st_;
+};
+
+Pool* Pool::instance = nullptr;
+c10::Allocator* Pool::fallback_allocator = nullptr;
+constexpr uint8_t kPriority = 200;
+
+}  // namespace
+
+extern "C" {
+
+// Install the pool as PyTorch's CPU allocator (idempotent). Returns 0 on success.
+int et_pool_install(int64_t small_bytes) {
+  if (Pool::instance == nullptr) {
+    Pool::fallback_allocator = c10::GetDefaultCPUAllocator();
+    Pool::instance = new Pool(static_cast<size_t>(small_bytes));  // lives for the process: blocks point to it
+  }
+  c10::SetCPUAllocator(Pool::instance, kPriority);
+  return 0;
+}
+
+// Route new allocations back to PyTorch's default allocator; blocks already handed out stay valid.
+void et_pool_uninstall() {
+  if (Pool::instance != nullptr) {
+    Pool::instance->release();
+    c10::SetCPUAllocator(Pool::fallback_allocator, kPriority);
+  }
+}
+
+void et_pool_set_cap(int64_t cap) {
+  if (Pool::instance != nullptr) Pool::instance->set_cap(cap);
+}
+
+void et_pool_release() {
+  if (Pool::instance != nullptr) Pool::instance->release();
+}
+
+void et_pool_reset_peak() {
+  if (Pool::instance != nullptr) Pool::instance->reset_peak();
+}
+
+// live, cached, live_peak, hits, misses, evicted, trimmed
+void et_pool_stats(int64_t* out) {
+  Stats s = Pool::instance != nullptr ? Pool::instance->stats() : Stats{};
+  int64_t v[7] = {s.live, s.cached, s.live_peak, s.hits, s.misses, s.evicted, s.trimmed};
+  std::memcpy(out, v, sizeof(v));
+}
+
+}  // extern "C"

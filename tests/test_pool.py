@@ -1,0 +1,98 @@
+"""The tensor pool: reuse without growth beyond live tensors, caps honoured, maths unchanged."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import edgetrain
+from edgetrain import memory
+from edgetrain.runtime import pool
+from tests._models import convnet
+
+pytestmark = pytest.mark.skipif(os.environ.get("EDGETRAIN_ALLOCATOR", "pool") not in ("pool", "")
+                                or not pool.available(), reason="tensor pool unavailable or turned off")
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    assert pool.install()
+    pool.set_cap(None)
+    yield
+    pool.set_cap(None)
+
+
+def test_freed_blocks_are_reused_not_remapped():
+    pool.release()
+    pool.reset_peak()
+    a = torch.empty(1 << 20)  # 4 MiB
+    del a
+    before = pool.stats()
+    b = torch.empty(1 << 20)
+    after = pool.stats()
+    assert after.hits == before.hits + 1 and after.misses == before.misses
+    del b
+
+
+def test_cache_never_exceeds_the_live_high_water_mark():
+    pool.release()
+    pool.reset_peak()
+    big = [torch.ones(1 << 20) for _ in range(8)]  # 32 MiB live
+    peak = pool.stats().live_peak_bytes
+    del big
+    st = pool.stats()
+    assert st.live_bytes + st.cached_bytes <= peak
+    # Differently sized blocks: still never above the high-water mark, whatever the cache holds.
+    for n in (3, 5, 7, 2, 9):
+        t = torch.ones(n << 18)
+        del t
+        st = pool.stats()
+        assert st.live_bytes + st.cached_bytes <= max(st.live_peak_bytes, peak)
+
+
+def test_cap_empties_the_cache_and_release_unmaps():
+    pool.release()
+    pool.reset_peak()
+    ts = [torch.ones(1 << 20) for _ in range(4)]
+    del ts
+    assert pool.stats().cached_bytes > 0
+    pool.set_cap(0)
+    assert pool.stats().cached_bytes == 0
+    pool.set_cap(None)
+    t = torch.ones(1 << 20)
+    del t
+    rss = memory.rss_bytes()
+    pool.release()
+    assert pool.stats().cached_bytes == 0
+    assert memory.rss_bytes() <= rss
+
+
+def test_small_tensors_bypass_the_pool():
+    before = pool.stats()
+    t = torch.ones(16)
+    assert pool.stats().live_bytes == before.live_bytes
+    del t
+
+
+def test_training_through_the_pool_is_bit_exact():
+    torch.manual_seed(0)
+    model = convnet(classes=10, width=32)
+    other = copy.deepcopy(model)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    results = []
+    for m in (model, other):
+        torch.manual_seed(1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        if m is model:
+            step = edgetrain.prepare(m, opt, torch.nn.functional.cross_entropy, (x, y), use_cache=False)
+            for _ in range(3):
+                step(x, y)
+        else:
+            for _ in range(3):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+        results.append([t.detach().clone() for t in [*m.parameters(), *m.buffers()]])
+    assert pool.stats().hits > 0
+    assert all(torch.equal(a, b) for a, b in zip(*results))
