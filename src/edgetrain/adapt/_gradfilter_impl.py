@@ -42,10 +42,12 @@ change ``A`` for the last one or two patch rows/columns, which therefore get the
 result is exactly the formula above, with no cropping.
 
 Implementation. Coarse maps of at most ``_DENSE_MAX_COARSE`` positions (the last layers of a CNN)
-use GEMMs: a tap matrix ``T`` (``kH kW H_o' W_o' x H' W'``, built from the ``A`` tables) gathers, per
-kernel tap, the patch sums each tap reads, so ``dW`` and ``dx`` are single GEMMs in the weight's own
-layout (per channel for depthwise convs); pooled maps are then stored channel-major. Larger maps
-run the coarse convolutions through ``aten.convolution_backward``, one call per block of equal ``A``.
+use GEMMs: pooling and unpooling are products with a small patch-mean matrix that read NCHW or
+channels-last tensors in place, and a tap matrix ``T`` (``kH kW H_o' W_o' x H' W'``, built from the
+``A`` tables) gathers, per kernel tap, the patch means each tap reads, so ``dW`` and ``dx`` are single
+GEMMs on contiguous operands in the weight's own layout (see :func:`_dense_backward`; per channel for
+depthwise convs). The input gradient keeps the input's memory format. Larger maps run the coarse
+convolutions through ``aten.convolution_backward``, one call per block of equal ``A``.
 """
 
 from __future__ import annotations
