@@ -346,6 +346,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
                           budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__,
                           min_micro_batch=min_micro)
+    pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
     overhead = max(0, memory.rss_bytes() - rss_start)
     costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
                       costs.step_fixed_s, costs.name)

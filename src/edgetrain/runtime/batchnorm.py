@@ -9,7 +9,7 @@ Two problems, two mechanisms:
 * Micro-batching normalises each micro-batch with its own statistics (unavoidable without a second pass),
   and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
   accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
-  logical batch (Chan's parallel update, in float64), and at the end of the step sets the running statistics to exactly what one
+  logical batch (read from the statistics the BatchNorm kernel computes, see :meth:`FullBatchStats._hook`) (Chan's parallel update, in float64), and at the end of the step sets the running statistics to exactly what one
   full-batch forward would have set: ``running = (1 - momentum) * running + momentum * stat`` with the
   unbiased full-batch variance, and ``num_batches_tracked`` advanced once.
 """
@@ -78,7 +78,10 @@ class FullBatchStats:
         self._active = False
         self._acc: dict[int, list[torch.Tensor | int]] = {}
         self._snap: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._swapped: dict[int, tuple[Any, ...]] = {}
         self._handles = [b.register_forward_pre_hook(self._hook) for b in self.bns]
+        self._handles += [b.register_forward_hook(self._post_hook, always_call=True) for b in self.bns]
 
     @property
     def has_batchnorm(self) -> bool:
@@ -90,14 +93,33 @@ class FullBatchStats:
         self._handles = []
 
     def _hook(self, mod: _BN, args: tuple[Any, ...]) -> None:
+        """Before a micro-batch's BatchNorm forward: let the layer write its batch statistics to scratch.
+
+        With ``momentum = 1`` a training-mode BatchNorm sets its running mean to the batch mean and its
+        running variance to the unbiased batch variance, so pointing those buffers at scratch tensors for
+        one call gets the statistics the kernel computes anyway, for free (a separate ``var_mean`` over the
+        input cost 20% of a micro-batched MobileNetV2 step).
+        """
         if not self._active or self.recomputing or not mod.training:
             return
-        x = args[0].detach()
-        dims = [d for d in range(x.dim()) if d != 1]
-        n = x.numel() // x.shape[1]
-        var_k, mean_k = torch.var_mean(x, dim=dims, correction=0)
-        mean_k = mean_k.to(torch.float64)
-        m2_k = var_k.to(torch.float64) * n
+        if mod.running_mean is None or mod.running_var is None:
+            return
+        scratch = self._scratch.get(id(mod))
+        if scratch is None:
+            scratch = self._scratch[id(mod)] = (torch.zeros_like(mod.running_mean), torch.ones_like(mod.running_var))
+        self._swapped[id(mod)] = (mod.running_mean, mod.running_var, mod.momentum, args[0].numel() // args[0].shape[1])
+        mod.running_mean, mod.running_var = scratch
+        mod.momentum = 1.0
+
+    def _post_hook(self, mod: _BN, args: tuple[Any, ...], output: Any) -> None:
+        swapped = self._swapped.pop(id(mod), None)
+        if swapped is None:
+            return
+        mean_buf, var_buf, momentum, n = swapped
+        scratch_mean, scratch_var = mod.running_mean, mod.running_var
+        mod.running_mean, mod.running_var, mod.momentum = mean_buf, var_buf, momentum
+        mean_k = scratch_mean.to(torch.float64)
+        m2_k = scratch_var.to(torch.float64) * max(n - 1, 1)  # the kernel stores the unbiased variance
         acc = self._acc.get(id(mod))
         if acc is None:  # [count, mean, sum of squared deviations]: Chan et al.'s parallel update
             self._acc[id(mod)] = [n, mean_k, m2_k]
@@ -120,6 +142,10 @@ class FullBatchStats:
 
     def abort(self) -> None:
         """Put the running statistics back as they were at :meth:`begin`."""
+        for b in self.bns:  # a forward that raised inside a BatchNorm: give the layer its buffers back
+            swapped = self._swapped.pop(id(b), None)
+            if swapped is not None:
+                b.running_mean, b.running_var, b.momentum = swapped[:3]
         self._restore()
         self._active = False
         self._acc = {}

@@ -99,10 +99,16 @@ def _load() -> ctypes.CDLL | None:
 
         torch_dir = Path(torch.__file__).resolve().parent
         key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + str(torch_dir).encode())
-        target = _build_dir() / f"libedgetrain_pool-{key.hexdigest()[:16]}.so"
+        name = f"libedgetrain_pool-{key.hexdigest()[:16]}.so"
+        target = _build_dir() / name
         if not target.exists():
             log.info("compiling edgetrain's CPU tensor pool (once per torch install)")
-            _compile(torch_dir, target)
+            try:
+                _compile(torch_dir, target)
+            except PermissionError:  # a read-only home: build in the temp directory instead
+                target = Path(tempfile.gettempdir()) / f"edgetrain-pool-{os.getuid()}" / name
+                if not target.exists():
+                    _compile(torch_dir, target)
         lib = ctypes.CDLL(str(target))
         lib.et_pool_install.argtypes = [ctypes.c_int64]
         lib.et_pool_install.restype = ctypes.c_int
