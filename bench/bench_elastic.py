@@ -164,7 +164,9 @@ def elastic_lines(r: Run, measured_interleaved: float, full: Run) -> str:
     sel = r.selector
     epoch_speedup = statistics.median(full.step_s) / statistics.median(r.step_s)
     return (f"  {r.name:<22} requested {sel.plan.requested_speedup:5.2f}x  "
-            f"reachable {sel.reachable_speedup:5.2f}x  predicted {sel.predicted_speedup:5.2f}x  measured {measured_interleaved:5.2f}x (interleaved), "
+            f"reachable {sel.reachable_speedup:5.2f}x  predicted {sel.predicted_speedup:5.2f}x  "
+            f"calibrated at attach {sel.measured_speedup or float('nan'):5.2f}x  "
+            f"measured {measured_interleaved:5.2f}x (interleaved), "
             f"{epoch_speedup:5.2f}x (epochs)  setup {r.setup_s:.1f}s  re-select {r.reselect_s:.1f}s  "
             f"deepest {sel.deepest_selected}")
 
@@ -189,7 +191,35 @@ def recalibrate_batchnorm(model: nn.Module, batches: Iterable[Any]) -> None:
     for m, mom in zip(bns, saved):
         m.momentum = mom
 
-def cnn_bench(quick: bool) -> dict[str, float]:
+def seed_spread(fresh_for_seed: Callable[[int], nn.Module], make_opt: Callable, make_opt_all: Callable,
+                batches_for_seed: Callable[[int], Callable[[int], Iterable[Any]]], evaluate: Callable,
+                epochs: int, decay: int, cfg: dict, seeds: list[int], first: dict[str, float]) -> None:
+    """Final accuracy of full fine-tuning, elastic 2x and a ceiling over several seeds (head init and
+    data order), to tell a real gap from seed noise. The ceiling trains *every* tensor from elastic 2x's
+    deepest layer up: no importance measure can beat it at that depth (it is slower than 2x)."""
+    acc: dict[str, list[float]] = {k: [v] for k, v in first.items()}
+    for seed in seeds:
+        batches = batches_for_seed(seed)
+        full = train("full", fresh_for_seed(seed), make_opt, batches, evaluate, epochs, decay_steps=decay)
+        el = train("elastic 2x", fresh_for_seed(seed), make_opt_all, batches, evaluate, epochs,
+                   decay_steps=decay, elastic=ElasticConfig(speedup=2.0, **cfg))
+        names = [n for n, _ in fresh_for_seed(seed).named_parameters()]
+        up = names[names.index(el.selector.deepest_selected):]
+        ceil = train("ceiling", fresh_for_seed(seed), make_opt, batches, evaluate, epochs, trainable=up,
+                     decay_steps=decay)
+        for k, r in (("full", full), ("elastic 2x", el), ("ceiling", ceil)):
+            acc.setdefault(k, []).append(r.epochs[-1][1])
+        print(f"  seed {seed}: full {100 * full.epochs[-1][1]:.1f}%  elastic 2x {100 * el.epochs[-1][1]:.1f}% "
+              f"(deepest {el.selector.deepest_selected})  ceiling {100 * ceil.epochs[-1][1]:.1f}%", flush=True)
+    for k, v in acc.items():
+        sd = statistics.stdev(v) if len(v) > 1 else float("nan")
+        print(f"  {k:<12} mean {100 * statistics.mean(v):5.1f}%  sd {100 * sd:4.1f}  over {len(v)} seeds")
+    gaps = [100 * (e - f) for e, f in zip(acc["elastic 2x"], acc["full"])]
+    print(f"  elastic 2x - full: {' '.join(f'{g:+.1f}' for g in gaps)} points "
+          f"(mean {statistics.mean(gaps):+.1f}, sd {statistics.stdev(gaps) if len(gaps) > 1 else 0:.1f})")
+
+
+def cnn_bench(quick: bool, seeds: int = 1) -> dict[str, float]:
     from edgetrain.data import load_mnist
     from edgetrain.models import mobilenet_v2
 
@@ -280,6 +310,22 @@ def cnn_bench(quick: bool) -> dict[str, float]:
             print(f"    warning: {r.warning}")
         out[f"cnn_{r.name}_measured"], out[f"cnn_{r.name}_acc"] = meas, r.epochs[-1][1]
     out["cnn_last_acc"], out["cnn_bias_acc"] = runs[4].epochs[-1][1], runs[5].epochs[-1][1]
+    if seeds > 1:
+        print(f"CNN over seeds (head init and data order; {len(yt)} test images, so one seed's accuracy "
+              f"has a binomial sd of about {100 * math.sqrt(0.93 * 0.07 / len(yt)):.1f} points):")
+
+        def fresh_for_seed(seed: int) -> nn.Module:
+            torch.manual_seed(seed)
+            m = copy.deepcopy(base)
+            m.classifier[1] = nn.Linear(base.classifier[1].in_features, 5)
+            m.train()
+            return m
+
+        def batches_for_seed(seed: int) -> Callable[[int], Iterable[Any]]:
+            return lambda epoch: batches(ft, epoch + 1000 * seed, ft_train_n)
+
+        seed_spread(fresh_for_seed, make_opt, make_opt_all, batches_for_seed, evaluate, ft_epochs, decay, cfg,
+                    list(range(2, seeds + 1)), {"full": runs[0].epochs[-1][1], "elastic 2x": runs[2].epochs[-1][1]})
     return out
 
 
@@ -419,13 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller runs (under 3 minutes on 2 quiet cores)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--skip-text", action="store_true", help="only the CNN part")
+    ap.add_argument("--seeds", type=int, default=3, help="CNN seeds for full vs elastic 2x (1: no spread)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     print(f"bench_elastic: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{'quick' if args.quick else 'full'} run")
-    res = cnn_bench(args.quick)
+    res = cnn_bench(args.quick, 1 if args.quick else args.seeds)
     if not args.skip_text:
         res.update(text_bench(args.quick))
     print("\nTargets:")

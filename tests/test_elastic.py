@@ -19,7 +19,7 @@ from edgetrain.adapt.elastic_state import TrainingSnapshot
 from edgetrain.adapt.elastic_timing import measure_timing
 from edgetrain.errors import BudgetError, InputError
 
-FAST = dict(timing_repeats=3, timing_cut_repeats=3, timing_max_cuts=6)
+FAST = dict(timing_repeats=3, timing_cut_repeats=3, timing_max_cuts=6, calibration_pairs=0)
 
 
 # ------------------------------------------------------------------------------------------ solver
@@ -262,6 +262,7 @@ def test_backprop_stops_at_deepest_selected_tensor():
     x, y = torch.randn(32, 3, 8, 8), torch.randint(0, 4, (32,))
     sel = _attach(model, opt, (x, y), speedup=1.6)
     deepest_module = sel.deepest_selected.rsplit(".", 1)[0]
+    assert sel.deepest_layer == deepest_module
     order = [str(i) for i in range(len(model))]
     below = order[:order.index(deepest_module)]
     assert sel.frozen_layers() == [m for m in below if list(model[int(m)].parameters())]
@@ -279,6 +280,23 @@ def test_backprop_stops_at_deepest_selected_tensor():
     assert input_needs_grad[order[-1]] or deepest_module == order[-1]
     for n, p in model.named_parameters():
         assert (p.grad is not None) == (n in sel.selected)
+
+
+def test_frozen_batchnorm_still_tracks_running_statistics():
+    # as in full fine-tuning in train mode: a BatchNorm whose tensors are not selected keeps updating
+    # its running mean/var (the frozen prefix runs forward in train mode), but its affine tensors stay
+    model = convnet(classes=4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 3, 8, 8) * 3 + 1, torch.randint(0, 4, (32,))
+    sel = _attach(model, opt, (x, y), speedup=math.inf)
+    bn = model[1]
+    assert "1.weight" not in sel.selected and "1.bias" not in sel.selected
+    mean, var, w = bn.running_mean.clone(), bn.running_var.clone(), bn.weight.detach().clone()
+    opt.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert not torch.equal(bn.running_mean, mean) and not torch.equal(bn.running_var, var)
+    assert torch.equal(bn.weight, w) and bn.num_batches_tracked.item() >= 1
 
 
 def test_selector_reselects_on_interval_and_reports():
@@ -310,6 +328,109 @@ def test_config_validation_and_unattached_use():
         ElasticConfig(speedup=0.9)
     with pytest.raises(InputError):
         ElasticConfig(interval_steps=0)
+    with pytest.raises(InputError):
+        ElasticConfig(calibration_pairs=-1)
+    with pytest.raises(InputError):
+        ElasticConfig(calibration_tolerance=0.0)
+    with pytest.raises(InputError):
+        ElasticConfig(calibration_rounds=0)
     from edgetrain.errors import EdgetrainError
     with pytest.raises(EdgetrainError, match="attach"):
         _ = ElasticSelector().selected
+
+
+def test_calibration_corrects_a_timing_model_that_is_off(monkeypatch):
+    import edgetrain.adapt.elastic as el
+    model = mlp(d_in=16, d=64, n_blocks=4, classes=5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batch = (torch.randn(64, 16), torch.randint(0, 5, (64,)))
+    calls = []
+    real = el.measure_speedup
+
+    def slow_model(model_, opt_, batch_, loss_fn, params, chosen, pairs):
+        # the real machine delivers 25% less speed-up than the timing model predicts
+        calls.append(set(chosen))
+        assert pairs == 3
+        full = sel.timing.full_step_s
+        return 0.75 * full / sel.timing.step_time_s(sorted(chosen))
+
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3}, speedup=1.5))
+    monkeypatch.setattr(el, "measure_speedup", slow_model)
+    before = TrainingSnapshot(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sel.attach(model, opt, batch, nn.CrossEntropyLoss())
+    if sel.reachable_speedup < 1.5 / 0.75:              # noisy timing: 2x not reachable, nothing to check
+        pytest.skip("the model's reachable speed-up is too low on this machine for this check")
+    assert len(calls) >= 2 and sel.target_speedup > 1.5
+    assert sel.plan.requested_speedup == 1.5 and sel.predicted_speedup > 1.5 / 0.75 * 0.95
+    assert sel.measured_speedup == pytest.approx(0.75 * sel.predicted_speedup)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(sel.selected)
+    # the real measurement runs real steps and restores everything they touched
+    monkeypatch.setattr(el, "measure_speedup", real)
+    for p, (q, value, _, _) in zip(model.parameters(), before._params):
+        assert torch.equal(p.detach(), value)
+    assert sel.calibrate(batch) > 0 and not opt.state      # Adam had no state before: none after
+    for p, (q, value, _, _) in zip(model.parameters(), before._params):
+        assert torch.equal(p.detach(), value)
+
+
+def test_calibration_warns_when_the_request_stays_out_of_reach(monkeypatch):
+    import edgetrain.adapt.elastic as el
+    model = mlp(d_in=16, d=32, n_blocks=3, classes=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(32, 16), torch.randint(0, 5, (32,)))
+    monkeypatch.setattr(el, "measure_speedup", lambda *a, **k: 1.1)
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 2}, speedup=2.0))
+    with pytest.warns(UserWarning, match=r"measured 1\.10x .* below the requested 2x"):
+        sel.attach(model, opt, batch, nn.CrossEntropyLoss())
+    assert sel.measured_speedup == 1.1
+
+
+# ----------------------------------------------------------------------------- memory planner hand-off
+def _chain(n=5):
+    from edgetrain.graph import CostChain, Linear, StageCost
+    stages = tuple(StageCost(f"s{i}", fwd_s=Linear(1e-3, 1e-4 * (i + 1)), bwd_s=Linear(2e-3, 2e-4),
+                             saved_bytes=Linear(100, 1000 * (i + 1)), out_bytes=Linear(0, 500 + 100 * i),
+                             workspace_bytes=Linear(0, 50)) for i in range(n))
+    return CostChain(stages, batch_size=8, input_bytes=Linear(0, 300), fixed_bytes=10_000,
+                     loss_s=Linear(1e-4, 0.0), step_fixed_s=5e-3, name="toy")
+
+
+def test_stage_saved_bytes_zero_below_first_trained_stage():
+    from edgetrain.adapt.elastic_memory import stage_saved_bytes
+    chain = _chain()
+    assert stage_saved_bytes(chain, 0, 4) == [100 + 4000 * (i + 1) for i in range(5)]
+    got = stage_saved_bytes(chain, 3, 4)
+    assert got[:3] == [0.0, 0.0, 0.0] and got[3:] == [chain.stages[3].saved_bytes.at(4),
+                                                     chain.stages[4].saved_bytes.at(4)]
+    with pytest.raises(InputError):
+        stage_saved_bytes(chain, 5, 4)
+
+
+def test_elastic_chain_plans_the_trained_suffix_only():
+    from edgetrain.adapt.elastic_memory import elastic_chain, first_trained_stage
+    from edgetrain.graph import KEEP, simulate
+    chain = _chain()
+    same = elastic_chain(chain, 0)
+    assert same.chain == chain and same.prefix == () and same.prefix_peak_bytes(4) == 0.0
+    ec = elastic_chain(chain, 2)
+    assert ec.chain.n == 3 and ec.chain.stages == chain.stages[2:]
+    assert ec.chain.input_bytes == chain.stages[1].out_bytes          # the frozen prefix's output
+    full = simulate(chain, 8, [KEEP] * 5)
+    part = simulate(ec.chain, 8, [KEEP] * 3)
+    # the prefix saves nothing: peak drops by exactly its saved bytes and retained outputs
+    dropped = sum(st.saved_bytes.at(8) + st.out_bytes.at(8) for st in chain.stages[:2]) \
+        + chain.input_bytes.at(8) - chain.stages[1].out_bytes.at(8)
+    assert full.activation_peak_bytes - part.activation_peak_bytes == pytest.approx(dropped, abs=2)
+    # forward time of the prefix is kept, its backward is gone
+    bwd_prefix = sum(st.bwd_s.at(8) for st in chain.stages[:2])
+    assert full.step_time_s - part.step_time_s == pytest.approx(bwd_prefix)
+    # transient prefix peak: the busiest forward-only stage (input + output + workspace)
+    assert ec.prefix_peak_bytes(8) == max(300 * 8 + 500 * 8 + 50 * 8, 500 * 8 + 600 * 8 + 50 * 8)
+    assert first_trained_stage([["a", "b"], ["c"], ["d"]], "c") == 1
+    assert first_trained_stage([["a"]], None) == 0
+    with pytest.raises(InputError):
+        first_trained_stage([["a"]], "z")
+    with pytest.raises(InputError):
+        elastic_chain(chain, -1)

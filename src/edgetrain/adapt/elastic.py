@@ -4,11 +4,14 @@ At attach time, and again every ``interval_steps`` steps, :class:`ElasticSelecto
 tensor by its first-order loss decrease on a small probe batch, then picks exactly the set of maximum
 total importance whose predicted step time (measured per tensor on this machine by
 :mod:`.elastic_timing`, solved by :mod:`.elastic_select`) is at most ``1 / speedup`` of a full
-fine-tuning step. Unselected tensors get ``requires_grad = False`` and ``grad = None``, so autograd
-computes nothing below the deepest selected tensor, layers below it save no activations, and the
-optimizer (SGD, Adam, ... skip parameters whose ``grad`` is None) neither updates them nor touches their
-state. Usage from a plain PyTorch loop (the optimizer holds every parameter; a batch is
-``(inputs, target)`` and the loss is ``loss_fn(model(inputs), target)``)::
+fine-tuning step. At attach time the plan is checked against real steps
+(:meth:`ElasticSelector.calibrate`: back-to-back full and selected steps) and the planner's target is
+corrected by the measured error, so the delivered speed-up, not only the predicted one, is on target.
+Unselected tensors get ``requires_grad = False`` and ``grad = None``, so autograd computes nothing
+below the deepest selected tensor, layers below it save no activations, and the optimizer (SGD, Adam,
+... skip parameters whose ``grad`` is None) neither updates them nor touches their state.
+Usage from a plain PyTorch loop (the optimizer holds every parameter; a batch is ``(inputs, target)``
+and the loss is ``loss_fn(model(inputs), target)``)::
 
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sel = ElasticSelector(ElasticConfig(speedup=2.0, interval_steps=200))
@@ -21,14 +24,16 @@ state. Usage from a plain PyTorch loop (the optimizer holds every parameter; a b
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+import warnings
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import EdgetrainError, InputError
-from .elastic_measure import batch_loss, slice_batch
+from .elastic_measure import batch_loss, measure_speedup, slice_batch
 from .elastic_select import SpeedupPlan, plan_for_speedup
 from .elastic_state import TrainingSnapshot
 from .elastic_timing import TensorTiming, measure_timing
@@ -53,6 +58,11 @@ class ElasticConfig:
         timing_cut_repeats: repetitions per whole-model timing.
         timing_max_cuts: layers at which the frozen model's backward is timed (calibration points).
         timing_cache_path: optional JSON file caching measured timings across runs.
+        calibration_pairs: back-to-back (full step, selected step) pairs per calibration round at
+            attach time; 0 turns calibration off (the plan then rests on the timing model alone).
+        calibration_rounds: at most this many measure-and-correct rounds at attach time.
+        calibration_tolerance: stop correcting once the measured speed-up is within this fraction of
+            the requested one.
     """
 
     speedup: float = 2.0
@@ -63,14 +73,21 @@ class ElasticConfig:
     timing_cut_repeats: int = 3
     timing_max_cuts: int = 24
     timing_cache_path: str | None = None
+    calibration_pairs: int = 5
+    calibration_rounds: int = 3
+    calibration_tolerance: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.speedup >= 1.0:
             raise InputError(f"speedup must be >= 1.0, got {self.speedup}")
         for name in ("interval_steps", "probe_batch_size", "time_units", "timing_repeats",
-                     "timing_cut_repeats", "timing_max_cuts"):
+                     "timing_cut_repeats", "timing_max_cuts", "calibration_rounds"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.calibration_pairs < 0:
+            raise InputError(f"calibration_pairs must be >= 0 (0: off), got {self.calibration_pairs}")
+        if not 0.0 < self.calibration_tolerance < 1.0:
+            raise InputError(f"calibration_tolerance must be in (0, 1), got {self.calibration_tolerance}")
 
 
 def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
@@ -117,6 +134,10 @@ class ElasticSelector:
         timing: the measured :class:`TensorTiming`.
         plan: the current :class:`SpeedupPlan`.
         importance: the latest importance of every candidate tensor, by name.
+        measured_speedup: the step-time speed-up measured on real steps at attach time (None when
+            calibration is off).
+        target_speedup: the speed-up the planner aims its *model* at; calibration moves it away from the
+            requested one by the ratio the model was measured to be off (it stays for re-selections).
     """
 
     def __init__(self, config: ElasticConfig | None = None) -> None:
@@ -130,11 +151,13 @@ class ElasticSelector:
         self._loss_fn: Callable | None = None
         self._tensors: list[nn.Parameter] = []
         self._last_step = 0
+        self.measured_speedup: float | None = None
+        self.target_speedup = self.config.speedup
 
     # ----------------------------------------------------------------------------------- lifecycle
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
                loss_fn: Callable[[Any, Any], torch.Tensor]) -> "ElasticSelector":
-        """Measure the per-tensor costs, make the first selection and apply it.
+        """Measure the per-tensor costs, make the first selection, calibrate it on real steps, apply it.
 
         The candidates are the parameters with ``requires_grad`` that the forward pass uses; parameters
         the user froze stay frozen. Measuring runs real steps and then restores the training state.
@@ -159,7 +182,63 @@ class ElasticSelector:
         by_name = dict(model.named_parameters())
         self._tensors = [by_name[n] for n in self.timing.names]
         self.reselect(example_batch, step_idx=0)
+        self.calibrate(example_batch)
         return self
+
+    def calibrate(self, batch: Any) -> float | None:
+        """Measure the current selection's real speed-up and correct the plan until it is on target.
+
+        Each round times ``calibration_pairs`` back-to-back pairs of real training steps (full, then
+        selected) on ``batch``, restoring the training state afterwards. When the median ratio is off
+        the requested speed-up by more than ``calibration_tolerance``, the planner's target is scaled
+        by ``requested / measured`` and the selection re-solved with the same importance (no new
+        probe). The timing model is measured on isolated pieces; this closes the loop on whole steps.
+        A request still missed at the reachable limit is warned about, never missed silently.
+
+        Returns:
+            The last measured speed-up (None when calibration is off).
+        """
+        timing, model = self._require()
+        cfg = self.config
+        if cfg.calibration_pairs == 0 or self.plan is None or cfg.speedup == 1.0:
+            return None
+        chosen = set(self.plan.selection.indices)
+        for r in range(cfg.calibration_rounds):
+            with TrainingSnapshot(model, self._optimizer):
+                measured = measure_speedup(model, self._optimizer, batch, self._loss_fn, self._tensors,
+                                           chosen, cfg.calibration_pairs)
+            self.measured_speedup = measured
+            want = min(cfg.speedup, self.plan.reachable_speedup)
+            logger.info("elastic calibration %d: predicted %.2fx, measured %.2fx (requested %.2fx)", r + 1,
+                        self.plan.predicted_speedup, measured, cfg.speedup)
+            if abs(measured / want - 1.0) <= cfg.calibration_tolerance or r == cfg.calibration_rounds - 1:
+                break
+            target = max(1.0, self.target_speedup * want / measured)
+            if math.isinf(self.target_speedup) or target == self.target_speedup:
+                break
+            self.target_speedup = target
+            self._plan(list(self.importance[n] for n in timing.names), warn=False)
+            self.apply()
+            new = set(self.plan.selection.indices)
+            if new == chosen:
+                break
+            chosen = new
+        if math.isfinite(cfg.speedup) and measured < cfg.speedup * (1.0 - 0.15):
+            msg = (f"elastic selection reaches a measured {measured:.2f}x step-time speed-up, below the "
+                   f"requested {cfg.speedup:.3g}x (the model predicts {self.plan.predicted_speedup:.2f}x, "
+                   f"the largest reachable is {self.plan.reachable_speedup:.2f}x); ask for less, or expect "
+                   "this speed-up")
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=2)
+        return measured
+
+    def _plan(self, imp: list[float], warn: bool) -> SpeedupPlan:
+        timing, _ = self._require()
+        plan = plan_for_speedup(imp, timing.train_s, timing.depth_s, timing.fixed_s, timing.full_step_s,
+                                self.target_speedup, self.config.time_units, warn=warn)
+        self.plan = replace(plan, requested_speedup=float(self.config.speedup),
+                            clamped=plan.clamped and self.config.speedup > plan.reachable_speedup)
+        return self.plan
 
     def maybe_reselect(self, step_idx: int, batch: Any) -> bool:
         """Re-select when ``interval_steps`` steps have passed since the last selection.
@@ -191,8 +270,7 @@ class ElasticSelector:
                 self._last_step = step_idx
             return self.plan
         # the reachability warning is raised at the first selection, later ones only log it
-        self.plan = plan_for_speedup(imp, timing.train_s, timing.depth_s, timing.fixed_s, timing.full_step_s,
-                                     self.config.speedup, self.config.time_units, warn=self.reselections == 0)
+        self._plan(imp, warn=self.reselections == 0 and self.target_speedup == self.config.speedup)
         self.reselections += 1
         if step_idx is not None:
             self._last_step = step_idx
@@ -227,7 +305,8 @@ class ElasticSelector:
 
     @property
     def predicted_speedup(self) -> float:
-        """Predicted full-step time over selected-step time."""
+        """The timing model's full-step time over selected-step time (after calibration the model is
+        aimed at ``target_speedup``, so this may differ from the requested and measured speed-ups)."""
         return self.plan.predicted_speedup if self.plan else 1.0
 
     @property
@@ -240,6 +319,13 @@ class ElasticSelector:
         """Name of the input-most selected tensor (backpropagation stops at its layer)."""
         names = self.selected
         return names[0] if names else None
+
+    @property
+    def deepest_layer(self) -> str | None:
+        """Qualified name of the module owning the deepest selected tensor (what
+        :func:`.elastic_memory.first_trained_stage` maps to the memory planner's first trained stage)."""
+        timing, _ = self._require()
+        return timing.layers[self.plan.selection.indices[0]] if self.plan else None
 
     def frozen_layers(self) -> list[str]:
         """Modules, in forward order, that run before the deepest selected tensor's layer: they need no

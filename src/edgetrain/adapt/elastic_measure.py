@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import InputError
 
 __all__ = ["batch_loss", "slice_batch", "batch_size", "Layer", "capture_layers", "time_layers",
-           "layer_flops", "time_model", "time_updates"]
+           "layer_flops", "time_model", "time_updates", "measure_speedup"]
 
 logger = logging.getLogger(__name__)
 
@@ -303,3 +303,30 @@ def time_updates(model: nn.Module, optimizer: torch.optim.Optimizer | None, para
     if per_tensor < 0 or per_elem < 0:
         per_tensor, per_elem = 0.0, full_s / max(e_all, 1)
     return per_tensor, per_elem, full_s
+
+
+def measure_speedup(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any, loss_fn: LossFn,
+                    params: list[nn.Parameter], chosen: set[int], pairs: int) -> float:
+    """Median over ``pairs`` back-to-back rounds of (full step s) / (step s training ``params[chosen]``).
+
+    A step is what training runs: ``zero_grad``, forward, loss, backward and ``optimizer.step()``.
+    Back-to-back pairs make the ratio robust to load drift on a shared machine. The caller restores
+    the training state (the steps change parameters, buffers and optimizer state).
+    """
+    def step(sel: set[int] | None) -> float:
+        for i, p in enumerate(params):
+            p.requires_grad_(sel is None or i in sel)
+            p.grad = None
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            batch_loss(model, batch, loss_fn).backward()
+        if optimizer is not None:
+            optimizer.step()
+        return time.perf_counter() - t0
+
+    step(None), step(chosen)             # warm-up: allocator, optimizer state of every tensor
+    ratios = []
+    for _ in range(max(1, pairs)):
+        full = step(None)
+        ratios.append(full / max(step(chosen), 1e-12))
+    return statistics.median(ratios)
