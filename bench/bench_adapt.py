@@ -135,10 +135,9 @@ def bench_adapt(spec: Spec, progress: Progress, threads: int, repeats: int) -> t
     step._table = table
     build_s = time.perf_counter() - t0
     high_plan = table.plans[-1]
-    # The low budget: the middle of the table's range (a plan that recomputes some stages, not all).
-    mid = (table.budgets[0] + table.budgets[-1]) // 2
-    low_budget = next(b for b, p in zip(reversed(table.budgets), reversed(table.plans))
-                      if b <= mid and "recompute" in p.policies)
+    # The low budget: the table's plan that recomputes closest to half of the stages.
+    low_budget = min((b for b, p in zip(table.budgets, table.plans) if "recompute" in p.policies),
+                     key=lambda b: (abs(table.plan_for(b).policies.count("recompute") - costs.n / 2), -b))
     low_plan = table.plan_for(low_budget)
     high_budget = table.budgets[-1]
     margin = 1.0 + step.margin_bytes / step.budget_bytes if step.budget_bytes else 1.0
@@ -258,9 +257,10 @@ def frag_worker(spec_json: str) -> None:
         plan = f"mb={step.plan.micro_batch_size}, {step.plan.policies.count('recompute')}/{step.plan.num_stages} recomp"
     for _ in range(2):
         run()
+    # Tensors that live through the whole step; gradients are not among them: both loops free them at the
+    # start of the step (zero_grad(set_to_none=True)) and the profiler sees them allocated again.
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers(), x, y,
-                          *(p.grad for p in model.parameters() if p.grad is not None),
                           *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))]}
     with memory.measure_peak() as meter:
         run()
@@ -305,8 +305,8 @@ def bench_fragmentation(spec: Spec, threads: int, progress: Progress, quick: boo
         t.add(label, r["plan"] or "-", mib(r["peak"]), mib(r["live_start"]), mib(live), ratio(r["peak"] / max(1, live)))
         progress(f"{spec.model}: {label}: peak {mib(r['peak'])} MiB vs live {mib(live)} MiB")
     t.notes += ["peak: VmHWM over the third step above the RSS after `import torch, edgetrain` (what a budget "
-                "bounds); peak live tensors: bytes of the parameters, gradients, optimizer state and batch when the "
-                "step starts plus the highest growth, during the fourth step, of bytes allocated through PyTorch's "
+                "bounds); peak live tensors: bytes of the parameters, optimizer state and batch (gradients are freed "
+                "as the step starts) plus the highest growth, during the fourth step, of bytes allocated through PyTorch's "
                 "CPU allocator (torch.profiler memory events). peak/live is the allocator's and the runtime's share: "
                 "glibc's retention and fragmentation, plus memory outside PyTorch's allocator (oneDNN kernels and "
                 "scratch, the autograd engine), which is why even an exact allocator stays above 1."]

@@ -33,3 +33,26 @@ def test_prepare_with_speedup_leaves_unselected_tensors_untouched():
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= sel
 
+
+
+def test_speedup_with_a_budget_plans_the_trained_suffix_only():
+    torch.manual_seed(0)
+    model = mlp(d=512, n_blocks=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(2048, 16), torch.randint(0, 5, (2048,))
+    plain = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), use_cache=False)
+    budget = plain.costs.fixed_bytes + int(0.7 * (plain.plan.peak_bytes - plain.costs.fixed_bytes))
+    plain.close()
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget=budget,
+                             speedup=edgetrain.ElasticConfig(speedup=3.0, calibration_pairs=0), use_cache=False)
+    full = step._full_plan
+    assert full is not None
+    assert step.elastic.frozen_layers(), "a 3x speed-up on this MLP freezes its first layers"
+    assert "frozen" in step.plan.notes[-1]
+    assert step.plan.policies.count("recompute") <= full.policies.count("recompute")
+    assert step.plan.peak_bytes <= budget
+    assert all(p == "keep" for p in step.plan.policies[:1])
+    loss0 = step(x, y)
+    for _ in range(3):
+        loss = step(x, y)
+    assert loss < loss0

@@ -68,6 +68,7 @@ class TrainStep:
         self.elastic: Any = None
         self.steps_done = 0
         self._budget_source: Callable[[], int | str | None] | None = None
+        self._full_plan: Plan | None = None  # with elastic selection: the plan for full backpropagation
 
     @property
     def plan(self) -> Plan:
@@ -113,7 +114,8 @@ class TrainStep:
         self._poll_budget()
         self._cap_pool()
         if self.elastic is not None:
-            self.elastic.maybe_reselect(self.steps_done, (inputs, targets))
+            if self.elastic.maybe_reselect(self.steps_done, (inputs, targets)):
+                self.replan_for_selection()
         env_full = bind_inputs(self.model, inputs)
         self.optimizer.zero_grad(set_to_none=True)
         accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
@@ -194,9 +196,58 @@ class TrainStep:
         self.budget_bytes = budget
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one
         self._cap_pool()
+        if self.elastic is not None:
+            self._full_plan = None
+            self.replan_for_selection()
         log.info("budget now %s: micro-batch %d, %d recomputed", format_bytes(budget), plan.micro_batch_size,
                  plan.policies.count("recompute"))
         return self._plan
+
+    def replan_for_selection(self) -> Plan:
+        """After an elastic (re-)selection, plan only the trained suffix of the chain.
+
+        Stages before the one holding the deepest selected tensor need no gradient, so autograd saves
+        nothing there: they run forward only, and the budget they would have taken goes to the trained
+        stages (fewer recomputed). The plan of the full chain, an upper bound for every selection, stays
+        in force when the suffix plan does not fit or there is no budget. Called by the step itself.
+        """
+        if self.elastic is None or self.budget_bytes is None or self._pager is not None:
+            return self._plan
+        from .adapt.elastic_memory import elastic_chain, first_trained_stage
+        from .planners import solve
+
+        if self._full_plan is None:
+            self._full_plan = self._plan
+        names = {id(m): n for n, m in self.model.named_modules()}
+        layers = [[names[id(sub)] for mod in st.modules for sub in mod.modules() if id(sub) in names]
+                  for st in self.chain.stages]
+        first = first_trained_stage(layers, self.elastic.deepest_layer)
+        full = self._full_plan
+        if first == 0 or first >= len(self.chain):
+            self.set_plan(full)
+            return full
+        ec = elastic_chain(self.costs, first)
+        micro = full.micro_batch_size
+        budget = self.budget_bytes - self.margin_bytes
+        try:
+            sub = solve(ec.chain, budget, solver="dp", micro_batch_sizes=[micro])
+        except BudgetError:
+            self.set_plan(full)
+            return full
+        prefix_peak = int(ec.prefix_peak_bytes(micro) + self.costs.fixed_bytes)
+        if prefix_peak > budget:
+            self.set_plan(full)
+            return full
+        plan = full.replace(
+            policies=("keep",) * first + sub.policies,
+            groups=tuple(range(first)) + tuple(g + first for g in sub.groups),
+            peak_bytes=max(sub.peak_bytes, prefix_peak), step_time_s=sub.step_time_s,
+            notes=full.notes + (f"elastic selection: stages 0-{first - 1} frozen (forward only, nothing saved); "
+                                "planned for the trained suffix",))
+        self.set_plan(plan)
+        log.info("elastic re-plan: %d frozen stages, %d of %d trained stages recomputed", first,
+                 sub.policies.count("recompute"), len(sub.policies))
+        return plan
 
     def _cap_pool(self) -> None:
         """Let the tensor pool cache only what the budget leaves beside the memory outside the pool."""
@@ -289,8 +340,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         time_budget: at most this multiple of the fastest step's time (e.g. 1.3); uses the POET planner.
         speedup: opt-in, approximate: train only the parameter tensors that matter most so a step is this
             many times faster (ElasticTrainer); a float or an ``edgetrain.adapt.ElasticConfig``. Re-selects
-            every ``interval_steps``; the memory plan is made for full backpropagation, an upper bound for
-            every selection.
+            every ``interval_steps``; after each selection the memory plan is remade for the trained suffix
+            of the chain (the frozen prefix runs forward only and saves nothing).
         grad_filter: opt-in, approximate: an ``edgetrain.adapt.GradFilter`` (gradient filtering on the
             last convolutions, earlier layers frozen); applied before profiling, so the plan sees the
             smaller saved activations and backward times.
@@ -381,4 +432,5 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         cfg = speedup if isinstance(speedup, ElasticConfig) else ElasticConfig(speedup=float(speedup))
         probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))
         step.elastic = ElasticSelector(cfg).attach(model, optimizer, probe, loss_fn)
+        step.replan_for_selection()
     return step
