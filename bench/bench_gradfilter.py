@@ -260,14 +260,21 @@ def main() -> None:  # noqa: D103
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: process CPU time (steadier on a shared machine)")
+    parser.add_argument("--allocator", choices=("pool", "tuned"), default="pool",
+                        help="pool: edgetrain's tensor pool, as prepare() installs it (both variants reuse "
+                             "memory); tuned: glibc with a 64 KiB mmap threshold (every new tensor faults)")
     args = parser.parse_args()
+    if args.allocator == "pool":
+        from edgetrain.runtime import pool
+
+        pool.install()
     global CLOCK
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; times are {args.clock}-clock "
-          f"medians of interleaved runs")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; allocator {args.allocator}; times are "
+          f"{args.clock}-clock medians of interleaved runs")
     if not args.skip_speed:
         part1(args.quick)
     if not args.skip_accuracy:
