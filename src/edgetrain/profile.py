@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import memory
+from .runtime import pool
 from ._state import preserved_model_state
 from .batch import batch_signature, slice_batch
 from .capture import OUTPUT_KEY, Chain
@@ -216,7 +217,7 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
     h = hashlib.sha256()
     parts = [type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
-             str(memory.allocator_tuned())]
+             str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool"]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
     parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
     for p in parts:
