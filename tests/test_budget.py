@@ -56,3 +56,14 @@ def test_infeasible_budget_fails_before_training_with_smallest_feasible():
     retry = run_isolated(Job(job.model, job.input_shape, job.batch_size, model_kwargs=KW_MB,
                              budget=int(res.min_feasible_bytes * 1.25), steps=2, threads=1))
     assert retry.ok, retry.error
+
+
+def test_peak_after_a_budget_drop_stays_within_the_new_budget():
+    base = Job("mobilenet_v2", (3, 64, 64), 16, model_kwargs=KW_MB, steps=2, threads=1)
+    plain = _plain_peak(base)
+    high, low = int(plain * 1.0), int(plain * 0.7)
+    res = run_isolated(Job("mobilenet_v2", (3, 64, 64), 16, model_kwargs=KW_MB, budget=high, budget_after=low,
+                           steps=3, threads=1))
+    assert res.ok, res.error
+    assert res.plan["budget_bytes"] == low
+    assert res.peak_bytes <= low, f"peak {res.peak_bytes} after the drop, above the new budget {low}"

@@ -44,6 +44,8 @@ class Job:
         env: extra environment variables for the worker (e.g. ``EDGETRAIN_ALLOCATOR=system``).
         paging: for edgetrain, let the planner page saved tensors as well as recompute (``prepare(paging=)``).
         objective: for edgetrain with paging, ``"time"`` or ``"energy"`` (``prepare(objective=)``).
+        budget_after: for edgetrain, a budget switched to (``step.set_memory_budget``) after the first step;
+            the peak reported is then the peak over the steps after the switch.
     """
 
     model: str
@@ -62,6 +64,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     paging: bool = False
     objective: str = "time"
+    budget_after: int | str | None = None
 
 
 @dataclass
@@ -210,7 +213,10 @@ def _worker(job: Job) -> JobResult:
     else:
         raise ValueError(f"unknown mode {job.mode!r}")
     res.prepare_time_s = time.perf_counter() - t0
-    for _ in range(job.steps):
+    for i in range(job.steps):
+        if i == 1 and job.budget_after is not None and job.mode == "edgetrain":
+            res.plan = json.loads(step.set_memory_budget(job.budget_after).to_json())
+            memory.reset_peak()  # report the peak under the new budget only
         t = time.perf_counter()
         res.losses.append(float(run()))
         res.step_times_s.append(time.perf_counter() - t)
