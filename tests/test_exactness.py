@@ -167,3 +167,24 @@ def test_budget_error_names_smallest_feasible_budget():
     assert isinstance(e.value, ValueError)
     assert e.value.min_feasible_bytes and e.value.min_feasible_bytes > 1000
     assert edgetrain.format_bytes(e.value.min_feasible_bytes) in str(e.value)
+
+
+@pytest.mark.parametrize("make", [lambda: mlp(dropout=0.3), convnet], ids=["mlp-dropout", "convnet-batchnorm"])
+def test_two_level_recompute_groups_are_bit_exact(make):
+    ref, opt_r, ours, opt_o = twins(make, lr=0.05, momentum=0.9)
+    is_cnn = isinstance(ref[0], nn.Conv2d)
+    x = torch.randn(12, 3, 16, 16) if is_cnn else torch.randn(12, 16)
+    y = torch.randint(0, 5, (12,))
+    loss_fn = nn.CrossEntropyLoss()
+    step = edgetrain.prepare(ours, opt_o, loss_fn, (x, y), solver="recompute_all")
+    n = step.plan.num_stages
+    assert n >= 3
+    # Every stage but the last in one recompute group, run two-level; the last stage kept.
+    step.set_plan(step.plan.replace(policies=("recompute",) * (n - 1) + ("keep",),
+                                    groups=(0,) * (n - 1) + (1,), nested_groups=(0,)))
+    assert "two-level" in step.plan.summary()
+    for i in range(3):
+        lr = plain_step(ref, opt_r, loss_fn, x, y, i)
+        torch.manual_seed(i)
+        assert step(x, y) == lr
+    assert_state_close(ours, ref, rtol=0)  # BatchNorm running statistics updated once per real forward

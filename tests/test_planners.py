@@ -58,20 +58,25 @@ def all_schedules(n: int, segments: bool = True):
         spans.append((start, n - 1))
         if not segments and any(j > i for i, j in spans):
             continue
-        for choice in itertools.product(*[(KEEP, RECOMPUTE) if i == j else (RECOMPUTE,) for i, j in spans]):
-            policies, groups = [], []
+        # Groups of several stages recompute in one or two levels ("nested": checkpointed inside again).
+        for choice in itertools.product(*[(KEEP, RECOMPUTE) if i == j else (RECOMPUTE, "nested")
+                                          for i, j in spans]):
+            policies, groups, nested = [], [], []
             for g, ((i, j), pol) in enumerate(zip(spans, choice)):
+                if pol == "nested":
+                    nested.append(g)
+                    pol = RECOMPUTE
                 policies += [pol] * (j - i + 1)
                 groups += [g] * (j - i + 1)
-            yield tuple(policies), tuple(groups)
+            yield tuple(policies), tuple(groups), tuple(nested)
 
 
 def enumerate_costs(chain: CostChain, sizes=None, segments: bool = True) -> list[tuple[int, float, int, int]]:
     """(peak, time, recomputed, m) of every schedule at every candidate micro-batch size."""
     rows = []
     for m in candidate_micro_batches(chain, sizes):
-        for pol, grp in all_schedules(chain.n, segments):
-            c = simulate(chain, m, pol, grp)
+        for pol, grp, nested in all_schedules(chain.n, segments):
+            c = simulate(chain, m, pol, grp, nested)
             rows.append((c.peak_bytes, c.step_time_s, pol.count(RECOMPUTE), m))
     return rows
 
@@ -92,7 +97,7 @@ def recomputed(plan: Plan) -> int:
 
 def assert_consistent(chain: CostChain, plan: Plan, budget: int) -> None:
     """The plan's predictions are simulate's, and it fits."""
-    cost = simulate(chain, plan.micro_batch_size, plan.policies, plan.groups)
+    cost = simulate(chain, plan.micro_batch_size, plan.policies, plan.groups, plan.nested_groups)
     assert plan.peak_bytes == cost.peak_bytes <= budget
     assert plan.step_time_s == cost.step_time_s
 

@@ -17,13 +17,17 @@ its output and re-runs its forward during backward. Walking the groups forward w
 * recompute group ``i..j``: local peak ``P + out_j + max_t (sum_{s=i..t}(saved_s + out_s) + out_t + in_t
   + ws_t)`` (the retained output plus the re-materialised group up to stage ``t`` while ``t`` runs
   backward); then ``P += out_j``.
+* nested recompute group ``i..j`` (a recompute group whose stages are each checkpointed again inside it,
+  two-level checkpointing): the group's recomputation keeps only the stage outputs, then each stage is
+  recomputed again while it runs backward: local peak ``P + out_j + max_t (sum_{s=i..t} out_s + saved_t
+  + out_t + in_t + ws_t)``; then ``P += out_j``. Each of its stages runs forward three times.
 * after the last group, the loss needs ``P + out_{n-1}``.
 
 The activation peak is the largest of these; the predicted step peak adds ``fixed_bytes`` (parameters,
 gradients, optimizer state, the logical batch, runtime overhead measured by the profiler).
 
 Time model: a micro-batch of ``m`` samples costs ``sum_t (fwd_t + bwd_t) + sum_{t recomputed} fwd_t +
-loss``; a step over a logical batch ``B`` split into micro-batches of at most ``m`` adds them up and adds
+sum_{t in a nested group} fwd_t + loss``; a step over a logical batch ``B`` split into micro-batches of at most ``m`` adds them up and adds
 ``step_fixed_s`` (the optimizer update). Every per-stage cost is affine in ``m`` (:class:`Linear`).
 """
 
@@ -228,12 +232,14 @@ def _check_schedule(chain: CostChain, policies: Sequence[str], groups: Sequence[
 
 
 def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
-                       groups: Sequence[int]) -> tuple[int, list[int]]:
+                       groups: Sequence[int], nested_groups: Sequence[int] = ()) -> tuple[int, list[int]]:
     """Activation peak (bytes) of one micro-batch of ``m`` samples and the local peak of every group.
 
-    ``page`` stages are costed here like ``keep`` (the paging planner owns their richer model).
+    ``page`` stages are costed here like ``keep`` (the paging planner owns their richer model);
+    ``nested_groups`` are the ids of recompute groups run with two-level checkpointing.
     """
     spans = _check_schedule(chain, policies, groups)
+    nested = set(nested_groups)
     st = chain.stages
     out = [math.ceil(s.out_bytes.at(m)) for s in st]
     saved = [math.ceil(s.saved_bytes.at(m)) for s in st]
@@ -250,9 +256,11 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
         else:
             run = 0
             worst = 0
+            two_level = groups[i] in nested
             for t in range(i, j + 1):
-                run += saved[t] + out[t]
-                worst = max(worst, run + out[t] + inp[t] + ws[t])
+                run += out[t] if two_level else saved[t] + out[t]
+                extra = saved[t] if two_level else 0
+                worst = max(worst, run + extra + out[t] + inp[t] + ws[t])
             local = out[j] + worst
             peak = max(peak, prefix + local)
             prefix += out[j]
@@ -261,15 +269,17 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
     return peak, locals_
 
 
-def micro_batch_time(chain: CostChain, m: int, policies: Sequence[str]) -> tuple[float, float]:
+def micro_batch_time(chain: CostChain, m: int, policies: Sequence[str],
+                     nested_stages: Sequence[int] = ()) -> tuple[float, float]:
     """Seconds of one micro-batch of ``m`` samples, and the part of it spent recomputing."""
     base = sum(s.fwd_s.at(m) + s.bwd_s.at(m) for s in chain.stages) + chain.loss_s.at(m)
     rec = sum(s.fwd_s.at(m) for s, p in zip(chain.stages, policies) if p == RECOMPUTE)
+    rec += sum(chain.stages[t].fwd_s.at(m) for t in nested_stages)
     return base + rec, rec
 
 
 def simulate(chain: CostChain, micro_batch_size: int, policies: Sequence[str],
-             groups: Sequence[int] | None = None) -> ScheduleCost:
+             groups: Sequence[int] | None = None, nested_groups: Sequence[int] = ()) -> ScheduleCost:
     """Predicted peak bytes and step seconds of a schedule (the reference semantics; see module doc).
 
     Args:
@@ -279,6 +289,7 @@ def simulate(chain: CostChain, micro_batch_size: int, policies: Sequence[str],
         policies: one of ``keep``/``recompute``/``page`` per stage.
         groups: group id per stage (non-decreasing); consecutive stages with equal ids form one
             recompute segment. ``None`` puts every stage in its own group.
+        nested_groups: ids of recompute groups run with two-level checkpointing (module doc).
 
     Returns:
         The predicted :class:`ScheduleCost`.
@@ -286,14 +297,16 @@ def simulate(chain: CostChain, micro_batch_size: int, policies: Sequence[str],
     if groups is None:
         groups = singleton_groups(chain.n)
     sizes = micro_batch_sizes(chain.batch_size, micro_batch_size)
-    act, locals_ = activation_profile(chain, sizes[0], policies, groups)
+    act, locals_ = activation_profile(chain, sizes[0], policies, groups, nested_groups)
+    nested_set = set(nested_groups)
+    nested_stages = [t for t, g in enumerate(groups) if g in nested_set and policies[t] == RECOMPUTE]
     total = chain.step_fixed_s
     rec_total = 0.0
     for mb in sizes:
-        t, r = micro_batch_time(chain, mb, policies)
+        t, r = micro_batch_time(chain, mb, policies, nested_stages)
         total += t
         rec_total += r
-    t0, _ = micro_batch_time(chain, sizes[0], policies)
+    t0, _ = micro_batch_time(chain, sizes[0], policies, nested_stages)
     return ScheduleCost(peak_bytes=int(chain.fixed_bytes + act), activation_peak_bytes=int(act),
                         step_time_s=total, micro_batch_time_s=t0, recompute_time_s=rec_total,
                         per_stage_peak_bytes=tuple(locals_))

@@ -34,6 +34,9 @@ class Plan:
             micro-batch normalises with its own statistics (running statistics stay full-batch exact).
         notes: human-readable remarks (why a choice was made, what is approximate).
         metadata: extra numbers (e.g. predicted activation peak, fixed bytes).
+        nested_groups: ids of recompute groups run with two-level checkpointing: the group's
+            recomputation keeps only its stages' outputs and each stage is recomputed again for its own
+            backward (less memory, one more forward of those stages).
     """
 
     batch_size: int
@@ -51,6 +54,7 @@ class Plan:
     bn_micro_batched: bool = False
     notes: tuple[str, ...] = ()
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    nested_groups: tuple[int, ...] = ()
 
     @property
     def num_micro_batches(self) -> int:
@@ -72,7 +76,7 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> "Plan":
         d = json.loads(text)
-        for key in ("policies", "groups", "stage_names", "notes"):
+        for key in ("policies", "groups", "stage_names", "notes", "nested_groups"):
             d[key] = tuple(d.get(key, ()))
         return Plan(**d)
 
@@ -85,7 +89,8 @@ class Plan:
                  f"{self.micro_batch_size}",
                  f"  {'#':>3}  {'stage':<{width}}  policy     group"]
         for i, (name, pol, grp) in enumerate(zip(names, self.policies, self.groups)):
-            lines.append(f"  {i:>3}  {name:<{width}}  {pol:<9}  {grp:>5}")
+            mark = " (two-level)" if pol == "recompute" and grp in self.nested_groups else ""
+            lines.append(f"  {i:>3}  {name:<{width}}  {pol:<9}  {grp:>5}{mark}")
         budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         lines.append(f"  predicted peak {format_bytes(self.peak_bytes)} (budget {budget}), "
                      f"step {self.step_time_s * 1e3:.1f} ms" +
@@ -104,16 +109,16 @@ class Plan:
 def plan_from_schedule(chain: CostChain, micro_batch_size: int, policies: Sequence[str],
                        groups: Sequence[int] | None = None, *, solver: str, solve_time_s: float = 0.0,
                        budget_bytes: int | None = None, optimality_gap: float | None = 0.0,
-                       notes: Sequence[str] = ()) -> Plan:
+                       notes: Sequence[str] = (), nested_groups: Sequence[int] = ()) -> Plan:
     """Build a :class:`Plan` whose predictions come from :func:`edgetrain.graph.simulate`."""
     groups = tuple(singleton_groups(chain.n) if groups is None else groups)
     m = min(micro_batch_size, chain.batch_size)
-    cost = simulate(chain, m, policies, groups)
+    cost = simulate(chain, m, policies, groups, nested_groups)
     return Plan(batch_size=chain.batch_size, micro_batch_size=m, policies=tuple(policies), groups=groups,
                 peak_bytes=cost.peak_bytes, step_time_s=cost.step_time_s, solver=solver,
                 solve_time_s=solve_time_s, budget_bytes=budget_bytes,
                 stage_names=tuple(s.name for s in chain.stages), optimality_gap=optimality_gap,
-                notes=tuple(notes),
+                notes=tuple(notes), nested_groups=tuple(nested_groups),
                 metadata={"activation_peak_bytes": cost.activation_peak_bytes,
                           "fixed_bytes": chain.fixed_bytes,
                           "recompute_time_s": cost.recompute_time_s,

@@ -22,7 +22,7 @@ import numpy as np
 from ..graph import KEEP, RECOMPUTE, CostChain, micro_batch_sizes, micro_batch_time, simulate
 
 __all__ = [
-    "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
+    "NESTED", "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
     "keep_time_s", "schedule_from_groups", "min_prefix_path", "min_peak_schedule", "better",
     "hashable",
 ]
@@ -48,6 +48,9 @@ class Sizes:
         seg_local: ``[t, j]`` local peak of recompute group ``t..j`` (``_BIG`` where ``j < t``).
         seg_worst: ``[t, j]`` the re-materialised part of ``seg_local`` (non-decreasing in ``j``; once
             it exceeds the budget every longer segment from ``t`` does too).
+        nseg_local, nseg_worst: the same for the group run with two-level checkpointing (only its
+            stages' outputs re-materialised at once; ``_BIG`` on and below the diagonal, where it equals
+            the one-level group).
     """
 
     m: int
@@ -57,6 +60,8 @@ class Sizes:
     out: np.ndarray
     seg_local: np.ndarray
     seg_worst: np.ndarray
+    nseg_local: np.ndarray | None = None
+    nseg_worst: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -66,6 +71,8 @@ class Sizes:
         """Greatest common divisor of every size the constraints use (0 when all are zero)."""
         valid = self.seg_local[self.seg_local < _BIG]
         parts = [np.array([self.inp0], dtype=np.int64), self.keep_local, self.keep_add, self.out, valid]
+        if self.nseg_local is not None:
+            parts.append(self.nseg_local[self.nseg_local < _BIG])
         return int(np.gcd.reduce(np.concatenate(parts)))
 
 
@@ -76,6 +83,7 @@ class Schedule:
     m: int
     policies: tuple[str, ...]
     groups: tuple[int, ...]
+    nested_groups: tuple[int, ...] = ()
 
     @property
     def recomputed(self) -> int:
@@ -138,9 +146,17 @@ def sizes_at(chain: CostChain, m: int) -> Sizes:
     worst = np.maximum.accumulate(fm, axis=1) - s_pref[:-1, None]
     seg_worst = np.where(tri, worst, _BIG)
     seg_local = np.where(tri, worst + out[None, :], _BIG)
-    for a in (out, keep_add, keep_local, seg_local, seg_worst):
+    # Two-level group t..j: worst over u of sum(out_t..out_u) + saved_u + out_u + in_u + ws_u.
+    o_pref = np.concatenate([[0], np.cumsum(out)]).astype(np.int64)
+    fn = o_pref[1:] + saved + out + inp + ws
+    strict = np.triu(np.ones((n, n), dtype=bool), k=1)
+    fnm = np.where(tri, fn[None, :], np.iinfo(np.int64).min)
+    nworst = np.maximum.accumulate(fnm, axis=1) - o_pref[:-1, None]
+    nseg_worst = np.where(strict, nworst, _BIG)
+    nseg_local = np.where(strict, nworst + out[None, :], _BIG)
+    for a in (out, keep_add, keep_local, seg_local, seg_worst, nseg_local, nseg_worst):
         a.setflags(write=False)
-    return Sizes(m, inp0, keep_local, keep_add, out, seg_local, seg_worst)
+    return Sizes(m, inp0, keep_local, keep_add, out, seg_local, seg_worst, nseg_local, nseg_worst)
 
 
 def recompute_costs(chain: CostChain, m: int) -> np.ndarray:
@@ -156,16 +172,26 @@ def keep_time_s(chain: CostChain, m: int) -> float:
                                     for mb in micro_batch_sizes(chain.batch_size, m))
 
 
+NESTED = "nested"  # span kind only: a recompute group run with two-level checkpointing
+
+
 def schedule_from_groups(m: int, n: int, spans: Sequence[tuple[int, int, str]]) -> Schedule:
-    """Turn ``(first, last, policy)`` spans covering ``0..n-1`` in order into a :class:`Schedule`."""
+    """Turn ``(first, last, policy)`` spans covering ``0..n-1`` in order into a :class:`Schedule`.
+
+    A span of kind :data:`NESTED` becomes a recompute group listed in ``nested_groups``.
+    """
     policies: list[str] = []
     groups: list[int] = []
+    nested: list[int] = []
     for gid, (i, j, pol) in enumerate(spans):
+        if pol == NESTED:
+            nested.append(gid)
+            pol = RECOMPUTE
         policies.extend([pol] * (j - i + 1))
         groups.extend([gid] * (j - i + 1))
     if len(policies) != n:
         raise AssertionError(f"spans cover {len(policies)} of {n} stages")
-    return Schedule(m, tuple(policies), tuple(groups))
+    return Schedule(m, tuple(policies), tuple(groups), tuple(nested))
 
 
 def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> Schedule | None:
@@ -184,29 +210,34 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
     pmin[0] = sz.inp0
     pred = np.full(n + 1, -1, dtype=np.int64)   # start boundary of the group ending at each boundary
     pkeep = np.zeros(n + 1, dtype=bool)
+    pnest = np.zeros(n + 1, dtype=bool)
     for s in range(n):
         p = pmin[s]
         if p >= _BIG:
             continue
         if allow_segments:
-            ok = p + sz.seg_local[s, s:] <= act_budget
+            flat_ok = p + sz.seg_local[s, s:] <= act_budget
+            ok = flat_ok
+            if sz.nseg_local is not None:
+                ok = flat_ok | (p + sz.nseg_local[s, s:] <= act_budget)
             cand = np.where(ok, p + sz.out[s:], _BIG)
             better_ = cand < pmin[s + 1:]
             pmin[s + 1:] = np.where(better_, cand, pmin[s + 1:])
             pred[s + 1:][better_] = s
             pkeep[s + 1:][better_] = False
+            pnest[s + 1:][better_] = ~flat_ok[better_]
         elif p + sz.seg_local[s, s] <= act_budget and p + sz.out[s] < pmin[s + 1]:
             pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.out[s], s, False
         # Keep wins ties against a recompute group ending at s (fewer recomputed stages).
         if p + sz.keep_local[s] <= act_budget and p + sz.keep_add[s] <= pmin[s + 1]:
-            pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.keep_add[s], s, True
+            pmin[s + 1], pred[s + 1], pkeep[s + 1], pnest[s + 1] = p + sz.keep_add[s], s, True, False
     if pmin[n] + sz.out[-1] > act_budget:
         return None
     spans: list[tuple[int, int, str]] = []
     t = n
     while t > 0:
         s = int(pred[t])
-        spans.append((s, t - 1, KEEP if pkeep[t] else RECOMPUTE))
+        spans.append((s, t - 1, KEEP if pkeep[t] else NESTED if pnest[t] else RECOMPUTE))
         t = s
     return schedule_from_groups(sz.m, n, spans[::-1])
 
@@ -221,7 +252,7 @@ def min_peak_schedule(chain: CostChain, m: int, allow_segments: bool = True) -> 
     sz = sizes_at(chain, m)
     best = min_prefix_path(sz, int(_BIG) - 1, allow_segments)
     assert best is not None
-    hi = simulate(chain, m, best.policies, best.groups).activation_peak_bytes
+    hi = simulate(chain, m, best.policies, best.groups, best.nested_groups).activation_peak_bytes
     lo = -1   # infeasible
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -230,7 +261,7 @@ def min_peak_schedule(chain: CostChain, m: int, allow_segments: bool = True) -> 
             lo = mid
         else:
             best = sched
-            hi = simulate(chain, m, sched.policies, sched.groups).activation_peak_bytes
+            hi = simulate(chain, m, sched.policies, sched.groups, sched.nested_groups).activation_peak_bytes
     return hi, best
 
 

@@ -25,7 +25,7 @@ from ..graph import KEEP, RECOMPUTE, CostChain, simulate
 from ..plan import Plan, plan_from_schedule
 from ..units import format_bytes
 from ._common import (
-    TIME_RTOL, Schedule, Sizes, better, candidate_micro_batches, hashable, keep_time_s, min_peak_schedule,
+    NESTED, TIME_RTOL, Schedule, Sizes, better, candidate_micro_batches, hashable, keep_time_s, min_peak_schedule,
     min_prefix_path, recompute_costs, schedule_from_groups, sizes_at,
 )
 
@@ -55,11 +55,14 @@ def _bucket_size(sz: Sizes, max_buckets: int) -> tuple[int, bool]:
 
 
 def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments: bool,
-           round_up: bool = True) -> tuple[Schedule | None, float]:
+           round_up: bool = True, extra_costs: np.ndarray | None = None) -> tuple[Schedule | None, float]:
     """Minimum total recompute cost at one micro-batch size on the ``g``-byte grid.
 
     Rounding every size up (``round_up``) makes each constraint stricter, so a schedule found is
     feasible in exact bytes; rounding down relaxes them, so the optimum is a lower bound.
+
+    A two-level group costs its stages' ``costs`` plus their ``extra_costs`` (default ``costs``): the
+    second forward, without a second tie-breaking epsilon, so ties still go to fewer recomputed stages.
 
     Returns:
         The optimal schedule (``None`` when nothing fits on the grid) and its cost.
@@ -74,7 +77,10 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
         return None, float("inf")
     kl, ka, out = q(sz.keep_local).tolist(), q(sz.keep_add).tolist(), q(sz.out).tolist()
     sl, sw = q(sz.seg_local), q(sz.seg_worst)
+    nested = allow_segments and sz.nseg_local is not None
+    nsl, nsw = (q(sz.nseg_local), q(sz.nseg_worst)) if nested else (sl, sw)
     cum = np.concatenate([[0.0], np.cumsum(costs)]).tolist()
+    xcum = np.concatenate([[0.0], np.cumsum(costs if extra_costs is None else extra_costs)]).tolist()
     table = np.full((n + 1, cap + 1), np.inf)
     table[n, : cap - last + 1] = 0.0
     buf = np.empty(cap + 1)
@@ -93,6 +99,17 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
             w = cap - sl_t[j] + 1
             np.add(table[j + 1, out[j]: out[j] + w], cum[j + 1] - cum[t], out=buf[:w])
             np.minimum(row[:w], buf[:w], out=row[:w])
+        if nested:  # two-level groups: less memory, their stages' forward once more
+            nsl_t, nsw_t = nsl[t].tolist(), nsw[t].tolist()
+            for j in range(t + 1, n):
+                if nsw_t[j] > cap:
+                    break
+                if nsl_t[j] > cap or nsl_t[j] >= sl_t[j]:  # never better where the one-level group fits
+                    continue
+                w = cap - nsl_t[j] + 1
+                np.add(table[j + 1, out[j]: out[j] + w], (cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t]),
+                       out=buf[:w])
+                np.minimum(row[:w], buf[:w], out=row[:w])
     best = float(table[0, inp0])
     if not np.isfinite(best):
         return None, best
@@ -112,7 +129,14 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
                 t, p = j + 1, p + out[j]
                 break
         else:
-            raise AssertionError("dp reconstruction lost the optimal path")
+            for j in range(t + 1, n if nested else t + 1):
+                if (int(nsl[t, j]) + p <= cap and int(nsl[t, j]) < int(sl[t, j])
+                        and table[j + 1, p + out[j]] + ((cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t])) == val):
+                    spans.append((t, j, NESTED))
+                    t, p = j + 1, p + out[j]
+                    break
+            else:
+                raise AssertionError("dp reconstruction lost the optimal path")
     return schedule_from_groups(sz.m, n, spans), best
 
 
@@ -195,18 +219,18 @@ def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence
                 costs = recompute_costs(chain, m)
                 # An epsilon per recomputed stage makes the DP prefer fewer of them among near-ties.
                 eps = TIME_RTOL * base / (10 * (chain.n + 1))
-                sched, _ = _dp_at(sz, costs + eps, act_budget, g, allow_segments)
+                sched, _ = _dp_at(sz, costs + eps, act_budget, g, allow_segments, extra_costs=costs)
                 found = [] if sched is None else [sched]
                 if exact:
                     lower = min(lower, base if sched is None else
-                                simulate(chain, m, sched.policies, sched.groups).step_time_s)
+                                simulate(chain, m, sched.policies, sched.groups, sched.nested_groups).step_time_s)
                 else:
                     all_exact = False
                     found.append(min_peak_schedule(chain, m, allow_segments)[1])
                     _, relaxed = _dp_at(sz, costs, act_budget, g, allow_segments, round_up=False)
                     lower = min(lower, base + relaxed)
             for s in found:
-                t_s = simulate(chain, s.m, s.policies, s.groups).step_time_s
+                t_s = simulate(chain, s.m, s.policies, s.groups, s.nested_groups).step_time_s
                 if best is None or better(t_s, s.recomputed, s.m, best[0], best[1], best[2]):
                     best = (t_s, s.recomputed, s.m, s)
     if best is None:
@@ -221,7 +245,8 @@ def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence
     elapsed = time.perf_counter() - start
     logger.info("dp: %d stages, budget %s, %d micro-batch sizes: m=%d, %d recomputed, %.3f s to solve",
                 chain.n, format_bytes(budget_bytes), len(cands), m, sched.recomputed, elapsed)
-    return plan_from_schedule(chain, m, sched.policies, sched.groups, solver="dp", solve_time_s=elapsed,
+    return plan_from_schedule(chain, m, sched.policies, sched.groups, nested_groups=sched.nested_groups,
+                              solver="dp", solve_time_s=elapsed,
                               budget_bytes=budget_bytes, optimality_gap=gap, notes=notes)
 
 

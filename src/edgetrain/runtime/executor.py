@@ -1,7 +1,8 @@
 """Execute a Plan over a captured chain: the only code that touches autograd for recomputation.
 
 A ``keep`` group runs its stage as written. A ``recompute`` group (one or more consecutive stages) runs
-under ``torch.utils.checkpoint`` in its non-reentrant form: saved tensors are dropped during forward and
+under ``torch.utils.checkpoint`` in its non-reentrant form (a two-level group, ``plan.nested_groups``,
+checkpoints each of its stages again inside, so its replay keeps only the stage outputs): saved tensors are dropped during forward and
 rebuilt by re-running the group when backward first needs one. The CPU (and CUDA) RNG state is replayed
 so dropout masks are identical, and a :class:`RecomputeGuard` undoes BatchNorm running-statistics
 updates made by the replay.
@@ -71,11 +72,21 @@ class Executor:
 
     def _group_fn(self, g: _Group) -> Callable[..., tuple[Any, ...]]:
         stages = self.chain.stages[g.first:g.last + 1]
+        two_level = self.plan.groups[g.first] in set(self.plan.nested_groups)
 
         def run(*args: Any) -> tuple[Any, ...]:
             env = dict(zip(g.inputs, args))
             for st in stages:
-                env.update(zip(st.outputs, st(*(env[k] for k in st.inputs))))
+                if two_level:  # checkpoint each stage again: the group's replay keeps only stage outputs
+                    def ctx(st: Any = st) -> tuple[Any, Any]:
+                        return contextlib.nullcontext(), RecomputeGuard(st.modules, self.bn)
+
+                    outs = checkpoint(st, *(env[k] for k in st.inputs), use_reentrant=False,
+                                      preserve_rng_state=True, context_fn=ctx)
+                else:
+                    outs = st(*(env[k] for k in st.inputs))
+                env.update(zip(st.outputs, outs))
+                self.chain.release(env, st.index)
             return tuple(env[k] for k in g.outputs)
 
         return run
