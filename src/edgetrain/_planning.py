@@ -118,18 +118,51 @@ class Planner:
             try:
                 plan = self._solve(plan_budget)
             except BudgetError as e:
+                fitted = self._smallest_if_it_fits(run, unallocated, grads, plan_budget)
+                if fitted is not None:
+                    return fitted, self.costs
                 raise self._infeasible(e, run, unallocated, grads) from None
-            if self._correct(plan, run(plan), unallocated, grads) <= plan_budget:
+            model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+            if model_peak <= plan_budget:
                 return plan, self.costs
+            if measured_peak <= plan_budget:
+                return self._measured(plan, measured_peak, model_peak), self.costs
         try:
             return self._solve(plan_budget), self.costs
         except BudgetError as e:
             raise self._infeasible(e, run, unallocated, grads) from None
 
-    def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> int:
+    @staticmethod
+    def _measured(plan: Plan, measured_peak: int, model_peak: int) -> Plan:
+        """``plan`` with the peak its validation run measured (the cost model over-predicted it)."""
+        return plan.replace(peak_bytes=measured_peak, notes=plan.notes + (
+            f"peak from the validation run ({format_bytes(measured_peak)}); the cost model predicted "
+            f"{format_bytes(model_peak)}",))
+
+    def _smallest_if_it_fits(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
+                             plan_budget: int) -> Plan | None:
+        """When no plan is predicted to fit, run the smallest one: the model may over-predict it.
+
+        Its peak is measured, and the plan is taken only if that fits, so the budget stays a promise.
+        """
+        try:
+            plan = self._solve(self._min_needed())
+        except BudgetError:
+            return None
+        fixed = self.costs
+        model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+        if measured_peak <= plan_budget:
+            log.info("smallest plan measured %s, inside the budget the model said it misses",
+                     format_bytes(measured_peak))
+            return self._measured(plan, measured_peak, model_peak)
+        self.costs = fixed  # leave the model as the infeasible path expects it
+        return None
+
+    def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> tuple[int, int]:
         """Set the fixed bytes to what the process really holds, plus any activation under-prediction.
 
-        Returns the plan's peak under the corrected model.
+        Returns the plan's peak under the corrected model, and the peak its run measured (plus what real
+        steps add: optimizer state; and the optimizer update's transient).
         """
         act_pred = int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - self.costs.fixed_bytes))
         act_meas = m.peak - m.rss_before - grads
@@ -138,7 +171,8 @@ class Planner:
         log.info("validation: activations measured %.1f MiB vs %.1f predicted; fixed %.1f MiB (was %.1f)",
                  act_meas / 2**20, act_pred / 2**20, fixed / 2**20, self.costs.fixed_bytes / 2**20)
         self._with_fixed(fixed - self.costs.fixed_bytes)
-        return max(fixed + act_pred, fixed + self.update_bytes)
+        measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
+        return max(fixed + act_pred, fixed + self.update_bytes), measured
 
     def _infeasible(self, err: BudgetError, run: Callable[[Plan], Measured], unallocated: int,
                     grads: int) -> BudgetError:
