@@ -306,8 +306,9 @@ def bench_fragmentation(spec: Spec, threads: int, progress: Progress, quick: boo
         progress(f"{spec.model}: {label}: peak {mib(r['peak'])} MiB vs live {mib(live)} MiB")
     t.notes += ["peak: VmHWM over the third step above the RSS after `import torch, edgetrain` (what a budget "
                 "bounds); peak live tensors: bytes of the parameters, optimizer state and batch (gradients are freed "
-                "as the step starts) plus the highest growth, during the fourth step, of bytes allocated through PyTorch's "
-                "CPU allocator (torch.profiler memory events). peak/live is the allocator's and the runtime's share: "
+                "as the step starts) plus the highest growth, during the fourth step, of bytes allocated "
+                "through PyTorch's CPU allocator (torch.profiler memory events). peak/live is the allocator's "
+                "and the runtime's share: "
                 "glibc's retention and fragmentation, plus memory outside PyTorch's allocator (oneDNN kernels and "
                 "scratch, the autograd engine), which is why even an exact allocator stays above 1."]
     return t

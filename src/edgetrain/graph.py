@@ -26,9 +26,10 @@ its output and re-runs its forward during backward. Walking the groups forward w
 The activation peak is the largest of these; the predicted step peak adds ``fixed_bytes`` (parameters,
 gradients, optimizer state, the logical batch, runtime overhead measured by the profiler).
 
-Time model: a micro-batch of ``m`` samples costs ``sum_t (fwd_t + bwd_t) + sum_{t recomputed} fwd_t +
-sum_{t in a nested group} fwd_t + loss``; a step over a logical batch ``B`` split into micro-batches of at most ``m`` adds them up and adds
-``step_fixed_s`` (the optimizer update). Every per-stage cost is affine in ``m`` (:class:`Linear`).
+Time model: a micro-batch of ``m`` samples costs ``sum_t (fwd_t + bwd_t) + sum_{t recomputed} fwd_t + sum_{t
+in a nested group} fwd_t + loss``; a step over a logical batch ``B`` split into micro-batches of at most ``m``
+adds them up and adds ``step_fixed_s`` (the optimizer update). Every per-stage cost is affine in ``m``
+(:class:`Linear`).
 """
 
 from __future__ import annotations

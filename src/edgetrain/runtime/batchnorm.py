@@ -9,7 +9,8 @@ Two problems, two mechanisms:
 * Micro-batching normalises each micro-batch with its own statistics (unavoidable without a second pass),
   and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
   accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
-  logical batch (read from the statistics the BatchNorm kernel computes, see :meth:`FullBatchStats._hook`) (Chan's parallel update, in float64), and at the end of the step sets the running statistics to exactly what one
+  logical batch (read from the statistics the BatchNorm kernel computes, see :meth:`FullBatchStats._hook`;
+  Chan's parallel update, in float64), and at the end of the step sets the running statistics to exactly what one
   full-batch forward would have set: ``running = (1 - momentum) * running + momentum * stat`` with the
   unbiased full-batch variance, and ``num_batches_tracked`` advanced once.
 """

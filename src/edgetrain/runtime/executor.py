@@ -1,10 +1,10 @@
 """Execute a Plan over a captured chain: the only code that touches autograd for recomputation.
 
-A ``keep`` group runs its stage as written. A ``recompute`` group (one or more consecutive stages) runs
-under ``torch.utils.checkpoint`` in its non-reentrant form (a two-level group, ``plan.nested_groups``,
-checkpoints each of its stages again inside, so its replay keeps only the stage outputs): saved tensors are dropped during forward and
-rebuilt by re-running the group when backward first needs one. The CPU (and CUDA) RNG state is replayed
-so dropout masks are identical, and a :class:`RecomputeGuard` undoes BatchNorm running-statistics
+A ``keep`` group runs its stage as written. A ``recompute`` group (one or more consecutive stages) runs under
+``torch.utils.checkpoint`` in its non-reentrant form (a two-level group, ``plan.nested_groups``, checkpoints
+each of its stages again inside, so its replay keeps only the stage outputs): saved tensors are dropped during
+forward and rebuilt by re-running the group when backward first needs one. The CPU (and CUDA) RNG state is
+replayed so dropout masks are identical, and a :class:`RecomputeGuard` undoes BatchNorm running-statistics
 updates made by the replay.
 """
 

@@ -7,8 +7,8 @@ resident memory follows the history of allocations (plain MobileNetV2 64x64 batc
 64 KiB or more mapped and reuses them best-fit (the unused tail of a much larger block is unmapped), and it
 unmaps cached blocks whenever live + cached bytes would pass its cap: by default the highest live bytes
 seen (since :func:`reset_peak`), so the pool never holds more than the peak of live tensors, and never more
-than an optional cap (a step sets it from its memory budget). Measured on that model: the peak of the low mmap threshold (245 MiB) with the page
-faults of glibc's defaults (21k a step).
+than an optional cap (a step sets it from its memory budget). Measured on that model: the peak of the low
+mmap threshold (245 MiB) with the page faults of glibc's defaults (21k a step).
 
 PyTorch has no Python hook for its CPU allocator, so the pool is C++: compiled on first use with the
 system's C++ compiler against the installed torch (about 3 s), cached under ``~/.cache/edgetrain/pool``,
