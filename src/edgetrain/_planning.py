@@ -123,10 +123,10 @@ class Planner:
                     return fitted, self.costs
                 raise self._infeasible(e, run, unallocated, grads) from None
             model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+            if measured_peak <= plan_budget and (model_peak > plan_budget or measured_peak < plan.peak_bytes):
+                return self._measured(plan, measured_peak, max(model_peak, plan.peak_bytes)), self.costs
             if model_peak <= plan_budget:
                 return plan, self.costs
-            if measured_peak <= plan_budget:
-                return self._measured(plan, measured_peak, model_peak), self.costs
         try:
             return self._solve(plan_budget), self.costs
         except BudgetError as e:
@@ -134,7 +134,9 @@ class Planner:
 
     @staticmethod
     def _measured(plan: Plan, measured_peak: int, model_peak: int) -> Plan:
-        """``plan`` with the peak its validation run measured (the cost model over-predicted it)."""
+        """``plan`` with the peak its validation run measured (the cost model over-predicted it); the
+        model's figure stays in ``metadata["model_peak_bytes"]``."""
+        plan.metadata["model_peak_bytes"] = model_peak
         return plan.replace(peak_bytes=measured_peak, notes=plan.notes + (
             f"peak from the validation run ({format_bytes(measured_peak)}); the cost model predicted "
             f"{format_bytes(model_peak)}",))

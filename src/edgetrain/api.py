@@ -69,6 +69,10 @@ class TrainStep:
         self.steps_done = 0
         self._budget_source: Callable[[], int | str | None] | None = None
         self._full_plan: Plan | None = None  # with elastic selection: the plan for full backpropagation
+        # What validating a plan of a new micro-batch size added to the process (oneDNN kernels and caches
+        # for the new shapes): a budget change to an unvalidated size keeps that much in hand.
+        self._shape_allowance = 0
+        self._validated_micro: set[int] = set()
 
     @property
     def plan(self) -> Plan:
@@ -186,6 +190,8 @@ class TrainStep:
         plan_budget = budget - int(budget * self.margin_bytes / self.budget_bytes) if self.budget_bytes else budget
         try:
             plan = self.budget_table().plan_for(plan_budget)
+            if self._shape_allowance and plan.micro_batch_size not in self._validated_micro:
+                plan = self.budget_table().plan_for(plan_budget - self._shape_allowance)
         except BudgetError as e:
             need = e.min_feasible_bytes
             raise BudgetError(f"no plan fits the new budget {format_bytes(budget)}: {e}", budget_bytes=budget,
@@ -410,8 +416,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         plan = planner.plan(None)
     else:
         grads = _grad_bytes_missing(model)
+        fixed_before = planner.costs.fixed_bytes
         plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn, pager),
                                              grads + opt_costs.state_bytes, grads)
+        shape_allowance = max(0, costs.fixed_bytes - fixed_before)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
@@ -425,6 +433,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
+    if plan_budget is not None:
+        step._shape_allowance = shape_allowance
+        step._validated_micro = {plan.micro_batch_size}
     step.page_dir = page_dir
     if speedup is not None:
         from .adapt.elastic import ElasticConfig, ElasticSelector
