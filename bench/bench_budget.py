@@ -39,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Progress, Table, machine_info, mib, rate, ratio, render, secs  # noqa: E402
+from _common import (  # noqa: E402
+    FULL_MODELS, MNV2_KW, RN18_KW, TF_KW, ModelSpec, Progress, Table, machine_info, mib, rate, ratio, render, secs,
+)
 
 from edgetrain.measure import Job, JobResult, run_isolated  # noqa: E402
 
@@ -51,25 +53,9 @@ CLAIM_FRACTION, CLAIM_MAX_SLOWDOWN = 0.5, 1.35
 MELON_HEADLINE = 4.33
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model as the bench trains it (``name`` from ``edgetrain.models.MODEL_NAMES``)."""
-
-    name: str
-    kwargs: dict[str, Any]
-    input_shape: tuple[int, ...]
-    batch_size: int
-
-
-_MNV2 = {"num_classes": 10, "in_channels": 3}
-_RN18 = {"num_classes": 10, "in_channels": 3, "small_input": True}
-_TF = {"num_classes": 10, "input_dim": 28}
-FULL_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", _MNV2, (3, 64, 64), 32),
-               "resnet18": ModelSpec("resnet18", _RN18, (3, 32, 32), 32),
-               "transformer": ModelSpec("transformer", _TF, (28, 28), 64)}
-QUICK_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", _MNV2, (3, 32, 32), 16),
-                "resnet18": ModelSpec("resnet18", _RN18, (3, 16, 16), 8),
-                "transformer": ModelSpec("transformer", _TF, (28, 28), 16)}
+QUICK_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", MNV2_KW, (3, 32, 32), 16),
+                "resnet18": ModelSpec("resnet18", RN18_KW, (3, 16, 16), 8),
+                "transformer": ModelSpec("transformer", TF_KW, (28, 28), 16)}
 
 
 @dataclass(frozen=True)
