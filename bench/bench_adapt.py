@@ -27,29 +27,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MIB, Progress, Table, machine_info, mib, ratio, render  # noqa: E402
+from _common import (  # noqa: E402
+    FULL_MODELS, MIB, MNV2_KW, TF_KW, ModelSpec, Progress, Table, machine_info, mib, ratio, render,
+)
 
 MICRO_BATCHES = 8
 DROP_FRACTIONS = (0.25, 0.5, 0.75)
 
 
-@dataclass(frozen=True)
-class Spec:
-    model: str
-    input_shape: tuple[int, ...]
-    batch: int
-    kwargs: dict[str, Any]
-
-
-SPECS = {
-    "mobilenet_v2": Spec("mobilenet_v2", (3, 64, 64), 32, {"num_classes": 10, "in_channels": 3}),
-    "resnet18": Spec("resnet18", (3, 32, 32), 32, {"num_classes": 10, "in_channels": 3, "small_input": True}),
-    "transformer": Spec("transformer", (28, 28), 64, {"num_classes": 10, "input_dim": 28}),
-}
+SPECS = FULL_MODELS
 QUICK = {
-    "mobilenet_v2": Spec("mobilenet_v2", (3, 32, 32), 16, {"num_classes": 10, "in_channels": 3, "width_mult": 0.5}),
-    "transformer": Spec("transformer", (28, 28), 32,
-                        {"num_classes": 10, "input_dim": 28, "d_model": 64, "num_layers": 2, "dim_feedforward": 128}),
+    "mobilenet_v2": ModelSpec("mobilenet_v2", {**MNV2_KW, "width_mult": 0.5}, (3, 32, 32), 16),
+    "transformer": ModelSpec("transformer", {**TF_KW, "d_model": 64, "num_layers": 2, "dim_feedforward": 128},
+                             (28, 28), 32),
 }
 
 
@@ -113,7 +103,7 @@ class _Drop(Exception):
     """Raised by the restart baseline's budget source to abandon the running step."""
 
 
-def bench_adapt(spec: Spec, progress: Progress, threads: int, repeats: int) -> tuple[Table, list[str]]:
+def bench_adapt(spec: ModelSpec, progress: Progress, threads: int, repeats: int) -> tuple[Table, list[str]]:
     import torch
 
     import edgetrain
@@ -123,9 +113,9 @@ def bench_adapt(spec: Spec, progress: Progress, threads: int, repeats: int) -> t
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model, x, y = build_model_and_batch(Job(spec.model, spec.input_shape, spec.batch, model_kwargs=spec.kwargs))
+    model, x, y = build_model_and_batch(Job(spec.name, spec.input_shape, spec.batch_size, model_kwargs=spec.kwargs))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    micro = spec.batch // MICRO_BATCHES
+    micro = spec.batch_size // MICRO_BATCHES
     step = edgetrain.prepare(model, opt, torch.nn.CrossEntropyLoss(), (x, y), micro_batch_size=micro,
                              exact_batchnorm=False)
     costs = step.costs
@@ -187,8 +177,8 @@ def bench_adapt(spec: Spec, progress: Progress, threads: int, repeats: int) -> t
         rows.append(AdaptRow(f, statistics.median(adapt), statistics.median(restart),
                              k * r_hi + (MICRO_BATCHES - k) * r_lo, k * r_hi + MICRO_BATCHES * r_lo,
                              k * (3 * _fwd_flops(costs, micro) + r_hi)))
-        progress(f"{spec.model}: drop at {f:.0%}: adapt {rows[-1].adapt_s:.2f} s, restart {rows[-1].restart_s:.2f} s")
-    t = Table(f"{spec.model} {'x'.join(map(str, spec.input_shape))}, batch {spec.batch} = {MICRO_BATCHES} micro-batches "
+        progress(f"{spec.name}: drop at {f:.0%}: adapt {rows[-1].adapt_s:.2f} s, restart {rows[-1].restart_s:.2f} s")
+    t = Table(f"{spec.name} {'x'.join(map(str, spec.input_shape))}, batch {spec.batch_size} = {MICRO_BATCHES} micro-batches "
               f"of {micro}: budget {mib(high_b)} -> {mib(low_b)} MiB ({high_plan.policies.count('recompute')} -> "
               f"{low_plan.policies.count('recompute')}/{costs.n} stages recomputed)",
               ["drop at", "adapt step s", "restart step s", "restart/adapt", "recomputed GFLOP adapt",
@@ -209,7 +199,7 @@ def bench_adapt(spec: Spec, progress: Progress, threads: int, repeats: int) -> t
                 f"(checkpoint recomputation alone: {mean_rec:.1%} less) -- target >= 50%: "
                 f"{'met' if mean_less >= 0.5 else 'MISSED'}"]
     step.close()
-    return t, [f"{spec.model}: {mean_less:.1%} less redone work, {mean_rec:.1%} less recomputation"]
+    return t, [f"{spec.name}: {mean_less:.1%} less redone work, {mean_rec:.1%} less recomputation"]
 
 
 FRAG_MODES = {  # label: (environment, budget: None plain / "none" / fraction of plain's peak, install the pool)
@@ -276,23 +266,23 @@ def frag_worker(spec_json: str) -> None:
                                 "peak": meter.above_baseline_bytes, "plan": plan}))
 
 
-def bench_fragmentation(spec: Spec, threads: int, progress: Progress, quick: bool) -> Table:
+def bench_fragmentation(spec: ModelSpec, threads: int, progress: Progress, quick: bool) -> Table:
     import json
     import os
     import subprocess
 
     from edgetrain.measure import Job, run_isolated
 
-    plain = run_isolated(Job(spec.model, spec.input_shape, spec.batch, mode="plain", model_kwargs=spec.kwargs,
+    plain = run_isolated(Job(spec.name, spec.input_shape, spec.batch_size, mode="plain", model_kwargs=spec.kwargs,
                              steps=2, threads=threads, env={"EDGETRAIN_ALLOCATOR": "system"}))
-    t = Table(f"{spec.model} {'x'.join(map(str, spec.input_shape))} batch {spec.batch}: one step's resident growth "
+    t = Table(f"{spec.name} {'x'.join(map(str, spec.input_shape))} batch {spec.batch_size}: one step's resident growth "
               f"over its live tensor bytes (plain peak {mib(plain.peak_bytes)} MiB)",
               ["mode", "config", "peak MiB", "live tensors at start MiB", "peak live tensors MiB", "peak/live"])
     for label, (env, frac, use_pool) in FRAG_MODES.items():
         if quick and isinstance(frac, float):
             label, frac = label.replace("60%", "100%"), 1.0  # small models: runtime overhead leaves no room
         budget = None if frac is None else ("none" if frac == "none" else int(frac * plain.peak_bytes))
-        spec_json = json.dumps({"model": spec.model, "shape": spec.input_shape, "batch": spec.batch,
+        spec_json = json.dumps({"model": spec.name, "shape": spec.input_shape, "batch": spec.batch_size,
                                 "kwargs": spec.kwargs, "threads": threads, "budget": budget, "pool": use_pool})
         proc = subprocess.run([sys.executable, __file__, "--frag-worker", spec_json], capture_output=True, text=True,
                               env={**os.environ, **env}, timeout=900)
@@ -303,7 +293,7 @@ def bench_fragmentation(spec: Spec, threads: int, progress: Progress, quick: boo
         r = json.loads(line[5:])
         live = r["live_start"] + r["live_growth"]
         t.add(label, r["plan"] or "-", mib(r["peak"]), mib(r["live_start"]), mib(live), ratio(r["peak"] / max(1, live)))
-        progress(f"{spec.model}: {label}: peak {mib(r['peak'])} MiB vs live {mib(live)} MiB")
+        progress(f"{spec.name}: {label}: peak {mib(r['peak'])} MiB vs live {mib(live)} MiB")
     t.notes += ["peak: VmHWM over the third step above the RSS after `import torch, edgetrain` (what a budget "
                 "bounds); peak live tensors: bytes of the parameters, optimizer state and batch (gradients are freed "
                 "as the step starts) plus the highest growth, during the fourth step, of bytes allocated "
