@@ -1,0 +1,243 @@
+"""The results of bench/bench_budget.py and the tables it prints (one module: what was measured, how it reads).
+
+Kept apart from the measuring code so that a ``--replay`` of a JSON log and the smoke tests exercise exactly
+the tables the bench prints.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from _common import ModelSpec, Table, mib, rate, ratio, render, secs
+
+from edgetrain.measure import JobResult
+
+
+METHODS = ("plain", "checkpoint_sequential", "edgetrain")
+CLAIM_FRACTION, CLAIM_MAX_SLOWDOWN = 0.5, 1.35
+MELON_HEADLINE = 4.33
+
+
+def fits(r: JobResult | None, budget_bytes: int) -> bool:
+    """Whether a job ran and its measured peak is within the budget."""
+    return r is not None and r.ok and r.peak_bytes <= budget_bytes
+
+
+def throughput(r: JobResult | None, batch_size: int) -> float:
+    """Samples per second of a measured job (0 when it failed)."""
+    return batch_size / r.step_time_s if r is not None and r.ok and r.step_time_s > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------- results
+@dataclass
+class Entry:
+    """One method at one budget: the configuration chosen and what it measured (``result`` None: nothing fit)."""
+
+    method: str
+    budget_bytes: int
+    batch_size: int
+    config: str = ""
+    result: JobResult | None = None
+    note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return fits(self.result, self.budget_bytes)
+
+    @property
+    def throughput(self) -> float:
+        return throughput(self.result, self.batch_size)
+
+
+@dataclass
+class Claim:
+    """The 50% check: pooled medians over the table run and the interleaved repeats."""
+
+    budget_bytes: int
+    plain_times_s: list[float]
+    edgetrain: list[JobResult]
+
+    @property
+    def ok_runs(self) -> list[JobResult]:
+        return [r for r in self.edgetrain if r.ok]
+
+    @property
+    def slowdown(self) -> float | None:
+        if not self.ok_runs or not self.plain_times_s:
+            return None
+        return statistics.median(r.step_time_s for r in self.ok_runs) / statistics.median(self.plain_times_s)
+
+    @property
+    def max_peak_bytes(self) -> int | None:
+        return max((r.peak_bytes for r in self.edgetrain if r.ok), default=None)
+
+    @property
+    def passed(self) -> bool:
+        s, peak = self.slowdown, self.max_peak_bytes
+        return (s is not None and peak is not None and len(self.ok_runs) == len(self.edgetrain)
+                and s <= CLAIM_MAX_SLOWDOWN and peak <= self.budget_bytes)
+
+
+@dataclass
+class ModelReport:
+    spec: ModelSpec
+    n_stages: int
+    segments: list[int]
+    plain: JobResult
+    plain_mmap: JobResult | None = None
+    budgets: list[tuple[float, int]] = field(default_factory=list)
+    entries: dict[tuple[float, str], Entry] = field(default_factory=dict)
+    claim: Claim | None = None
+    error: str = ""
+
+
+@dataclass
+class MaxBatchReport:
+    spec: ModelSpec
+    budget_bytes: int
+    plain: tuple[int, int | None] = (0, None)
+    edgetrain: tuple[int, int | None] = (0, None)
+    plain_runs: dict[int, JobResult] = field(default_factory=dict)
+    edgetrain_runs: dict[int, JobResult] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------- tables
+def _label(spec: ModelSpec) -> str:
+    return f"{spec.name} {'x'.join(map(str, spec.input_shape))} batch {spec.batch_size}"
+
+
+def reference_table(reports: Sequence[ModelReport]) -> Table:
+    t = Table("Unconstrained plain PyTorch per model (P = peak, T = step time, system allocator)",
+              ["model", "input", "batch", "stages n", "segments tried", "P MiB", "T s", "samples/s",
+               "plain+mmap MiB", "plain+mmap s", "mmap peak/P"], left=(0, 1, 4))
+    for r in reports:
+        mm = r.plain_mmap if r.plain_mmap is not None and r.plain_mmap.ok else None
+        t.add(r.spec.name, "x".join(map(str, r.spec.input_shape)), r.spec.batch_size, r.n_stages,
+              ",".join(map(str, r.segments)), mib(r.plain.peak_bytes) if r.plain.ok else "failed",
+              secs(r.plain.step_time_s), rate(throughput(r.plain, r.spec.batch_size)),
+              mib(mm.peak_bytes) if mm else "-", secs(mm.step_time_s) if mm else "-",
+              ratio(mm.peak_bytes / r.plain.peak_bytes) if mm and r.plain.peak_bytes else "-")
+    t.notes.append("plain+mmap: plain PyTorch with glibc's mmap threshold fixed at 64 KiB (what edgetrain sets at "
+                   "import); mmap peak/P shows the allocator's share of plain's peak.")
+    return t
+
+
+def budget_table(rep: ModelReport) -> Table:
+    """Per budget and method: config, measured peak, fit, step time, throughput, ratios."""
+    t = Table(f"{_label(rep.spec)}: P = {mib(rep.plain.peak_bytes)} MiB, T = {secs(rep.plain.step_time_s)} s",
+              ["budget", "method", "config", "peak MiB", "fits", "step s", "samples/s", "time/T", "thr/plain",
+               "thr/ckpt"], left=(0, 1, 2, 4))
+    T = rep.plain.step_time_s
+    for frac, budget in rep.budgets:
+        base = {m: rep.entries[(frac, m)].throughput for m in ("plain", "checkpoint_sequential")}
+        for m in METHODS:
+            e = rep.entries[(frac, m)]
+            r = e.result
+            ok = r is not None and r.ok
+            rel = [ratio(e.throughput / d) if ok and d else "-" for d in base.values()]
+            t.add(f"{frac:.0%} ({mib(budget)} MiB)", m, e.config or e.note, mib(r.peak_bytes) if ok else "-",
+                  ("yes" if e.fits else "NO") if ok else "-", secs(r.step_time_s) if ok else "-",
+                  rate(e.throughput), ratio(r.step_time_s / T) if ok and T else "-", *rel)
+    t.notes.append("thr/plain and thr/ckpt: throughput over plain's / checkpoint_sequential's at the same budget "
+                   "('-' where that one has nothing that fits).")
+    return t
+
+
+def versus_line(rep: ModelReport) -> str:
+    """Whether edgetrain's throughput beats checkpoint_sequential's at every budget, and by how much.
+
+    A budget where only edgetrain fits counts for it, one where only checkpoint_sequential fits against it,
+    and one where neither fits is left out of the count.
+    """
+    parts, wins, compared = [], 0, 0
+    for frac, _ in rep.budgets:
+        et, ck = rep.entries[(frac, "edgetrain")], rep.entries[(frac, "checkpoint_sequential")]
+        if et.fits and ck.fits:
+            x = et.throughput / ck.throughput if ck.throughput else math.inf
+            parts.append(f"{frac:.0%}: {x:.2f}x")
+        elif et.fits or ck.fits:
+            x = math.inf if et.fits else 0.0
+            parts.append(f"{frac:.0%}: {'edgetrain' if et.fits else 'checkpoint_sequential'} only")
+        else:
+            parts.append(f"{frac:.0%}: neither fits")
+            continue
+        compared += 1
+        wins += x > 1.0
+    verdict = "YES" if compared and wins == compared else "NO"
+    return (f"{rep.spec.name}: edgetrain vs checkpoint_sequential throughput -- {'; '.join(parts)} -- "
+            f"edgetrain higher at every budget: {verdict} ({wins} of {compared} budgets where either fits)")
+
+
+def plans_table(rep: ModelReport) -> Table:
+    t = Table(f"{_label(rep.spec)}: edgetrain plans", ["budget", "micro-batch", "recomputed", "pred peak MiB",
+              "meas peak MiB", "meas/pred", "pred step s", "meas step s", "meas/pred", "prepare s"], left=(0, 1))
+    for frac, budget in rep.budgets:
+        e = rep.entries[(frac, "edgetrain")]
+        r = e.result
+        if r is None or not r.plan:
+            t.add(f"{frac:.0%} ({mib(budget)} MiB)", e.note or "-")
+            continue
+        p = r.plan
+        rec = sum(x == "recompute" for x in p["policies"])
+        t.add(f"{frac:.0%} ({mib(budget)} MiB)", f"{p['micro_batch_size']} of {p['batch_size']}",
+              f"{rec}/{len(p['policies'])}", mib(p["peak_bytes"]), mib(r.peak_bytes),
+              ratio(r.peak_bytes / p["peak_bytes"]) if p["peak_bytes"] else "-", secs(p["step_time_s"], 3),
+              secs(r.step_time_s, 3), ratio(r.step_time_s / p["step_time_s"]) if p["step_time_s"] else "-",
+              secs(r.prepare_time_s, 1))
+    return t
+
+
+def claims_table(reports: Sequence[ModelReport]) -> Table:
+    t = Table(f"Claim: at {CLAIM_FRACTION:.0%} of P, edgetrain trains the batch with step <= "
+              f"{CLAIM_MAX_SLOWDOWN}x T and measured peak within the budget",
+              ["model", "budget MiB", "T s (median)", "edgetrain s (median)", "ratio", "max peak MiB", "runs",
+               "verdict"], left=(0, 7))
+    for r in reports:
+        c = r.claim
+        if c is None:
+            continue
+        need = "" if r.spec.name in ("mobilenet_v2", "resnet18") else " (not required by the issue)"
+        t.add(r.spec.name, mib(c.budget_bytes), secs(statistics.median(c.plain_times_s)),
+              secs(statistics.median([x.step_time_s for x in c.ok_runs])) if c.ok_runs else "-",
+              ratio(c.slowdown), mib(c.max_peak_bytes), f"{len(c.ok_runs)}/{len(c.edgetrain)}",
+              ("PASS" if c.passed else "FAIL") + need)
+    t.notes.append("Medians pool the table's run with the interleaved repeats (plain, edgetrain, plain, ...); "
+                   "the peak is the largest of the edgetrain runs.")
+    return t
+
+
+def maxbatch_table(m: MaxBatchReport) -> tuple[Table, str]:
+    t = Table(f"Largest batch without micro-batching inside {mib(m.budget_bytes)} MiB "
+              f"(= plain's peak at batch {m.spec.batch_size}), {m.spec.name} {'x'.join(map(str, m.spec.input_shape))}",
+              ["method", "largest batch", "its peak MiB", "smallest failing", "why it failed", "vs plain"],
+              left=(0, 4))
+    for name, (lo, hi), runs in (("plain", m.plain, m.plain_runs),
+                                 ("edgetrain mb=batch", m.edgetrain, m.edgetrain_runs)):
+        r_lo, r_hi = runs.get(lo), runs.get(hi) if hi else None
+        why = "-" if r_hi is None else (f"peak {mib(r_hi.peak_bytes)} MiB" if r_hi.ok else
+                                        f"BudgetError (min {mib(r_hi.min_feasible_bytes)} MiB)"
+                                        if r_hi.error_type == "BudgetError" else f"{r_hi.error_type}")
+        t.add(name, lo, mib(r_lo.peak_bytes) if r_lo is not None and r_lo.ok else "-",
+              hi if hi else f"none up to {lo}", why, ratio(lo / m.plain[0]) if m.plain[0] else "-")
+    x = m.edgetrain[0] / m.plain[0] if m.plain[0] else 0.0
+    line = (f"edgetrain trains {x:.2f}x plain's largest batch inside the same budget without micro-batching "
+            f"(BatchNorm exact); Melon's headline is {MELON_HEADLINE}x.")
+    return t, line
+
+
+# --------------------------------------------------------------------------------------------- main
+def build_report(reports: Sequence[ModelReport], maxb: MaxBatchReport | None, meta: list[tuple[str, str]],
+                 markdown: bool) -> str:
+    sections: list[tuple[str, list[Table | str]]] = [("Reference", [reference_table(reports)])] if reports else []
+    for r in reports:
+        items: list[Table | str] = [r.error] if r.error else [budget_table(r), versus_line(r), plans_table(r)]
+        sections.append((_label(r.spec), items))
+    if any(r.claim for r in reports):
+        sections.append(("Claims", [claims_table(reports)] + [versus_line(r) for r in reports if not r.error]))
+    if maxb is not None:
+        t, line = maxbatch_table(maxb)
+        sections.append(("Max batch at a fixed budget", [t, line]))
+    return render("edgetrain bench: training under memory budgets (issue 2)", meta, sections, markdown)
