@@ -151,13 +151,13 @@ class Planner:
             plan = self._solve(self._min_needed())
         except BudgetError:
             return None
-        fixed = self.costs
+        costs_before = self.costs
         model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
         if measured_peak <= plan_budget:
             log.info("smallest plan measured %s, inside the budget the model said it misses",
                      format_bytes(measured_peak))
             return self._measured(plan, measured_peak, model_peak)
-        self.costs = fixed  # leave the model as the infeasible path expects it
+        self.costs = costs_before  # leave the model as the infeasible path expects it
         return None
 
     def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> tuple[int, int]:

@@ -72,7 +72,7 @@ class TrainStep:
         # What validating a plan of a new micro-batch size added to the process (oneDNN kernels and caches
         # for the new shapes): a budget change to an unvalidated size keeps that much in hand.
         self._shape_allowance = 0
-        self._validated_micro: set[int] = set()
+        self._validated_micro: int | None = None  # the micro-batch size prepare's validation ran
 
     @property
     def plan(self) -> Plan:
@@ -190,7 +190,7 @@ class TrainStep:
         plan_budget = budget - int(budget * self.margin_bytes / self.budget_bytes) if self.budget_bytes else budget
         try:
             plan = self.budget_table().plan_for(plan_budget)
-            if self._shape_allowance and plan.micro_batch_size not in self._validated_micro:
+            if self._shape_allowance and plan.micro_batch_size != self._validated_micro:
                 plan = self.budget_table().plan_for(plan_budget - self._shape_allowance)
         except BudgetError as e:
             need = e.min_feasible_bytes
@@ -435,7 +435,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step._fixed_micro = micro_batch_size is not None
     if plan_budget is not None:
         step._shape_allowance = shape_allowance
-        step._validated_micro = {plan.micro_batch_size}
+        step._validated_micro = plan.micro_batch_size
     step.page_dir = page_dir
     if speedup is not None:
         from .adapt.elastic import ElasticConfig, ElasticSelector

@@ -69,7 +69,7 @@ class Pool final : public c10::Allocator {
 
   void release() {
     std::lock_guard<std::mutex> g(mu_);
-    while (!free_.empty()) evict_one_locked();
+    release_locked();
   }
 
   void reset_peak() {
@@ -139,7 +139,7 @@ class Pool final : public c10::Allocator {
     shrink_locked(static_cast<int64_t>(n));
     void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
-      release_locked_all();
+      release_locked();
       p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       TORCH_CHECK(p != MAP_FAILED, "edgetrain pool: out of memory mapping ", n, " bytes");
     }
@@ -149,7 +149,7 @@ class Pool final : public c10::Allocator {
     return p;
   }
 
-  void release_locked_all() {
+  void release_locked() {
     while (!free_.empty()) evict_one_locked();
   }
 
