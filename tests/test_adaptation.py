@@ -131,3 +131,23 @@ def test_system_budget_source_reads_this_machine():
     assert first is not None and 0 < first <= 10 << 30
     assert available_bytes() is None or first <= available_bytes() + (1 << 30)
     assert src() is None  # unchanged budgets are not reported again
+
+
+def test_refused_budget_change_under_a_budget_names_one_that_works():
+    from edgetrain.models import mobilenet_v2
+
+    torch.manual_seed(0)
+    model = mobilenet_v2(num_classes=10, width_mult=0.25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="400MiB")
+    step(x, y)
+    plan = step.plan
+    with pytest.raises(edgetrain.BudgetError, match="smallest this process can train in now") as e:
+        step.set_memory_budget("1MiB")
+    assert step.plan is plan
+    least = e.value.min_feasible_bytes
+    assert least > 2**20
+    assert step.set_memory_budget(least).peak_bytes <= least
+    assert step._seen_micro  # the sizes run so far are known, so the next change plans with them
+    step(x, y)

@@ -58,12 +58,24 @@ def test_infeasible_budget_fails_before_training_with_smallest_feasible():
     assert retry.ok, retry.error
 
 
-def test_peak_after_a_budget_drop_stays_within_the_new_budget():
-    base = Job("mobilenet_v2", (3, 64, 64), 16, model_kwargs=KW_MB, steps=2, threads=1)
-    plain = _plain_peak(base)
-    high, low = int(plain * 1.0), int(plain * 0.7)
-    res = run_isolated(Job("mobilenet_v2", (3, 64, 64), 16, model_kwargs=KW_MB, budget=high, budget_after=low,
-                           steps=3, threads=1))
+@pytest.mark.parametrize("model,shape,batch,kw,fraction", [
+    ("mobilenet_v2", (3, 64, 64), 16, KW_MB, 0.7),
+    ("transformer", (28, 28), 64, KW_TR, 0.6),
+])
+def test_peak_after_a_budget_drop_stays_within_the_new_budget(model, shape, batch, kw, fraction):
+    plain = _plain_peak(Job(model, shape, batch, model_kwargs=kw))
+    high, low = plain, int(plain * fraction)
+
+    def drop(to: int):
+        return run_isolated(Job(model, shape, batch, model_kwargs=kw, budget=high, budget_after=to, steps=3,
+                                threads=1))
+
+    res = drop(low)
+    if res.error_type == "BudgetError":  # the new budget is refused: the smallest it names must work
+        assert res.min_feasible_bytes > low and len(res.losses) == 1, res.error
+        low = res.min_feasible_bytes
+        res = drop(low)
     assert res.ok, res.error
     assert res.plan["budget_bytes"] == low
+    assert len(res.losses) == 3
     assert res.peak_bytes <= low, f"peak {res.peak_bytes} after the drop, above the new budget {low}"

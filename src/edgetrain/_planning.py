@@ -7,12 +7,20 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+from torch import nn
+
+from . import memory
+from ._state import preserved_model_state
+from .batch import slice_batch
 from .errors import BudgetError
-from .graph import CostChain
+from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
+from .runtime import pool
+from .runtime.executor import Executor
 from .units import format_bytes
 
-__all__ = ["Measured", "Planner", "candidate_sizes"]
+__all__ = ["Measured", "Planner", "candidate_sizes", "first_run_cost", "run_plan"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -58,13 +66,18 @@ class Planner:
         self.costs = CostChain(c.stages, c.batch_size, c.input_bytes, c.fixed_bytes + extra, c.loss_s,
                                c.step_fixed_s, c.name)
 
+    def sizes(self) -> list[int]:
+        """Every micro-batch size the model accepts (a budget change may pick any, even when prepare's
+        was fixed): none below ``min_micro``, nor one leaving a trailing micro-batch below it."""
+        b = self.costs.batch_size
+        lo = min(self.min_micro, b)  # BatchNorm in training needs 2 samples where maps are 1x1
+        return [m for m in candidate_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
+
     def _sizes(self) -> list[list[int]]:
         b = self.costs.batch_size
         if self.micro_batch_size is not None:
             return [[min(self.micro_batch_size, b)]]
-        lo = min(self.min_micro, b)  # and no trailing micro-batch smaller than that (BatchNorm needs 2)
-        sizes = [m for m in candidate_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
-        return [[b], sizes] if self.prefer_full_batch else [sizes]
+        return [[b], self.sizes()] if self.prefer_full_batch else [self.sizes()]
 
     def _min_needed(self) -> int:
         """Smallest plan budget for the current cost model."""
@@ -205,3 +218,53 @@ class Planner:
             f"its gradients, optimizer state, batch and runtime take {format_bytes(self.costs.fixed_bytes)} before "
             f"any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
             budget_bytes=self.budget, min_feasible_bytes=user_need)
+
+
+
+def first_run_cost(table: Any, seen: set[int], run: Callable[[Plan], Measured], room: int, fixed: int,
+                   grads: int) -> tuple[int, int] | None:
+    """Measure what running a micro-batch size for the first time costs beyond the cost model.
+
+    A new tensor shape makes oneDNN build and cache kernels (kept for later runs) and grows the
+    allocators' heaps: a MiB or more for a convolutional network, none of it in the per-stage profile.
+    The smallest size of ``table`` not in ``seen`` (the one a budget drop reaches first) is run once
+    under its most memory-saving plan, if that fits ``room`` (the budget in force less the margin).
+
+    Returns:
+        ``(size, bytes)``: the run's peak above the model's prediction, or what it left behind if more;
+        None when every size has run or the run does not fit.
+    """
+    fresh = sorted({p.micro_batch_size for p in table.plans} - seen)
+    if not fresh:
+        return None
+    plan = next(p for p in table.plans if p.micro_batch_size == fresh[0])
+    if plan.peak_bytes > room:
+        return None
+    measured = run(plan)
+    act_pred = int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - fixed))
+    cost = max(0, measured.peak - measured.rss_before - grads - act_pred, measured.rss_after - measured.rss_before)
+    log.info("first run of micro-batch %d: %s beyond the cost model", fresh[0], format_bytes(cost))
+    return fresh[0], cost
+
+
+def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
+              loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
+    """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
+    executor = Executor(chain, plan, pager=pager if "page" in plan.policies else None)
+    sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
+    base = memory.baseline_rss_bytes()
+    with preserved_model_state(model):
+        memory.reset_peak()
+        before = memory.rss_bytes()
+        start = 0
+        for size in sizes:
+            env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
+            loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
+            (loss * (size / plan.batch_size)).backward()
+            del loss, env
+            start += size
+            if executor.pager is not None:
+                executor.pager.reset()
+        peak = memory.peak_rss_bytes()
+    pool.release()  # blocks cached for reuse are not memory the run left behind
+    return Measured(before - base, peak - base, memory.rss_bytes() - base)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from typing import Any, Callable
 
@@ -10,19 +11,18 @@ import torch
 from torch import nn
 
 from . import memory
-from .runtime import pool
+from ._planning import Measured, Planner, first_run_cost, run_plan
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs, capture
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
-from ._state import preserved_model_state
 from .profile import optimizer_costs, profile_chain
+from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import Executor
 from .units import format_bytes, parse_bytes
-from ._planning import Measured, Planner
 
 __all__ = ["prepare", "TrainStep"]
 
@@ -69,10 +69,14 @@ class TrainStep:
         self.steps_done = 0
         self._budget_source: Callable[[], int | str | None] | None = None
         self._full_plan: Plan | None = None  # with elastic selection: the plan for full backpropagation
-        # What validating a plan of a new micro-batch size added to the process (oneDNN kernels and caches
-        # for the new shapes): a budget change to an unvalidated size keeps that much in hand.
-        self._shape_allowance = 0
-        self._validated_micro: int | None = None  # the micro-batch size prepare's validation ran
+        # Runs a plan once on prepare's example and measures it (set by prepare when there is a budget).
+        self._validate: Callable[[Plan], Measured] | None = None
+        self._opt_state_bytes = 0  # optimizer state the first step creates
+        # Micro-batch sizes run in this process, and the most a size's first run has cost beyond the cost
+        # model (kernel caches for new shapes): a budget change to a size not yet run keeps that in hand.
+        self._seen_micro: set[int] = set()
+        self._micro_sizes: list[int] | None = None  # the sizes the model accepts (None: any)
+        self._first_run_bytes = 0
 
     @property
     def plan(self) -> Plan:
@@ -121,6 +125,8 @@ class TrainStep:
             if self.elastic.maybe_reselect(self.steps_done, (inputs, targets)):
                 self.replan_for_selection()
         env_full = bind_inputs(self.model, inputs)
+        new_sizes = not self._seen_micro.issuperset(micro_batch_sizes(n, self._plan.micro_batch_size))
+        held = self._held() if new_sizes and self.steps_done else None
         self.optimizer.zero_grad(set_to_none=True)
         accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
         self._bn.begin(accumulate)
@@ -151,6 +157,9 @@ class TrainStep:
         self.optimizer.step()
         self._bn.finish()
         self.steps_done += 1
+        if held is not None:  # what this size's first run left behind bounds the next new size's
+            self._first_run_bytes = max(self._first_run_bytes, self._held() - held)
+        self._seen_micro.update(micro_batch_sizes(n, self._plan.micro_batch_size))
         return total / n
 
     def set_plan(self, plan: Plan) -> None:
@@ -170,14 +179,29 @@ class TrainStep:
             from .planners import PlanTable
 
             # A budget change may change the micro-batch size, even one fixed at prepare().
-            self._table = PlanTable.build(self.costs)
+            table = PlanTable.build(self.costs, micro_batch_sizes=self._micro_sizes)
+            if self._validate is not None and self.budget_bytes is not None:
+                # The last step's gradients are spent (the next step starts from zero); freeing them lets
+                # the measuring run allocate its own, as a step does.
+                self.optimizer.zero_grad(set_to_none=True)
+                room = self.budget_bytes - self.margin_bytes - self._drift()
+                probed = first_run_cost(table, self._seen_micro, self._validate, room, self.costs.fixed_bytes,
+                                        _grad_bytes_missing(self.model))
+                if probed is not None:  # replaces prepare's bound, which held every first-run effect
+                    self._seen_micro.add(probed[0])
+                    self._first_run_bytes = probed[1]
+            self._table = table
         return self._table
 
     def set_memory_budget(self, memory_budget: int | str) -> Plan:
         """Switch to the best plan for a new budget (a table lookup, microseconds once the table is built).
 
-        The table (:meth:`budget_table`) holds the exact plan at a geometric grid of budgets; the plan of
-        the largest grid budget not above the new one is taken, so it always fits.
+        The table (:meth:`budget_table`) holds the exact plan at a geometric grid of budgets, each peak
+        corrected by a measured run of its micro-batch size; the plan of the largest grid budget not above
+        the new one, less what the process now holds beyond the cost model's fixed bytes (kernel caches of
+        shapes run since prepare, allocator slack: read from resident memory at the call), is taken.
+        Building the table runs every micro-batch size once (about a step per size) and frees the last
+        step's gradients, which the next step would discard anyway.
 
         Safe between steps and, through ``budget_source``, between micro-batches: the optimizer state,
         the gradients accumulated so far and the samples still to run are kept.
@@ -187,15 +211,28 @@ class TrainStep:
                 left exactly as they were.
         """
         budget = parse_bytes(memory_budget)
-        plan_budget = budget - int(budget * self.margin_bytes / self.budget_bytes) if self.budget_bytes else budget
-        try:
-            plan = self.budget_table().plan_for(plan_budget)
-            if self._shape_allowance and plan.micro_batch_size != self._validated_micro:
-                plan = self.budget_table().plan_for(plan_budget - self._shape_allowance)
-        except BudgetError as e:
-            need = e.min_feasible_bytes
-            raise BudgetError(f"no plan fits the new budget {format_bytes(budget)}: {e}", budget_bytes=budget,
-                              min_feasible_bytes=need) from None
+        keep = self.margin_bytes / self.budget_bytes if self.budget_bytes else 0.0  # share held back
+        table = self.budget_table()  # built first: its measuring run adds to what the process holds
+        drift = self._drift()
+
+        batch = self._plan.batch_size
+        new = {m for m in {p.micro_batch_size for p in table.plans}
+               if not self._seen_micro.issuperset(micro_batch_sizes(batch, m))}
+
+        def need(i: int) -> int:  # plan budget table entry i needs, with the first run of a new size
+            extra = self._first_run_bytes if table.plans[i].micro_batch_size in new else 0
+            return table.budgets[i] + drift + extra
+
+        plan_budget = budget - int(budget * keep)
+        fits = [i for i in range(len(table)) if need(i) <= plan_budget]
+        if not fits:
+            least = math.ceil(min(need(i) for i in range(len(table))) / (1 - keep))
+            raise BudgetError(
+                f"no plan fits the new budget {format_bytes(budget)}: the smallest this process can train in now "
+                f"is {format_bytes(least)} (it holds {format_bytes(drift)} more than when it was planned: kernel "
+                "caches of the shapes run since). The plan in force is unchanged; raise the budget to at least "
+                "that.", budget_bytes=budget, min_feasible_bytes=least)
+        plan = table.plans[fits[-1]]
         if plan.micro_batch_size < self._plan.batch_size and self._bn.has_batchnorm:
             plan = plan.replace(bn_micro_batched=True)
         self.set_plan(plan.replace(budget_bytes=budget))
@@ -255,6 +292,23 @@ class TrainStep:
                  sub.policies.count("recompute"), len(sub.policies))
         return plan
 
+    def _drift(self) -> int:
+        """How much more the process holds at rest than the cost model's fixed bytes say.
+
+        Every new tensor shape leaves oneDNN kernels and caches behind, and allocators keep what they
+        freed; read now (resident memory less the pool's cache, plus the gradients and optimizer state a
+        step will still allocate), so that a budget change plans with it.
+        """
+        if self._validate is None:
+            return 0
+        missing = _grad_bytes_missing(self.model) + (0 if self.optimizer.state else self._opt_state_bytes)
+        return max(0, self._held() + missing - self.costs.fixed_bytes)
+
+    @staticmethod
+    def _held() -> int:
+        """Resident bytes above the import baseline, less what the tensor pool caches for reuse."""
+        return memory.rss_bytes() - memory.baseline_rss_bytes() - pool.stats().cached_bytes
+
     def _cap_pool(self) -> None:
         """Let the tensor pool cache only what the budget leaves beside the memory outside the pool."""
         if not pool.installed() or self.budget_bytes is None:
@@ -281,29 +335,6 @@ class TrainStep:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _validate(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
-              loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
-    """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
-    executor = Executor(chain, plan, pager=pager if "page" in plan.policies else None)
-    sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
-    base = memory.baseline_rss_bytes()
-    with preserved_model_state(model):
-        memory.reset_peak()
-        before = memory.rss_bytes()
-        start = 0
-        for size in sizes:
-            env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
-            loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
-            (loss * (size / plan.batch_size)).backward()
-            del loss, env
-            start += size
-            if executor.pager is not None:
-                executor.pager.reset()
-        peak = memory.peak_rss_bytes()
-    pool.release()  # blocks cached for reuse are not memory the run left behind
-    return Measured(before - base, peak - base, memory.rss_bytes() - base)
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
@@ -416,10 +447,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         plan = planner.plan(None)
     else:
         grads = _grad_bytes_missing(model)
+        validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
         fixed_before = planner.costs.fixed_bytes
-        plan, costs = planner.plan_validated(lambda p: _validate(chain, p, model, env, targets, loss_fn, pager),
-                                             grads + opt_costs.state_bytes, grads)
-        shape_allowance = max(0, costs.fixed_bytes - fixed_before)
+        plan, costs = planner.plan_validated(validate, grads + opt_costs.state_bytes, grads)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
@@ -433,9 +463,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
+    step._micro_sizes = planner.sizes()
     if plan_budget is not None:
-        step._shape_allowance = shape_allowance
-        step._validated_micro = plan.micro_batch_size
+        step._validate = validate
+        step._seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
+        step._first_run_bytes = max(0, costs.fixed_bytes - fixed_before)  # what validation had to add
+        step._opt_state_bytes = opt_costs.state_bytes
     step.page_dir = page_dir
     if speedup is not None:
         from .adapt.elastic import ElasticConfig, ElasticSelector

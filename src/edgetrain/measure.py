@@ -215,7 +215,11 @@ def _worker(job: Job) -> JobResult:
     res.prepare_time_s = time.perf_counter() - t0
     for i in range(job.steps):
         if i == 1 and job.budget_after is not None and job.mode == "edgetrain":
-            res.plan = json.loads(step.set_memory_budget(job.budget_after).to_json())
+            try:
+                res.plan = json.loads(step.set_memory_budget(job.budget_after).to_json())
+            except BudgetError as e:
+                res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
+                break
             memory.reset_peak()  # report the peak under the new budget only
         t = time.perf_counter()
         res.losses.append(float(run()))
