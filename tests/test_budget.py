@@ -56,6 +56,13 @@ def test_infeasible_budget_fails_before_training_with_smallest_feasible():
     retry = run_isolated(Job(job.model, job.input_shape, job.batch_size, model_kwargs=KW_MB,
                              budget=int(res.min_feasible_bytes * 1.25), steps=2, threads=1))
     assert retry.ok, retry.error
+    # Between what the model itself holds and the smallest feasible budget, finding that out (profiling,
+    # running plans above the budget) happens in a forked child: this process never exceeds the budget.
+    tight = int(res.min_feasible_bytes * 0.8)
+    refused = run_isolated(Job(job.model, job.input_shape, job.batch_size, model_kwargs=KW_MB, budget=tight,
+                               steps=1, threads=1))
+    assert refused.error_type == "BudgetError" and refused.min_feasible_bytes > tight
+    assert refused.peak_bytes <= tight, f"prepare peaked at {refused.peak_bytes}, over the budget {tight}"
 
 
 @pytest.mark.parametrize("model,shape,batch,kw,fraction", [

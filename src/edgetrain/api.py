@@ -337,6 +337,32 @@ class TrainStep:
         self.close()
 
 
+def _analyse_safely(analyse: Callable[[], Any], budget: int | None, can_fork: bool) -> Any:
+    """``analyse()`` where its memory cannot break the budget: in a forked child when there is a budget.
+
+    The child's BudgetError is raised here, before this process has allocated anything for the analysis;
+    with one intra-op thread the child's plan is taken as it is, otherwise (the child ran one thread, see
+    :mod:`edgetrain._fork`) the analysis runs again here, which the child has shown fits.
+    """
+    from . import _fork
+
+    if budget is None or not can_fork or not _fork.available():
+        return analyse()
+    res = _fork.run_in_child(analyse)
+    if res is None:
+        return analyse()
+    log.info("analysis in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
+             format_bytes(budget))
+    if res.budget_error is not None:
+        message, budget_bytes, need = res.budget_error
+        raise BudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=need)
+    if res.error is None and torch.get_num_threads() == res.threads:
+        return res.value
+    if res.error is not None:
+        log.info("analysis in the child failed (%s); running it here", res.error)
+    return analyse()
+
+
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
             example: Any, memory_budget: int | str | None = None, *, micro_batch_size: int | None = None,
             solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True,
@@ -431,25 +457,30 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         from .runtime.paging import Pager
 
         pager = Pager(page_dir, keep=list(model.parameters()))
-    costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
-                          budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__,
-                          min_micro_batch=min_micro)
-    pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
-    overhead = max(0, memory.rss_bytes() - rss_start)
-    costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
-                      costs.step_fixed_s, costs.name)
-    planner = Planner(costs, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm, min_micro,
-                       opt_costs.update_bytes, solver_kw)
-    planner.reprofile = lambda b: profile_chain(
-        chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=costs.fixed_bytes, budget_bytes=b,
-        use_cache=use_cache, name=name or type(model).__name__, min_micro_batch=min_micro)
-    if plan_budget is None:
-        plan = planner.plan(None)
-    else:
-        grads = _grad_bytes_missing(model)
-        validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
+    grads = _grad_bytes_missing(model)
+    validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
+
+    def analyse() -> tuple[Plan, CostChain, int, list[int]]:
+        """Profile, plan and validate: (plan, costs, fixed bytes before validation, sizes allowed)."""
+        costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
+                              budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__,
+                              min_micro_batch=min_micro)
+        pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
+        overhead = max(0, memory.rss_bytes() - rss_start)
+        costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
+                          costs.step_fixed_s, costs.name)
+        planner = Planner(costs, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm, min_micro,
+                          opt_costs.update_bytes, solver_kw)
+        planner.reprofile = lambda b: profile_chain(
+            chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=costs.fixed_bytes, budget_bytes=b,
+            use_cache=use_cache, name=name or type(model).__name__, min_micro_batch=min_micro)
         fixed_before = planner.costs.fixed_bytes
+        if plan_budget is None:
+            return planner.plan(None), costs, fixed_before, planner.sizes()
         plan, costs = planner.plan_validated(validate, grads + opt_costs.state_bytes, grads)
+        return plan, costs, fixed_before, planner.sizes()
+
+    plan, costs, fixed_before, sizes = _analyse_safely(analyse, budget, pager is None)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
@@ -463,7 +494,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
-    step._micro_sizes = planner.sizes()
+    step._micro_sizes = sizes
     if plan_budget is not None:
         step._validate = validate
         step._seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))

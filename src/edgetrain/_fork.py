@@ -1,0 +1,173 @@
+"""Run prepare()'s analysis in a forked child, so that the process being budgeted never exceeds its budget.
+
+Profiling and validating a plan allocate memory; when the budget turns out to be infeasible, finding the
+smallest budget that works means running plans above the one asked for. Done in the process itself, that
+breaks the promise the budget makes before a single step has run. A child made by ``fork()`` starts as an
+exact copy of this process (the same model, batch, allocator, resident pages), so its resident memory
+follows what this process's would, while this process's own peak (``VmHWM``) never moves.
+
+A forked child shares its parent's anonymous pages (counted in its resident memory from the start) but
+not the page-table entries of file-backed pages (shared-library code, about 100 MiB with torch loaded):
+the child faults them in as it runs, so its resident memory would start low and grow by pages that the
+parent already holds. The parent therefore lists its resident file-backed pages (``/proc/self/pagemap``)
+before forking and the child touches each of them first: its resident memory is then the parent's, page
+for page, and every reading the analysis takes is the one the parent would take.
+
+The child runs with one intra-op thread: GNU OpenMP, which PyTorch's CPU build uses, deadlocks in a
+forked child that starts a parallel region after the parent ran one. Memory does not depend on the thread
+count, times do; so the child's plan and costs are used as they are only when this process also runs one
+thread, and otherwise serve as a verdict (a BudgetError raised here, or a go-ahead for the analysis in this
+process, which the child has shown fits).
+
+``EDGETRAIN_FORK=0`` turns the child off (the analysis then runs in this process, as without fork()).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import memory
+from .errors import BudgetError
+
+__all__ = ["ChildResult", "available", "run_in_child"]
+
+log = logging.getLogger("edgetrain.api")
+
+
+@dataclass
+class ChildResult:
+    """What the child sent back.
+
+    Attributes:
+        value: the function's return value (None when it raised).
+        budget_error: ``(message, budget_bytes, min_feasible_bytes)`` when it raised a BudgetError.
+        error: ``"Type: message"`` of any other exception (the caller reruns the work here to raise it).
+        peak_bytes: the child's peak resident memory above the import baseline.
+        threads: the intra-op threads the child ran with.
+    """
+
+    value: Any = None
+    budget_error: tuple[str, int | None, int | None] | None = None
+    error: str | None = None
+    peak_bytes: int = 0
+    threads: int = 1
+
+
+def available() -> bool:
+    """fork() exists, is not switched off, and no CUDA context would be copied into the child."""
+    if os.environ.get("EDGETRAIN_FORK", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if not hasattr(os, "fork") or sys.platform == "darwin":  # macOS frameworks are not fork-safe
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_file_pages() -> list[tuple[int, Any]]:
+    """Addresses of this process's resident pages in readable file-backed mappings, per mapping.
+
+    Returns ``[(mapping start, numpy array of page indices)]``; empty where ``/proc/self/pagemap`` is
+    not readable (the child then measures a little low, by the shared-library pages it has yet to touch).
+    """
+    import numpy as np
+
+    out: list[tuple[int, Any]] = []
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb", buffering=0) as pm:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or not parts[5].startswith("/") or parts[1][0] != "r":
+                    continue
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                n = (hi - lo) // _PAGE
+                raw = os.pread(pm.fileno(), 8 * n, 8 * (lo // _PAGE))
+                entries = np.frombuffer(raw, dtype=np.uint64)
+                present = np.nonzero(entries >> np.uint64(63))[0]
+                if present.size:
+                    out.append((lo, present))
+    except (OSError, ValueError) as e:
+        log.debug("could not read this process's page map (%s)", e)
+        return []
+    return out
+
+
+def _touch(pages: list[tuple[int, Any]]) -> None:
+    import ctypes
+
+    for lo, idx in pages:
+        for i in idx.tolist():
+            ctypes.string_at(lo + i * _PAGE, 1)
+
+
+def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]]) -> None:
+    result = ChildResult()
+    try:
+        torch.set_num_threads(1)
+        _touch(pages)
+        memory.reset_peak()
+        result.value = fn()
+    except BudgetError as e:
+        result.budget_error = (str(e), e.budget_bytes, e.min_feasible_bytes)
+    except BaseException as e:  # noqa: BLE001 -- everything goes back to the parent, which decides
+        result.error = f"{type(e).__name__}: {e}"
+        log.debug("analysis in the child failed:\n%s", traceback.format_exc())
+    result.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())
+    try:
+        data = pickle.dumps(result)
+    except Exception as e:  # noqa: BLE001 -- an unpicklable value: report it instead
+        data = pickle.dumps(ChildResult(error=f"result not picklable: {e}", peak_bytes=result.peak_bytes))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(w, view):]
+
+
+def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
+    """Run ``fn()`` in a forked copy of this process and return what it sent back.
+
+    Returns:
+        The child's result, or None when the child could not be started or died without answering
+        (killed for memory, a crash): the caller then does the work itself.
+    """
+    pages = resident_file_pages()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+    except OSError as e:
+        log.info("could not fork for the analysis (%s); running it in this process", e)
+        return None
+    if pid == 0:  # the child: never return into the caller's code
+        code = 0
+        try:
+            os.close(r)
+            _child(fn, w, pages)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    with os.fdopen(r, "rb") as f:
+        while chunk := f.read(1 << 20):
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    if not chunks:
+        log.warning("the analysis child died (wait status %d) without an answer; running it in this process",
+                    status)
+        return None
+    try:
+        return pickle.loads(b"".join(chunks))
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not read the analysis child's answer (%s); running it in this process", e)
+        return None
