@@ -36,8 +36,9 @@ import torch
 
 from . import memory
 from .errors import BudgetError
+from .units import format_bytes
 
-__all__ = ["ChildResult", "available", "run_in_child"]
+__all__ = ["ChildResult", "analyse_safely", "available", "run_in_child"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -171,3 +172,33 @@ def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
     except Exception as e:  # noqa: BLE001
         log.warning("could not read the analysis child's answer (%s); running it in this process", e)
         return None
+
+
+def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[[Any], Any], budget: int | None,
+                    can_fork: bool) -> tuple[Any, Any]:
+    """Capture the chain and analyse it where the memory this takes cannot break the budget.
+
+    With a budget, capture and analysis first run in a forked child: its
+    BudgetError is raised here before this process has run the model at all. When the child finds a plan,
+    this process captures the chain (the child has shown that fits) and, if it runs one intra-op thread
+    as the child did, takes the child's plan and costs as they are; otherwise it analyses again here.
+
+    Returns:
+        ``(chain, analyse(chain))``.
+    """
+    if budget is None or not can_fork or not available():
+        chain = capture_chain()
+        return chain, analyse(chain)
+    res = run_in_child(lambda: analyse(capture_chain()))
+    if res is not None:
+        log.info("analysis in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
+                 format_bytes(budget))
+        if res.budget_error is not None:
+            message, budget_bytes, need = res.budget_error
+            raise BudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=need)
+        if res.error is not None:
+            log.info("analysis in the child failed (%s); running it here", res.error)
+    chain = capture_chain()
+    if res is not None and res.error is None and torch.get_num_threads() == res.threads:
+        return chain, res.value
+    return chain, analyse(chain)

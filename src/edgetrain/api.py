@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import memory
+from ._fork import analyse_safely
 from ._planning import Measured, Planner, first_run_cost, run_plan
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
@@ -337,32 +338,6 @@ class TrainStep:
         self.close()
 
 
-def _analyse_safely(analyse: Callable[[], Any], budget: int | None, can_fork: bool) -> Any:
-    """``analyse()`` where its memory cannot break the budget: in a forked child when there is a budget.
-
-    The child's BudgetError is raised here, before this process has allocated anything for the analysis;
-    with one intra-op thread the child's plan is taken as it is, otherwise (the child ran one thread, see
-    :mod:`edgetrain._fork`) the analysis runs again here, which the child has shown fits.
-    """
-    from . import _fork
-
-    if budget is None or not can_fork or not _fork.available():
-        return analyse()
-    res = _fork.run_in_child(analyse)
-    if res is None:
-        return analyse()
-    log.info("analysis in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
-             format_bytes(budget))
-    if res.budget_error is not None:
-        message, budget_bytes, need = res.budget_error
-        raise BudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=need)
-    if res.error is None and torch.get_num_threads() == res.threads:
-        return res.value
-    if res.error is not None:
-        log.info("analysis in the child failed (%s); running it here", res.error)
-    return analyse()
-
-
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
             example: Any, memory_budget: int | str | None = None, *, micro_batch_size: int | None = None,
             solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True,
@@ -442,7 +417,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     margin = 0 if budget is None else int(budget * safety_margin)
     plan_budget = None if budget is None else budget - margin
     env = bind_inputs(model, inputs)
-    chain = capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1
     solver_kw: dict[str, Any] = {}
@@ -458,10 +432,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
 
         pager = Pager(page_dir, keep=list(model.parameters()))
     grads = _grad_bytes_missing(model)
-    validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
 
-    def analyse() -> tuple[Plan, CostChain, int, list[int]]:
+    def capture_chain() -> Any:
+        return capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages)
+
+    def analyse(chain: Any) -> tuple[Plan, CostChain, int, list[int]]:
         """Profile, plan and validate: (plan, costs, fixed bytes before validation, sizes allowed)."""
+        validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
         costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
                               budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__,
                               min_micro_batch=min_micro)
@@ -480,7 +457,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         plan, costs = planner.plan_validated(validate, grads + opt_costs.state_bytes, grads)
         return plan, costs, fixed_before, planner.sizes()
 
-    plan, costs, fixed_before, sizes = _analyse_safely(analyse, budget, pager is None)
+    chain, (plan, costs, fixed_before, sizes) = analyse_safely(capture_chain, analyse, budget, pager is None)
+    validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
