@@ -181,7 +181,8 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[[Any], An
     With a budget, capture and analysis first run in a forked child: its
     BudgetError is raised here before this process has run the model at all. When the child finds a plan,
     this process captures the chain (the child has shown that fits) and, if it runs one intra-op thread
-    as the child did, takes the child's plan and costs as they are; otherwise it analyses again here.
+    as the child did, plans and validates here from the child's costs (no profiling); otherwise it
+    analyses again here.
 
     Returns:
         ``(chain, analyse(chain))``.
@@ -200,5 +201,7 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[[Any], An
             log.info("analysis in the child failed (%s); running it here", res.error)
     chain = capture_chain()
     if res is not None and res.error is None and torch.get_num_threads() == res.threads:
-        return chain, res.value
+        # The child's costs hold kernel caches of every profiled shape; this process has none of them, so
+        # validating here (plan, measure, and re-plan with what was freed) may find a faster plan.
+        return chain, analyse(chain, res.value[1])
     return chain, analyse(chain)

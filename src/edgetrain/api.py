@@ -436,16 +436,18 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     def capture_chain() -> Any:
         return capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages)
 
-    def analyse(chain: Any) -> tuple[Plan, CostChain, int, list[int]]:
-        """Profile, plan and validate: (plan, costs, fixed bytes before validation, sizes allowed)."""
+    def analyse(chain: Any, costs: CostChain | None = None) -> tuple[Plan, CostChain, int, list[int]]:
+        """Profile (unless ``costs`` are given), plan and validate: (plan, costs, fixed bytes before
+        validation, sizes allowed)."""
         validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
-        costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
-                              budget_bytes=plan_budget, use_cache=use_cache, name=name or type(model).__name__,
-                              min_micro_batch=min_micro)
-        pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
-        overhead = max(0, memory.rss_bytes() - rss_start)
-        costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
-                          costs.step_fixed_s, costs.name)
+        if costs is None:
+            costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
+                                  budget_bytes=plan_budget, use_cache=use_cache,
+                                  name=name or type(model).__name__, min_micro_batch=min_micro)
+            pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
+            overhead = max(0, memory.rss_bytes() - rss_start)
+            costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
+                              costs.step_fixed_s, costs.name)
         planner = Planner(costs, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm, min_micro,
                           opt_costs.update_bytes, solver_kw)
         planner.reprofile = lambda b: profile_chain(
