@@ -98,14 +98,15 @@ class ModelSpec:
     kwargs: dict[str, Any]
     input_shape: tuple[int, ...]
     batch_size: int
+    batchnorm: bool = False  # trains BatchNorm layers (micro-batching then changes their statistics)
 
 
 MNV2_KW = {"num_classes": 10, "in_channels": 3}
 RN18_KW = {"num_classes": 10, "in_channels": 3, "small_input": True}
 TF_KW = {"num_classes": 10, "input_dim": 28}
 #: The three models of the issues at the sizes every full bench run uses.
-FULL_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", MNV2_KW, (3, 64, 64), 32),
-               "resnet18": ModelSpec("resnet18", RN18_KW, (3, 32, 32), 32),
+FULL_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", MNV2_KW, (3, 64, 64), 32, batchnorm=True),
+               "resnet18": ModelSpec("resnet18", RN18_KW, (3, 32, 32), 32, batchnorm=True),
                "transformer": ModelSpec("transformer", TF_KW, (28, 28), 64)}
 
 

@@ -43,8 +43,8 @@ from _common import (  # noqa: E402
 )
 
 from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: tests and --replay read them here)
-    CLAIM_FRACTION, Claim, Entry, MaxBatchReport, ModelReport, build_report, budget_table, claims_table, fits,
-    maxbatch_table, plans_table, reference_table, versus_line,
+    CLAIM_FRACTION, EDGE_MBN, Claim, Entry, MaxBatchReport, ModelReport, build_report, budget_table,
+    claims_table, fits, maxbatch_table, plans_table, reference_table, versus_line, versus_lines,
 )
 
 from edgetrain.measure import Job, JobResult, run_isolated  # noqa: E402
@@ -155,13 +155,15 @@ def max_batch_search(fit: Callable[[int], bool], start: int, resolution: float, 
 
 # --------------------------------------------------------------------------------------------- measuring
 _KEY_FIELDS = ("model", "input_shape", "batch_size", "mode", "model_kwargs", "budget", "micro_batch_size",
-               "segments", "solver", "steps", "optimizer", "seed", "threads", "env")
+               "segments", "solver", "steps", "optimizer", "seed", "threads", "env", "exact_batchnorm")
 
 
 def job_key(job: Job | dict[str, Any]) -> str:
     """Identity of a job for the run's cache and for ``--replay`` (the fields this bench sets)."""
     d = asdict(job) if isinstance(job, Job) else job
-    return json.dumps({k: d.get(k) for k in _KEY_FIELDS}, sort_keys=True)
+    # logs written before exact_batchnorm existed ran with its default
+    return json.dumps({k: d.get(k, True if k == "exact_batchnorm" else None) for k in _KEY_FIELDS},
+                      sort_keys=True)
 
 
 class Runner:
@@ -299,9 +301,14 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             e.config = f"seg={best[1]}" + (f", mb={best[0]} x{math.ceil(B / best[0])} accum" if best[0] < B else "")
         rep.entries[(frac, "checkpoint_sequential")] = e
 
-        # edgetrain: one prepare() at the budget
+        # edgetrain: one prepare() at the budget; for a BatchNorm model also one allowed to micro-batch it,
+        # which is what plain's and checkpoint_sequential's gradient accumulation do to BatchNorm
         r = run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE), f"edgetrain budget {frac:.0%}")
         rep.entries[(frac, "edgetrain")] = edgetrain_entry(r, budget, B, n)
+        if spec.batchnorm:
+            r = run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, exact_batchnorm=False),
+                    f"{EDGE_MBN} budget {frac:.0%}")
+            rep.entries[(frac, EDGE_MBN)] = edgetrain_entry(r, budget, B, n, EDGE_MBN)
 
     if CLAIM_FRACTION in s.budgets:
         budget = dict(rep.budgets)[CLAIM_FRACTION]
@@ -313,12 +320,18 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             claim.edgetrain.append(run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=1 + i),
                                        f"edgetrain budget 50% (repeat {i + 1})"))
         rep.claim = claim
+        if spec.batchnorm:
+            mbn = Claim(budget, claim.plain_times_s, [rep.entries[(CLAIM_FRACTION, EDGE_MBN)].result])
+            for i in range(s.repeats):
+                mbn.edgetrain.append(run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=1 + i,
+                                              exact_batchnorm=False), f"{EDGE_MBN} budget 50% (repeat {i + 1})"))
+            rep.claim_mbn = mbn
     return rep
 
 
-def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int) -> Entry:
+def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int, method: str = "edgetrain") -> Entry:
     """The table entry of one edgetrain job (a BudgetError is an entry, not a failure of the bench)."""
-    e = Entry("edgetrain", budget, batch_size, result=r)
+    e = Entry(method, budget, batch_size, result=r)
     if r.ok and r.plan:
         rec = sum(p == "recompute" for p in r.plan.get("policies", ()))
         e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp"
@@ -423,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names:
             reports.append(bench_model(models[name], s, run))
             r = reports[-1]
-            print("\n" + (r.error or "\n\n".join([budget_table(r).to_text(), versus_line(r),
+            print("\n" + (r.error or "\n\n".join([budget_table(r).to_text(), *versus_lines(r),
                                                    plans_table(r).to_text()])) + "\n", flush=True)
     maxb = None
     if "maxbatch" in sections and s.maxbatch.name in names:

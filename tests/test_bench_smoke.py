@@ -128,6 +128,23 @@ def test_versus_and_claim() -> None:
     assert "FAIL" in bb.claims_table([rep]).to_text()
 
 
+def test_batchnorm_variant_rows_lines_and_claim() -> None:
+    rep = fake_report()
+    P = 400 * MIB
+    for frac, budget in rep.budgets:
+        r = ok(0.4 * P / MIB * frac + 20, 2.2) if frac >= 0.5 else budget_error(95)
+        rep.entries[(frac, bb.EDGE_MBN)] = bb.Entry(bb.EDGE_MBN, budget, 32, "mb=8, 0/25 recomp", r)
+    rep.claim_mbn = bb.Claim(int(0.5 * P), [2.0, 2.2], [rep.entries[(0.5, bb.EDGE_MBN)].result])
+    assert rep.methods() == ["plain", "checkpoint_sequential", "edgetrain", bb.EDGE_MBN]
+    text = bb.budget_table(rep).to_text()
+    assert sum(bb.EDGE_MBN in line for line in text.splitlines()) == 3 + 1  # three rows and the note
+    lines = bb.versus_lines(rep)
+    assert len(lines) == 2 and lines[1].startswith(f"mobilenet_v2: {bb.EDGE_MBN} vs checkpoint_sequential")
+    assert "50%: 1.27x" in lines[1]  # 2.8 / 2.2
+    claims = bb.claims_table([rep]).to_text()
+    assert "mobilenet_v2, BN per mb" in claims and claims.count("PASS") == 2
+
+
 def test_plans_and_full_report() -> None:
     rep = fake_report()
     plans = bb.plans_table(rep).to_text()

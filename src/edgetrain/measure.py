@@ -46,6 +46,9 @@ class Job:
         objective: for edgetrain with paging, ``"time"`` or ``"energy"`` (``prepare(objective=)``).
         budget_after: for edgetrain, a budget switched to (``step.set_memory_budget``) after the first step;
             the peak reported is then the peak over the steps after the switch.
+        exact_batchnorm: for edgetrain, ``prepare(exact_batchnorm=)``: False lets the planner micro-batch a
+            BatchNorm model when that is faster (each micro-batch then normalises with its own statistics,
+            as gradient accumulation does).
     """
 
     model: str
@@ -65,6 +68,7 @@ class Job:
     paging: bool = False
     objective: str = "time"
     budget_after: int | str | None = None
+    exact_batchnorm: bool = True
 
 
 @dataclass
@@ -188,7 +192,8 @@ def _worker(job: Job) -> JobResult:
         try:
             step = edgetrain.prepare(model, opt, loss_fn, (x, y), memory_budget=job.budget,
                                      micro_batch_size=job.micro_batch_size, solver=job.solver,
-                                     paging=job.paging, objective=job.objective)
+                                     paging=job.paging, objective=job.objective,
+                                     exact_batchnorm=job.exact_batchnorm)
         except BudgetError as e:
             res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
             res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())
