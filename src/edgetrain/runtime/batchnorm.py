@@ -9,8 +9,9 @@ Two problems, two mechanisms:
 * Micro-batching normalises each micro-batch with its own statistics (unavoidable without a second pass),
   and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
   accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
-  logical batch (read from the statistics the BatchNorm kernel computes, see :meth:`FullBatchStats._hook`;
-  Chan's parallel update, in float64), and at the end of the step sets the running statistics to exactly what one
+  logical batch (the statistics the BatchNorm kernel computes, written to one scratch row per micro-batch,
+  see :meth:`FullBatchStats._hook`; combined once per step in float64 by Chan et al.'s formula), and at the end
+  of the step sets the running statistics to exactly what one
   full-batch forward would have set: ``running = (1 - momentum) * running + momentum * stat`` with the
   unbiased full-batch variance, and ``num_batches_tracked`` advanced once.
 """
@@ -77,9 +78,9 @@ class FullBatchStats:
         self.bns = [m for _, m in batchnorm_modules(model)]
         self.recomputing = 0
         self._active = False
-        self._acc: dict[int, list[torch.Tensor | int]] = {}
+        self._acc: dict[int, list[int]] = {}  # per layer: the sample count of each micro-batch this step
         self._snap: dict[int, tuple[torch.Tensor | None, ...]] = {}
-        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer: one row per micro-batch
         self._swapped: dict[int, tuple[Any, ...]] = {}
         self._handles = [b.register_forward_pre_hook(self._hook) for b in self.bns]
         self._handles += [b.register_forward_hook(self._post_hook, always_call=True) for b in self.bns]
@@ -97,40 +98,53 @@ class FullBatchStats:
         """Before a micro-batch's BatchNorm forward: let the layer write its batch statistics to scratch.
 
         With ``momentum = 1`` a training-mode BatchNorm sets its running mean to the batch mean and its
-        running variance to the unbiased batch variance, so pointing those buffers at scratch tensors for
+        running variance to the unbiased batch variance, so pointing those buffers at scratch rows for
         one call gets the statistics the kernel computes anyway, for free (a separate ``var_mean`` over the
-        input cost 20% of a micro-batched MobileNetV2 step).
+        input cost 20% of a micro-batched MobileNetV2 step). Each micro-batch writes its own row, kept
+        across steps; :meth:`finish` combines the rows of a step at once.
         """
         if not self._active or self.recomputing or not mod.training:
             return
         if mod.running_mean is None or mod.running_var is None:
             return
-        scratch = self._scratch.get(id(mod))
-        if scratch is None:
-            scratch = self._scratch[id(mod)] = (torch.zeros_like(mod.running_mean), torch.ones_like(mod.running_var))
-        self._swapped[id(mod)] = (mod.running_mean, mod.running_var, mod.momentum, args[0].numel() // args[0].shape[1])
-        mod.running_mean, mod.running_var = scratch
+        key = id(mod)
+        rows = self._scratch.get(key)
+        if rows is None:
+            rows = self._scratch[key] = []
+        counts = self._acc.setdefault(key, [])
+        k = len(counts)
+        if k == len(rows):
+            rows.append((torch.zeros_like(mod.running_mean), torch.ones_like(mod.running_var)))
+        counts.append(args[0].numel() // args[0].shape[1])
+        buffers = mod._buffers  # direct: nn.Module.__setattr__ costs more than the swap itself
+        self._swapped[key] = (buffers["running_mean"], buffers["running_var"], mod.momentum)
+        buffers["running_mean"], buffers["running_var"] = rows[k]
         mod.momentum = 1.0
 
     def _post_hook(self, mod: _BN, args: tuple[Any, ...], output: Any) -> None:
         swapped = self._swapped.pop(id(mod), None)
         if swapped is None:
             return
-        mean_buf, var_buf, momentum, n = swapped
-        scratch_mean, scratch_var = mod.running_mean, mod.running_var
-        mod.running_mean, mod.running_var, mod.momentum = mean_buf, var_buf, momentum
-        mean_k = scratch_mean.to(torch.float64)
-        m2_k = scratch_var.to(torch.float64) * max(n - 1, 1)  # the kernel stores the unbiased variance
-        acc = self._acc.get(id(mod))
-        if acc is None:  # [count, mean, sum of squared deviations]: Chan et al.'s parallel update
-            self._acc[id(mod)] = [n, mean_k, m2_k]
-            return
-        n_a, mean_a, m2_a = acc
-        total = n_a + n  # type: ignore[operator]
-        delta = mean_k - mean_a  # type: ignore[operator]
-        acc[0] = total
-        acc[1] = mean_a + delta * (n / total)  # type: ignore[operator]
-        acc[2] = m2_a + m2_k + delta * delta * (n_a * n / total)  # type: ignore[operator]
+        buffers = mod._buffers
+        buffers["running_mean"], buffers["running_var"], mod.momentum = swapped
+
+    def _combined(self, mod: _BN) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """(count, mean, sum of squared deviations) over the step's micro-batches, in float64.
+
+        Chan et al.'s combination of per-group statistics, for all groups at once:
+        ``mean = sum(n_k mean_k) / N``, ``M2 = sum((n_k - 1) var_k) + sum(n_k (mean_k - mean)^2)``.
+        """
+        counts = self._acc.get(id(mod))
+        if not counts:
+            return None
+        rows = self._scratch[id(mod)][:len(counts)]
+        means = torch.stack([r[0] for r in rows]).to(torch.float64)
+        variances = torch.stack([r[1] for r in rows]).to(torch.float64)  # the kernel stores unbiased ones
+        n_k = torch.tensor(counts, dtype=torch.float64).unsqueeze(1)
+        total = int(sum(counts))
+        mean = (n_k * means).sum(0) / total
+        m2 = ((n_k - 1).clamp_min(0) * variances).sum(0) + (n_k * (means - mean) ** 2).sum(0)
+        return total, mean, m2
 
     def begin(self, accumulate: bool = True) -> None:
         """Start a step: snapshot running statistics; ``accumulate`` for a micro-batched step."""
@@ -146,7 +160,7 @@ class FullBatchStats:
         for b in self.bns:  # a forward that raised inside a BatchNorm: give the layer its buffers back
             swapped = self._swapped.pop(id(b), None)
             if swapped is not None:
-                b.running_mean, b.running_var, b.momentum = swapped[:3]
+                b._buffers["running_mean"], b._buffers["running_var"], b.momentum = swapped
         self._restore()
         self._active = False
         self._acc = {}
@@ -169,7 +183,7 @@ class FullBatchStats:
         self._restore()
         with torch.no_grad():
             for b in self.bns:
-                acc = self._acc.get(id(b))
+                acc = self._combined(b)
                 if acc is None or id(b) not in self._snap:
                     continue
                 n, mean, m2 = acc
