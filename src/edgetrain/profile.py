@@ -134,8 +134,13 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return optimizer_costs(optimizer).state_bytes
 
 
-def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[int]) -> tuple[StageSample, dict[str, Any]]:
-    """Forward and backward one stage in isolation; returns its sample and detached outputs."""
+def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[int],
+               measure_memory: bool = True) -> tuple[StageSample, dict[str, Any]]:
+    """Forward and backward one stage in isolation; returns its sample and detached outputs.
+
+    ``measure_memory`` False: times only (no peak reset, which empties the tensor pool: a run that
+    keeps it warm times the stage as a training step runs it, without fresh pages to fault in).
+    """
     args = []
     grad_inputs: list[torch.Tensor] = []
     for k in stage.inputs:
@@ -150,8 +155,9 @@ def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[
         seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
         return t
 
-    memory.reset_peak()
-    rss0 = memory.rss_bytes()
+    if measure_memory:
+        memory.reset_peak()
+    rss0 = memory.rss_bytes() if measure_memory else 0
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = stage(*args)
@@ -169,7 +175,7 @@ def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[
         torch.autograd.backward(diff, grads)
         bwd = time.perf_counter() - t2
         del grads
-    peak = max(0, memory.peak_rss_bytes() - rss0)
+    peak = max(0, memory.peak_rss_bytes() - rss0) if measure_memory else 0
     sample = StageSample(fwd_s=t1 - t0, bwd_s=bwd, saved_bytes=saved, out_bytes=out_bytes,
                          in_grad_bytes=sum(_tensor_bytes(g) for g in grad_inputs), peak_bytes=peak)
     return sample, {k: (o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(stage.outputs, outs)}
@@ -193,12 +199,12 @@ def _count_flops(chain: Chain, inputs_env: dict[str, Any], m: int) -> list[float
 
 
 def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: Callable[..., torch.Tensor],
-               m: int, params: set[int]) -> tuple[list[StageSample], float]:
+               m: int, params: set[int], measure_memory: bool = True) -> tuple[list[StageSample], float]:
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
     produced: set[str] = set()
     samples = []
     for st in chain.stages:
-        s, outs = _run_stage(st, env, produced, params)
+        s, outs = _run_stage(st, env, produced, params, measure_memory)
         samples.append(s)
         env.update(outs)
         produced.update(outs)
@@ -215,7 +221,7 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
 
 def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...]) -> str:
     h = hashlib.sha256()
-    parts = [type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+    parts = ["v2", type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool"]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
@@ -329,8 +335,9 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
         cached = _load_cached(key) if use_cache else None
         if cached is None:
             try:
-                runs_lo = [_run_chain(chain, inputs_env, targets, loss_fn, lo, params) for _ in range(repeats)]
-                runs_hi = [_run_chain(chain, inputs_env, targets, loss_fn, hi, params) for _ in range(repeats)]
+                # the first run of a size measures memory too; the others time it with the pool warm
+                runs_lo = [_run_chain(chain, inputs_env, targets, loss_fn, lo, params, i == 0) for i in range(repeats)]
+                runs_hi = [_run_chain(chain, inputs_env, targets, loss_fn, hi, params, i == 0) for i in range(repeats)]
             except Exception as e:
                 raise ProfileError(f"profiling failed at micro-batch {hi}: {type(e).__name__}: {e}") from e
             s_lo, s_hi = _min_samples([r[0] for r in runs_lo]), _min_samples([r[0] for r in runs_hi])
