@@ -104,10 +104,10 @@ def hopeless(peaks_bytes: Sequence[int], budget_bytes: int) -> bool:
 
     ``peaks_bytes`` are measured peaks at successively halved micro-batches. If a peak is F + a*m, a halving
     from m saves a*m/2 and no micro-batch below m gets under last - a*m/2; twice the largest saving seen is
-    allowed, since glibc's retention can make one halving save almost nothing (the transformer's plain
-    peak at 32 and 16 samples once differed by 2 MiB, at 8 by 16 more).
+    allowed, and three peaks are needed, since glibc's retention can make a halving save much less than the
+    next (the transformer's plain peak once fell 22 MiB from 64 to 32 samples, then 37 MiB from 32 to 16).
     """
-    if len(peaks_bytes) < 2:
+    if len(peaks_bytes) < 3:  # two points: one halving that glibc's retention made look small decides nothing
         return False
     d = max(max(0, a - b) for a, b in zip(peaks_bytes, peaks_bytes[1:]))
     return peaks_bytes[-1] - 2 * d > budget_bytes

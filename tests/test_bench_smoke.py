@@ -185,9 +185,9 @@ def test_hopeless_extrapolates_the_micro_batch_floor() -> None:
     # peaks 300, 250 MiB at m, m/2: the activations of m/2 are ~50 MiB, so nothing goes below ~200 MiB
     # (the rule allows twice that saving for noise: floor 150 MiB)
     assert not bb.hopeless([300 * MIB], 10 * MIB)
-    assert bb.hopeless([300 * MIB, 250 * MIB], 149 * MIB)
-    assert not bb.hopeless([300 * MIB, 250 * MIB], 151 * MIB)
-    assert not bb.hopeless([300 * MIB, 200 * MIB], 150 * MIB)
+    assert not bb.hopeless([300 * MIB, 290 * MIB], 10 * MIB)  # two points never decide
+    assert bb.hopeless([300 * MIB, 260 * MIB, 250 * MIB], 169 * MIB)
+    assert not bb.hopeless([300 * MIB, 260 * MIB, 250 * MIB], 171 * MIB)
     assert bb.hopeless([300 * MIB, 290 * MIB, 285 * MIB], 264 * MIB)
     assert not bb.hopeless([300 * MIB, 290 * MIB, 285 * MIB], 266 * MIB)
     # one halving that saved little (glibc retention) does not hide the larger saving before it
