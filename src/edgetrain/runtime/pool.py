@@ -3,12 +3,12 @@
 glibc gives a training process two bad choices. Its heap keeps freed tensor memory and fragments, so
 resident memory follows the history of allocations (plain MobileNetV2 64x64 batch 32, one thread: 307 MiB
 peak where the exact-release setting needs 245 MiB); with a low mmap threshold every tensor is mapped afresh
-and page-faulted in (209k faults a step, 0.50 s instead of 0.29 s). The pool (``_pool.cpp``, a ``c10::Allocator``) keeps freed blocks of
+and page-faulted in (210k faults a step, 0.43 s instead of 0.26 s). The pool (``_pool.cpp``, a ``c10::Allocator``) keeps freed blocks of
 64 KiB or more mapped and reuses them best-fit (the unused tail of a much larger block is unmapped), and it
 unmaps cached blocks whenever live + cached bytes would pass its cap: by default the highest live bytes
 seen (since :func:`reset_peak`), so the pool never holds more than the peak of live tensors, and never more
-than an optional cap (a step sets it from its memory budget). Measured on that model: 245.5 MiB, 21k faults,
-0.30 s a step (``bench/RESULTS_ADAPT.md``, "Allocator share", from ``python bench/bench_adapt.py``).
+than an optional cap (a step sets it from its memory budget). Measured on that model: 245.6 MiB, 21k faults,
+0.24 s a step (``bench/RESULTS_ADAPT.md``, "Allocator share", from ``python bench/bench_adapt.py``).
 
 PyTorch has no Python hook for its CPU allocator, so the pool is C++: compiled on first use with the
 system's C++ compiler against the installed torch (about 3 s), cached under ``~/.cache/edgetrain/pool``,
