@@ -41,6 +41,38 @@ def _evaluate(model: Any, digits: Any, image_size: int, channels: int, layout: s
     return correct / max(total, 1)
 
 
+def _precise_bn(model: Any, batches: Any, n: int) -> int:
+    """Set BatchNorm running statistics to their average over ``n`` training batches ("precise BN").
+
+    The exponential average a training step keeps lags a network trained from scratch (after one epoch of
+    the demo, plain PyTorch evaluates at 10% with it and at 82% with batch statistics); averaging forward
+    passes without gradients costs no training and no gradient memory. Returns the batches used.
+    """
+    import torch
+
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+           and m.track_running_stats]
+    if not bns or n <= 0:
+        return 0
+    momenta = [b.momentum for b in bns]
+    was_training = model.training
+    for b in bns:
+        b.reset_running_stats()
+        b.momentum = None  # cumulative average over the calls that follow
+    model.train()
+    used = 0
+    with torch.no_grad():
+        for x, _ in batches:
+            model(x)
+            used += 1
+            if used >= n:
+                break
+    for b, momentum in zip(bns, momenta):
+        b.momentum = momentum
+    model.train(was_training)
+    return used
+
+
 def _model_for(name: str, image_size: int, width: float) -> tuple[Any, int, str]:
     from .models import get_model
 
@@ -127,8 +159,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             losses.append(loss)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{sum(run_loss[-20:]) / len(run_loss[-20:]):.3f}")
+        used = _precise_bn(model, batches(10_000 + epoch), args.precise_bn)
         acc = _evaluate(model, digits, args.image_size, channels, layout)
-        out(f"epoch {epoch + 1}: mean loss {sum(run_loss) / max(len(run_loss), 1):.4f}, test accuracy {acc:.2%}")
+        note = f" (BatchNorm statistics averaged over {used} training batches first)" if used else ""
+        out(f"epoch {epoch + 1}: mean loss {sum(run_loss) / max(len(run_loss), 1):.4f}, test accuracy {acc:.2%}"
+            + note)
         if args.checkpoint:
             from .checkpoint import save_checkpoint
 
@@ -247,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
         sp.add_argument("--no-progress", action="store_true")
+        sp.add_argument("--precise-bn", type=int, default=8, metavar="N",
+                        help="before each evaluation, set BatchNorm running statistics to their average over N "
+                        "training batches (0: evaluate with the running averages as trained)")
         sp.add_argument("--save", default=None, help="write the trained weights here (atomically)")
         sp.add_argument("--checkpoint", default=None, help="checkpoint file: written atomically after every "
                         "epoch; if it exists, training resumes from it")
