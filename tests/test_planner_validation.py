@@ -25,27 +25,30 @@ def exact_runner(held: int):
     return run, runs
 
 
+HELD, BUDGET = 100 * MIB, 300 * MIB
+
+
+def profiled_elsewhere():
+    """A planner whose profile was taken in a process holding 40 MiB more (kernel caches of profiled shapes)
+    than this one, and the plan it makes first."""
+    planner = Planner(chain(HELD + 40 * MIB), BUDGET, 0, "dp", 8, False, 1, 0)
+    return planner, planner._solve(BUDGET)
+
+
 def test_room_freed_by_validation_buys_a_faster_plan():
-    # the profile was taken in a process holding 40 MiB more (kernel caches of profiled shapes) than this one
-    held, profiled = 100 * MIB, 140 * MIB
-    budget = 300 * MIB
-    planner = Planner(chain(profiled), budget, 0, "dp", 8, False, 1, 0)
-    first = planner._solve(budget)
-    run, runs = exact_runner(held)
+    planner, first = profiled_elsewhere()
+    run, runs = exact_runner(HELD)
     plan, costs = planner.plan_validated(run, 0, 0)
-    assert costs.fixed_bytes == held
+    assert costs.fixed_bytes == HELD
     assert len(runs) == 2 and runs[0].policies == first.policies
     assert plan.step_time_s < first.step_time_s  # fewer stages recomputed
     assert plan.policies.count("recompute") < first.policies.count("recompute")
-    assert plan.peak_bytes <= budget
+    assert plan.peak_bytes <= BUDGET
 
 
 def test_a_faster_plan_that_does_not_fit_when_run_is_not_taken():
-    held, profiled = 100 * MIB, 140 * MIB
-    budget = 300 * MIB
-    planner = Planner(chain(profiled), budget, 0, "dp", 8, False, 1, 0)
-    first = planner._solve(budget)
-    inner, runs = exact_runner(held)
+    planner, first = profiled_elsewhere()
+    inner, runs = exact_runner(HELD)
 
     def run(plan):  # the second plan measures far above its prediction
         m = inner(plan)
@@ -53,4 +56,4 @@ def test_a_faster_plan_that_does_not_fit_when_run_is_not_taken():
 
     plan, costs = planner.plan_validated(run, 0, 0)
     assert len(runs) == 2
-    assert plan.policies == first.policies and plan.peak_bytes <= budget
+    assert plan.policies == first.policies and plan.peak_bytes <= BUDGET

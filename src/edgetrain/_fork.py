@@ -52,14 +52,16 @@ class ChildResult:
         budget_error: ``(message, budget_bytes, min_feasible_bytes)`` when it raised a BudgetError.
         error: ``"Type: message"`` of any other exception (the caller reruns the work here to raise it).
         peak_bytes: the child's peak resident memory above the import baseline.
-        threads: the intra-op threads the child ran with.
     """
 
     value: Any = None
     budget_error: tuple[str, int | None, int | None] | None = None
     error: str | None = None
     peak_bytes: int = 0
-    threads: int = 1
+
+
+#: intra-op threads the child runs with (GNU OpenMP deadlocks in a forked child that starts more)
+CHILD_THREADS = 1
 
 
 def available() -> bool:
@@ -113,7 +115,7 @@ def _touch(pages: list[tuple[int, Any]]) -> None:
 def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]]) -> None:
     result = ChildResult()
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(CHILD_THREADS)
         _touch(pages)
         memory.reset_peak()
         result.value = fn()
@@ -178,8 +180,7 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[[Any], An
                     can_fork: bool) -> tuple[Any, Any]:
     """Capture the chain and analyse it where the memory this takes cannot break the budget.
 
-    With a budget, capture and analysis first run in a forked child: its
-    BudgetError is raised here before this process has run the model at all. When the child finds a plan,
+    With a budget, capture and analysis first run in a forked child: its BudgetError is raised here before this process has run the model at all. When the child finds a plan,
     this process captures the chain (the child has shown that fits) and, if it runs one intra-op thread
     as the child did, plans and validates here from the child's costs (no profiling); otherwise it
     analyses again here.
@@ -200,7 +201,7 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[[Any], An
         if res.error is not None:
             log.info("analysis in the child failed (%s); running it here", res.error)
     chain = capture_chain()
-    if res is not None and res.error is None and torch.get_num_threads() == res.threads:
+    if res is not None and res.error is None and torch.get_num_threads() == CHILD_THREADS:
         # The child's costs hold kernel caches of every profiled shape; this process has none of them, so
         # validating here (plan, measure, and re-plan with what was freed) may find a faster plan.
         return chain, analyse(chain, res.value[1])

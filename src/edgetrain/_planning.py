@@ -34,6 +34,11 @@ class Measured:
     rss_after: int
 
 
+def predicted_activations(plan: Plan, fixed: int) -> int:
+    """Bytes the cost model predicts a plan's activations take at its peak (above the fixed bytes)."""
+    return int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - fixed))
+
+
 def candidate_sizes(batch: int) -> list[int]:
     return sorted({math.ceil(batch / k) for k in range(1, batch + 1)}, reverse=True)
 
@@ -203,7 +208,7 @@ class Planner:
         Returns the plan's peak under the corrected model, and the peak its run measured (plus what real
         steps add: optimizer state; and the optimizer update's transient).
         """
-        act_pred = int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - self.costs.fixed_bytes))
+        act_pred = predicted_activations(plan, self.costs.fixed_bytes)
         act_meas = m.peak - m.rss_before - grads
         act_excess = max(0, act_meas - act_pred)
         fixed = m.rss_after + unallocated + act_excess
@@ -265,7 +270,7 @@ def first_run_cost(table: Any, seen: set[int], run: Callable[[Plan], Measured], 
     if plan.peak_bytes > room:
         return None
     measured = run(plan)
-    act_pred = int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - fixed))
+    act_pred = predicted_activations(plan, fixed)
     cost = max(0, measured.peak - measured.rss_before - grads - act_pred, measured.rss_after - measured.rss_before)
     log.info("first run of micro-batch %d: %s beyond the cost model", fresh[0], format_bytes(cost))
     return fresh[0], cost

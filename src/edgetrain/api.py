@@ -197,12 +197,13 @@ class TrainStep:
     def set_memory_budget(self, memory_budget: int | str) -> Plan:
         """Switch to the best plan for a new budget (a table lookup, microseconds once the table is built).
 
-        The table (:meth:`budget_table`) holds the exact plan at a geometric grid of budgets, each peak
-        corrected by a measured run of its micro-batch size; the plan of the largest grid budget not above
-        the new one, less what the process now holds beyond the cost model's fixed bytes (kernel caches of
-        shapes run since prepare, allocator slack: read from resident memory at the call), is taken.
-        Building the table runs every micro-batch size once (about a step per size) and frees the last
-        step's gradients, which the next step would discard anyway.
+        The table (:meth:`budget_table`) holds the exact plan at a geometric grid of budgets. The fastest
+        plan is taken whose grid budget, plus what the process now holds beyond the cost model's fixed
+        bytes (kernel caches of shapes run since prepare, allocator slack: read from resident memory at
+        the call), plus, for a micro-batch size not yet run here, the first-run cost measured when the
+        table was built, fits the new budget less the margin. Building the table runs its smallest
+        micro-batch size once (if not yet run) and frees the last step's gradients, which the next step
+        would discard anyway.
 
         Safe between steps and, through ``budget_source``, between micro-batches: the optimizer state,
         the gradients accumulated so far and the samples still to run are kept.
@@ -433,13 +434,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         pager = Pager(page_dir, keep=list(model.parameters()))
     grads = _grad_bytes_missing(model)
 
+    def validator(chain: Any) -> Callable[[Plan], Measured]:
+        return lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)
+
     def capture_chain() -> Any:
         return capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages)
 
     def analyse(chain: Any, costs: CostChain | None = None) -> tuple[Plan, CostChain, int, list[int]]:
         """Profile (unless ``costs`` are given), plan and validate: (plan, costs, fixed bytes before
         validation, sizes allowed)."""
-        validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
         if costs is None:
             costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
                                   budget_bytes=plan_budget, use_cache=use_cache,
@@ -456,11 +459,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         fixed_before = planner.costs.fixed_bytes
         if plan_budget is None:
             return planner.plan(None), costs, fixed_before, planner.sizes()
-        plan, costs = planner.plan_validated(validate, grads + opt_costs.state_bytes, grads)
+        plan, costs = planner.plan_validated(validator(chain), grads + opt_costs.state_bytes, grads)
         return plan, costs, fixed_before, planner.sizes()
 
     chain, (plan, costs, fixed_before, sizes) = analyse_safely(capture_chain, analyse, budget, pager is None)
-    validate = lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)  # noqa: E731
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
@@ -476,7 +478,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step._fixed_micro = micro_batch_size is not None
     step._micro_sizes = sizes
     if plan_budget is not None:
-        step._validate = validate
+        step._validate = validator(chain)
         step._seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
         step._first_run_bytes = max(0, costs.fixed_bytes - fixed_before)  # what validation had to add
         step._opt_state_bytes = opt_costs.state_bytes

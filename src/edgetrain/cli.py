@@ -50,8 +50,9 @@ def _precise_bn(model: Any, batches: Any, n: int) -> int:
     """
     import torch
 
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-           and m.track_running_stats]
+    from ._state import batchnorm_modules
+
+    bns = [m for _, m in batchnorm_modules(model)]
     if not bns or n <= 0:
         return 0
     momenta = [b.momentum for b in bns]
