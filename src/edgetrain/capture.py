@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from ._state import preserved_model_state, rng_state, set_rng_state
 from .errors import CaptureError
+from ._rewrite import MODULE_META, keeps_input, rewrite
 
 __all__ = ["Stage", "Chain", "capture", "bind_inputs"]
 
@@ -162,8 +163,14 @@ def _nbytes(v: Any) -> int:
     return 0
 
 
-def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any]) -> list[int]:
-    """Indices p such that exactly one non-input tensor is produced at or before p and used after p."""
+def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
+                keeps_input: Callable[[fx.Node], bool] = lambda n: True) -> list[int]:
+    """Indices p such that exactly one non-input tensor is produced at or before p and used after p.
+
+    No cut goes where every later reader of that tensor frees it (``keeps_input`` false for all of them,
+    e.g. a ReLU, whose backward reads its output): uncut, the tensor dies right after its reader; cut, a
+    recomputed segment would keep it as its input.
+    """
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
     cuts: list[int] = []
@@ -176,7 +183,9 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any]) -> list[int]:
         live = {x for x in live if last_use[x] > p}
         nxt = nodes[p + 1] if p + 1 < len(nodes) else None
         if len(live) == 1 and nxt is not None and nxt.op != "output":
-            cuts.append(p)
+            (tensor,) = live
+            if any(keeps_input(u) for u in tensor.users if index[u] > p):
+                cuts.append(p)
     return cuts
 
 
@@ -199,7 +208,8 @@ def _coarsen(cuts: list[int], nodes: list[fx.Node], values: dict[fx.Node, Any], 
 
 
 def _stage_name(nodes: Sequence[fx.Node]) -> str:
-    mods = [str(n.target) for n in nodes if n.op == "call_module"]
+    mods = [str(n.target) if n.op == "call_module" else n.meta[MODULE_META] for n in nodes
+            if n.op == "call_module" or MODULE_META in n.meta]
     if not mods:
         ops = [getattr(n.target, "__name__", str(n.target)) for n in nodes if n.op in ("call_function", "call_method")]
         return "+".join(ops[:2]) or "stage"
@@ -249,7 +259,8 @@ def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int]) -> 
             out_names.append(OUTPUT_KEY)
         g.output(tuple(out_vals))
         sub = fx.GraphModule(gm, g, f"stage{s}")
-        mods = tuple(gm.get_submodule(str(n.target)) for n in members if n.op == "call_module")
+        mods = tuple(gm.get_submodule(str(n.target) if n.op == "call_module" else n.meta[MODULE_META])
+                     for n in members if n.op == "call_module" or MODULE_META in n.meta)
         stages.append(Stage(index=s, name=_stage_name(members), fn=sub, inputs=tuple(inputs),
                             outputs=tuple(out_names), modules=mods))
     return stages, last_use
@@ -306,6 +317,7 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             log.warning("%s; training it as a single stage (micro-batching only). %s", e,
                         "Make the forward fx-traceable to let edgetrain recompute inside it.")
             return _single_stage(model, names)
+        log.debug("rewrites: %s", rewrite(gm))  # same values, out-of-place and leaner (_rewrite.py)
         set_rng_state(state)
         values = _node_values(gm, env)
     nodes = list(gm.graph.nodes)
@@ -318,7 +330,7 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             raise CaptureError(msg)
         log.warning("%s; training it as a single stage", msg)
         return _single_stage(model, names)
-    cuts = _coarsen(_cut_points(nodes, values), nodes, values, max_stages)
+    cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n)), nodes, values, max_stages)
     if not cuts and strict:
         raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
                            "it cannot be cut into stages")

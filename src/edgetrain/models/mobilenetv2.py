@@ -1,14 +1,13 @@
 """MobileNetV2 (Sandler et al., 2018) defined as torchvision defines it, cut-friendly.
 
 The architecture, the parameter names in ``state_dict`` and the initialisation follow torchvision's
-``mobilenet_v2`` (3,504,872 parameters at 1000 classes and ``width_mult=1.0``). Two deliberate
-differences, both invisible to ``state_dict`` and to the numbers the model computes:
-
-* Pooling and flattening are modules (``pool``, ``flatten``) rather than calls inside ``forward``, so
-  ``forward`` is exactly ``classifier(flatten(pool(features(x))))``: the model's children applied in
-  order. A capture that walks the module tree therefore sees every operation.
-* Activations are not in-place. A stage boundary is a tensor the runtime may keep as the input of a
-  recomputed stage; an in-place ReLU6 at the start of the next stage would overwrite it.
+``mobilenet_v2`` (3,504,872 parameters at 1000 classes and ``width_mult=1.0``). One deliberate
+difference, invisible to ``state_dict`` and to the numbers the model computes: pooling and flattening
+are modules (``pool``, ``flatten``) rather than calls inside ``forward``, so ``forward`` is exactly
+``classifier(flatten(pool(features(x))))``: the model's children applied in order, and a capture that
+walks the module tree sees every operation. Activations are in-place as in torchvision
+(``ReLU6(inplace=True)``), so plain PyTorch gets the memory that saves; edgetrain's capture runs them out
+of place inside its stages (``edgetrain._rewrite``), free to keep any stage boundary.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ class ConvBNActivation(nn.Sequential):
         super().__init__(
             nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, groups=groups, bias=False),
             nn.BatchNorm2d(out_channels),
-            nn.ReLU6(inplace=False),
+            nn.ReLU6(inplace=True),
         )
 
 

@@ -6,9 +6,8 @@ The architecture, the parameter names in ``state_dict`` and the initialisation f
 * ``flatten`` is a module, so ``forward`` is exactly the children applied in registration order
   (``conv1, bn1, relu, maxpool, layer1..layer4, avgpool, flatten, fc``) and a capture that walks the
   module tree sees every operation.
-* ReLUs and the residual addition are not in-place: a stage boundary is a tensor the runtime may keep
-  as the input of a recomputed stage, and an in-place op at the start of the next stage would
-  overwrite it.
+* None in the arithmetic: ReLUs and the residual addition are in-place as in torchvision; edgetrain's
+  capture runs them out of place in its stages (``edgetrain._rewrite``).
 * ``small_input=True`` replaces the 7x7 stride-2 stem and the max-pool with a 3x3 stride-1 convolution
   (``maxpool`` becomes ``nn.Identity``), the usual choice for 28-64 pixel inputs such as MNIST/CIFAR.
 """
@@ -40,7 +39,7 @@ class BasicBlock(nn.Module):
         super().__init__()
         self.conv1 = _conv3x3(in_channels, out_channels, stride)
         self.bn1 = nn.BatchNorm2d(out_channels)
-        self.relu = nn.ReLU(inplace=False)
+        self.relu = nn.ReLU(inplace=True)
         self.conv2 = _conv3x3(out_channels, out_channels)
         self.bn2 = nn.BatchNorm2d(out_channels)
         self.downsample: nn.Module | None = None
@@ -55,7 +54,8 @@ class BasicBlock(nn.Module):
         out = self.bn2(self.conv2(out))
         # Project the skip last, as torchvision does: its output is not held during the main path.
         identity = x if self.downsample is None else self.downsample(x)
-        return self.relu(out + identity)
+        out += identity
+        return self.relu(out)
 
 
 class ResNet(nn.Module):
@@ -73,7 +73,7 @@ class ResNet(nn.Module):
         else:
             self.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
-        self.relu = nn.ReLU(inplace=False)
+        self.relu = nn.ReLU(inplace=True)
         self.maxpool: nn.Module = (nn.Identity() if small_input
                                    else nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
         self.layer1 = self._make_layer(64, layers[0], stride=1)
