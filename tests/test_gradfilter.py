@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.grad import conv2d_input, conv2d_weight
 
+import edgetrain.adapt._gradfilter_dense as dense
 import edgetrain.adapt._gradfilter_impl as impl
 from edgetrain.adapt import (
     FilteredConv2d, GradFilter, apply_grad_filter, auto_grad_filter, estimate_costs, filtered_conv2d,
@@ -171,6 +172,22 @@ def test_channels_last_dense_paths_match_reference_and_keep_the_layout(cfg, path
         assert got[0].is_contiguous(memory_format=torch.channels_last) and not got[0].is_contiguous()
 
 
+@pytest.mark.parametrize("x_cl", [True, False], ids=["x-cl", "x-nchw"])
+@pytest.mark.parametrize("cfg", [CONFIGS[5], CONFIGS[10], CONFIGS[2]], ids=["1x1-s2", "1x1", "depthwise"])
+def test_input_and_output_gradient_in_different_layouts(cfg, x_cl, path):
+    """The pooled input and dL/dy are read in whichever layout each has; dL/dx keeps the input's."""
+    x, weight, b, kw = _make(cfg)
+    fmt = torch.channels_last
+    x_in = (x.detach().contiguous(memory_format=fmt) if x_cl else x.detach()).requires_grad_()
+    y = filtered_conv2d(x_in, weight, b, radius=2, **kw)
+    gy = torch.randn_like(y, memory_format=torch.contiguous_format)
+    gy = gy if x_cl else gy.contiguous(memory_format=fmt)
+    got = _grads(y, x_in, weight, b, gy)
+    for g, w in zip(got, _reference(x.detach(), weight.detach(), b, gy.contiguous(), 2, kw)):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]], ids=["dense", "depthwise"])
 def test_bias_only_gradient_is_the_exact_sum(cfg, path):
     x, weight, b, kw = _make(cfg)
@@ -184,11 +201,11 @@ def test_tap_matrix_orders_are_the_same_matrix():
     """The per-position stacks the dense backward reads are permutations of T[(p, q, I, J), (U, V)]."""
     x_shape, w_shape, y_shape = (2, 4, 9, 7), (6, 4, 3, 3), (2, 6, 5, 4)
     ah, aw = impl.coarse_geometry(x_shape, w_shape, y_shape, (2, 2), (1, 1), (1, 1), 2)
-    flat = impl._tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"))
+    flat = dense.tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"))
     l_out, l_in = ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
     t = flat.view(9, l_out, l_in)
-    iu_tap = impl._tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"), "i,u,tap")
-    i_tap_u = impl._tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"), "i,tap,u")
+    iu_tap = dense.tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"), "i,u,tap")
+    i_tap_u = dense.tap_matrix(ah, aw, 3, 3, torch.float64, torch.device("cpu"), "i,tap,u")
     assert torch.equal(iu_tap, t.permute(1, 2, 0)) and torch.equal(i_tap_u, t.permute(1, 0, 2))
     assert iu_tap.is_contiguous() and i_tap_u.is_contiguous() and flat.sum() > 0
 

@@ -42,11 +42,11 @@ change ``A`` for the last one or two patch rows/columns, which therefore get the
 result is exactly the formula above, with no cropping.
 
 Implementation. Coarse maps of at most ``_DENSE_MAX_COARSE`` positions (the last layers of a CNN)
-use GEMMs: pooling and unpooling are products with a small patch-mean matrix that read NCHW or
-channels-last tensors in place, and a tap matrix ``T`` (``kH kW H_o' W_o' x H' W'``, built from the
-``A`` tables) gathers, per kernel tap, the patch means each tap reads, so ``dW`` and ``dx`` are single
-GEMMs on contiguous operands in the weight's own layout (see :func:`_dense_backward`; per channel for
-depthwise convs). The input gradient keeps the input's memory format. Larger maps run the coarse
+run the whole backward as GEMMs (:mod:`._gradfilter_dense`): pooling and unpooling are products with a
+small patch-mean matrix that read NCHW or channels-last tensors in place, and a tap matrix ``T``
+(``kH kW H_o' W_o' x H' W'``, built from the ``A`` tables) gathers, per kernel tap, the patch means each
+tap reads; 1x1, other dense and depthwise convs each get the operand layouts that make ``dW`` and ``dx``
+single (batched) GEMMs. The input gradient keeps the input's memory format. Larger maps run the coarse
 convolutions through ``aten.convolution_backward``, one call per block of equal ``A``.
 """
 
@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
+
+from ._gradfilter_dense import dense_backward, is_channels_last, patch_counts, pool_map, saved_layout
 
 __all__ = ["filtered_conv2d", "coarse_geometry"]
 
@@ -122,33 +124,6 @@ def coarse_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape:
 _DENSE_MAX_COARSE = 64
 
 
-@functools.lru_cache(maxsize=256)
-def _patch_matrix(h: int, w: int, radius: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``M[(U, V), (u, v)] = 1 / (n_U n_V)`` when ``(u, v)`` is in patch ``(U, V)``, else 0."""
-    hc, wc = -(-h // radius), -(-w // radius)
-    m_h = torch.zeros(hc, h, dtype=torch.float64)
-    m_h[torch.arange(h) // radius, torch.arange(h)] = 1.0
-    m_w = torch.zeros(wc, w, dtype=torch.float64)
-    m_w[torch.arange(w) // radius, torch.arange(w)] = 1.0
-    m_h /= m_h.sum(1, keepdim=True)
-    m_w /= m_w.sum(1, keepdim=True)
-    return torch.kron(m_h, m_w).to(dtype=dtype, device=device)
-
-
-@functools.lru_cache(maxsize=256)
-def _patch_counts(h: int, w: int, radius: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[ceil(h/r), ceil(w/r)]``: real positions ``n_U n_V`` in each patch."""
-    count_h = [min(radius, h - radius * i) for i in range(-(-h // radius))]
-    count_w = [min(radius, w - radius * j) for j in range(-(-w // radius))]
-    return torch.outer(torch.tensor(count_h, dtype=torch.float64),
-                       torch.tensor(count_w, dtype=torch.float64)).to(dtype=dtype, device=device)
-
-
-def _is_channels_last(t: torch.Tensor) -> bool:
-    """Stored N, H, W, C (and not also plain contiguous, as maps with a 1x1 plane are)."""
-    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
-
-
 def _mean_pool(t: torch.Tensor, radius: int) -> torch.Tensor:
     """Patch means ``[N, C, ceil(H/r), ceil(W/r)]`` of a large map; ``t`` itself when ``radius == 1``."""
     if radius == 1:
@@ -162,47 +137,10 @@ def _mean_unpool(t: torch.Tensor, h: int, w: int, radius: int) -> torch.Tensor:
     if radius == 1:
         return t
     n, c, hc, wc = t.shape
-    t = t / _patch_counts(h, w, radius, t.dtype, t.device)
+    t = t / patch_counts(h, w, radius, t.dtype, t.device)
     up = t[:, :, :, None, :, None].expand(-1, -1, -1, radius, -1, radius)
     up = up.reshape(n, c, hc * radius, wc * radius)
     return up if up.shape[2:] == (h, w) else up[:, :, :h, :w].contiguous()
-
-
-def _pool_dense(t: torch.Tensor, radius: int, spatial_major: bool) -> torch.Tensor:
-    """Patch means of a small map by one GEMM with :func:`_patch_matrix`, read in place.
-
-    Returns ``[L, N, C]`` (``spatial_major``: memory order patch, sample, channel) or ``[N, C, L]``,
-    contiguous, ``L = H' W'``; ``t`` may be stored NCHW or channels-last (else it is made contiguous).
-    """
-    n, c, h, w = t.shape
-    m = _patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]
-    lc, hw = m.shape
-    if _is_channels_last(t):
-        flat = t.permute(0, 2, 3, 1).reshape(n, hw, c)  # a view: memory order N, H, W, C
-        if spatial_major:  # the transposing copy is of the small pooled map
-            return torch.bmm(m.expand(n, lc, hw), flat).transpose(0, 1).contiguous()
-        return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
-    flat = t.contiguous().view(n * c, hw)
-    if spatial_major:
-        return (m @ flat.T).view(lc, n, c)
-    return (flat @ m.T).view(n, c, lc)
-
-
-def _unpool_dense(t: torch.Tensor, h: int, w: int, radius: int, channels_last: bool) -> torch.Tensor:
-    """Adjoint of :func:`_pool_dense` from ``t = [N, C, L]`` (any strides): ``[N, C, h, w]``.
-
-    One GEMM writes the full-size map, stored channels-last when ``channels_last`` (to match an input
-    stored that way), else contiguous.
-    """
-    n, c, lc = t.shape
-    m = _patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]
-    hw = h * w
-    if channels_last:  # [N, HW, C] = M^T [HW, L] @ t^T [L, C]
-        out = torch.bmm(m.T.expand(n, hw, lc), t.transpose(1, 2))
-        return out.view(n, h, w, c).permute(0, 3, 1, 2)
-    if t.stride(0) == c * t.stride(1):  # samples and channels merge into one GEMM dimension
-        return (t.reshape(n * c, lc) @ m).view(n, c, h, w)
-    return torch.bmm(t, m.expand(n, lc, hw)).view(n, c, h, w)
 
 
 class _FilteredConv2dFn(torch.autograd.Function):
@@ -218,15 +156,13 @@ class _FilteredConv2dFn(torch.autograd.Function):
         x_pooled = None
         if need_w:  # only what backward needs: the pooled input for dW, the weight (a parameter) for dx
             if dense:
-                ah, aw = coarse_geometry(*geometry[:6], radius)
-                one_tap = groups == 1 and _identity_scale(ah, aw, *weight.shape[2:]) is not None
-                x_pooled = _pool_dense(x, radius, spatial_major=one_tap)
+                x_pooled = pool_map(x, radius, saved_layout(tuple(weight.shape), groups))
             else:
                 x_pooled = _mean_pool(x, radius)
         ctx.save_for_backward(x_pooled, weight if ctx.needs_input_grad[0] else None)
         ctx.geometry = geometry
         ctx.dense = dense
-        ctx.x_channels_last = _is_channels_last(x)
+        ctx.x_channels_last = is_channels_last(x)
         return y
 
     @staticmethod
@@ -237,13 +173,13 @@ class _FilteredConv2dFn(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ah, aw = coarse_geometry(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
         if ctx.dense:
-            gx, gw, gb = _dense_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, groups, radius,
-                                         (need_x, need_w, need_b), ctx.x_channels_last)
+            gx, gw, gb = dense_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, groups, radius,
+                                        (need_x, need_w, need_b), ctx.x_channels_last)
             return gx, gw, gb, None, None, None, None, None
         g = _mean_pool(gy, radius)
         gb = None
         if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
-            count = _patch_counts(y_shape[2], y_shape[3], radius, g.dtype, g.device)
+            count = patch_counts(y_shape[2], y_shape[3], radius, g.dtype, g.device)
             gb = torch.einsum("noij,ij->o", g, count)
         if not (need_x or need_w):
             return None, None, gb, None, None, None, None, None
@@ -275,114 +211,6 @@ def _uses_taps(geometry: tuple) -> bool:
     depthwise = w_shape[1] == 1 and w_shape[0] == groups == x_shape[1]
     # radius 1 keeps the input itself (no pooled copy) and runs plain convolutions
     return radius > 1 and (groups == 1 or depthwise) and max(coarse_in, coarse_out) <= _DENSE_MAX_COARSE
-
-
-@functools.lru_cache(maxsize=1024)
-def _tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype, device: torch.device,
-                order: str = "tap,i,u") -> torch.Tensor:
-    """``T[(p, q, I, J), (U, V)]``: how often tap ``(p, q)`` at coarse output ``(I, J)`` reads ``X[U, V]``.
-
-    ``T[p, q, I, J, U, V] = A_h(I)[p, U - s*I] * A_w(J)[q, V - s*J]`` (``A`` per patch row, so partial
-    edge patches are exact); reads of the zero padding have no column. ``order`` names the memory
-    order of the result: ``"tap,i,u"`` (a ``[kH kW L_out, L_in]`` matrix), ``"i,u,tap"`` or
-    ``"i,tap,u"`` (``[L_out, ., .]`` stacks of per-position matrices), each contiguous.
-    """
-    def axis(a: _Axis, k: int) -> torch.Tensor:
-        b = torch.zeros(k, a.n_out_c, a.n_in_c, dtype=torch.float64)
-        for first, stop, kind in a.blocks:
-            for big_i in range(first, stop):
-                for p, row in enumerate(a.tables[kind]):
-                    for mi, coef in enumerate(row):
-                        u = a.stride * big_i + mi - a.left
-                        if coef and 0 <= u < a.n_in_c:
-                            b[p, big_i, u] += coef
-        return b
-
-    t = torch.einsum("piu,qjv->pqijuv", axis(ah, kh), axis(aw, kw))
-    t = t.reshape(kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c)
-    dims = {"tap,i,u": (0, 1, 2), "i,u,tap": (1, 2, 0), "i,tap,u": (1, 0, 2)}[order]
-    t = t.permute(dims).contiguous().to(dtype=dtype, device=device)
-    return t.view(-1, t.shape[2]) if order == "tap,i,u" else t
-
-
-def _dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
-                    x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis,
-                    groups: int, radius: int, needs: tuple[bool, bool, bool], x_channels_last: bool,
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, dW, dbias)`` of a small map with GEMMs (dense or depthwise conv), pooling included.
-
-    Dense: ``G`` (pooled ``dL/dy``) is stored ``[H_o' W_o' N, O]`` (patch-major, so one GEMM pools
-    an NCHW gradient) and ``Z[K, C kH kW]``, ``K = H_o' W_o' N``, holds per kernel tap the patch-mean
-    input it reads (``Z[I] = X T[I]^T``, one batched GEMM over ``I``). Then ``dW = G^T Z`` and
-    ``dZ = G W`` are single GEMMs on contiguous operands in the weight's own layout, and
-    ``dX = sum_I dZ[I] T[I]``. 1x1 stride-1 convs on whole patches have ``T = r^2 I``, so ``Z`` is the
-    pooled input itself, saved as ``[H' W' N, C]``. Depthwise: contract the batch first,
-    ``R[c] = G[c] X[c]^T`` (``H_o'W_o' x H'W'``), then ``dW[c] = T . R[c]`` and
-    ``dX[c] = (W[c] . T)^T G[c]``, which never builds the ``kH kW`` times larger ``Z``.
-    """
-    need_x, need_w, need_b = needs
-    n, c, h, w = x_shape
-    o, _, kh, kw = w_shape
-    taps, l_out, l_in = kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
-    count = _patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
-    gx = gw = gb = None
-    if groups > 1:  # depthwise (the caller routes other grouped convs to convolutions)
-        g = _pool_dense(gy, radius, spatial_major=False)  # [N, C, L_out]
-        if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
-            gb = g.sum(0) @ count
-        if not (need_x or need_w):
-            return None, None, gb
-        tap = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device).view(taps, l_out * l_in)
-        if need_w:
-            r = torch.bmm(g.permute(1, 2, 0), x_pooled.permute(1, 0, 2))  # [C, L_out, L_in]
-            gw = (r.view(c, l_out * l_in) @ tap.T).view(w_shape)
-        if need_x:
-            k = (weight.reshape(c, taps) @ tap).view(c, l_out, l_in)
-            gxc = torch.bmm(g.permute(1, 0, 2), k)  # [C, N, L_in]
-            gx = _unpool_dense(gxc.transpose(0, 1), h, w, radius, x_channels_last)
-        return gx, gw, gb
-    g = _pool_dense(gy, radius, spatial_major=True).view(l_out * n, o)  # [K, O]
-    if need_b:
-        gb = count.repeat_interleave(n) @ g
-    if not (need_x or need_w):
-        return None, None, gb
-    scale = _identity_scale(ah, aw, kh, kw)
-    if scale is not None:  # 1x1 stride 1 on whole patches: T = r^2 I, so Z is the pooled input
-        g = g * scale
-    z = None
-    if need_w:
-        if scale is not None:
-            z = x_pooled.view(l_in * n, c)  # saved as [L_in, N, C]
-        else:  # Z[I] = X T[I]^T: [N C, L_in] x [L_in, kH kW] for each coarse output position I
-            t_w = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,u,tap")
-            z = torch.bmm(x_pooled.view(n * c, l_in).expand(l_out, n * c, l_in), t_w)
-            z = z.view(l_out * n, c * taps)
-        gw = (g.T @ z).view(w_shape)
-    if need_x:
-        # [K, C kH kW], memory order I, N, C, taps; written into Z's buffer when Z is ours (no new pages)
-        out = z if z is not None and scale is None else None
-        gz = torch.mm(g, weight.reshape(o, c * taps), out=out)
-        if scale is not None:  # [L_in, N, C] read as [N, C, L_in]
-            gxc = gz.view(l_in, n, c).permute(1, 2, 0)
-        else:  # dX = sum_I dZ[I] T[I]: a few small GEMMs, no copy of dZ
-            t_x = _tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,tap,u")
-            gz = gz.view(l_out, n * c, taps)
-            gxc = torch.mm(gz[0], t_x[0])
-            for big_i in range(1, l_out):
-                gxc.addmm_(gz[big_i], t_x[big_i])
-            gxc = gxc.view(n, c, l_in)
-        gx = _unpool_dense(gxc, h, w, radius, x_channels_last)
-    return gx, gw, gb
-
-
-@functools.lru_cache(maxsize=1024)
-def _identity_scale(ah: _Axis, aw: _Axis, kh: int, kw: int) -> float | None:
-    """``c`` when the tap matrix is ``c`` times the identity (1x1 stride-1 convs on whole patches)."""
-    one_tap = kh == kw == 1 and len(ah.blocks) == len(aw.blocks) == 1 and ah.k_c == aw.k_c == 1
-    if not (one_tap and ah.left == aw.left == 0 and ah.stride == aw.stride == 1
-            and ah.n_in_c == ah.n_out_c and aw.n_in_c == aw.n_out_c):
-        return None
-    return float(ah.tables[0][0][0] * aw.tables[0][0][0])
 
 
 def _coarse_backward(g: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,

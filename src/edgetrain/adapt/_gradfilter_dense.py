@@ -1,0 +1,343 @@
+"""The small-map backward of gradient filtering: GEMMs on the coarse maps, pooling and unpooling included.
+
+Coarse maps of a few dozen positions (the last layers of a CNN) leave convolution kernels with little to
+vectorise, so here every step is a matrix product on contiguous or plainly strided operands (MKL reads
+transposed and batch-strided matrices in place and writes into strided outputs, so no step copies):
+
+* pooling is a product with the patch-mean matrix ``M`` (``[L, H W]``), unpooling a product with its
+  transpose; for a conv whose tap matrix is ``s`` times the identity (1x1 stride-1 on whole patches) the
+  output gradient is pooled with ``s M`` (patch *sums*), which folds that scale in for free;
+* the tap matrix ``T`` (:func:`tap_matrix`, built from the ``A`` tables of
+  :func:`~edgetrain.adapt._gradfilter_impl.coarse_geometry`) gathers, per kernel tap, the patch means
+  each tap reads; where unpooling follows it, the two are one matrix ``T M``.
+
+Three shapes of conv, each with the operand layouts that make its GEMMs single calls:
+
+* 1x1 convs (:func:`_pointwise_backward`): with ``K = (n, I)`` the pooled maps are plain matrices
+  ``G[O, K]`` and ``X[C, K]`` (pooled from NCHW tensors straight into channel-major storage), so
+  ``dW = G X^T`` and ``dX = (G^T W)^T T M`` are one GEMM and one batched GEMM that writes the input
+  gradient in the input's layout; channels-last inputs are pooled to ``[K, C]`` matrices instead.
+* Other dense convs (:func:`_taps_backward`): ``Z[K, C kH kW]`` holds the patch means every tap reads
+  (``K = (I, n)``), ``dW = G^T Z``, ``dZ = G W`` and ``dX = sum_I dZ[I] T[I]``.
+* Depthwise convs (:func:`_depthwise_backward`): per channel ``R[c] = G[c] X[c]^T``, ``dW[c] = T . R[c]``
+  and ``dX[c] = G[c] (W[c] . T M)``, written straight into the NCHW input gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ._gradfilter_impl import _Axis
+
+
+@functools.lru_cache(maxsize=256)
+def patch_matrix(h: int, w: int, radius: int, dtype: torch.dtype, device: torch.device,
+                 scale: float = 1.0) -> torch.Tensor:
+    """``M[(U, V), (u, v)] = scale / (n_U n_V)`` when ``(u, v)`` is in patch ``(U, V)``, else 0.
+
+    Args:
+        h: map height.
+        w: map width.
+        radius: patch side.
+        dtype: dtype of the result.
+        device: device of the result.
+        scale: factor on every entry (``r^2`` gives patch sums on whole patches).
+
+    Returns:
+        ``[ceil(h/r) ceil(w/r), h w]``.
+    """
+    hc, wc = -(-h // radius), -(-w // radius)
+    m_h = torch.zeros(hc, h, dtype=torch.float64)
+    m_h[torch.arange(h) // radius, torch.arange(h)] = 1.0
+    m_w = torch.zeros(wc, w, dtype=torch.float64)
+    m_w[torch.arange(w) // radius, torch.arange(w)] = 1.0
+    m_h /= m_h.sum(1, keepdim=True)
+    m_w /= m_w.sum(1, keepdim=True)
+    return (torch.kron(m_h, m_w) * scale).to(dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def patch_counts(h: int, w: int, radius: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Real positions ``n_U n_V`` in each patch of an ``h x w`` map.
+
+    Args:
+        h: map height.
+        w: map width.
+        radius: patch side.
+        dtype: dtype of the result.
+        device: device of the result.
+
+    Returns:
+        ``[ceil(h/r), ceil(w/r)]``.
+    """
+    count_h = [min(radius, h - radius * i) for i in range(-(-h // radius))]
+    count_w = [min(radius, w - radius * j) for j in range(-(-w // radius))]
+    return torch.outer(torch.tensor(count_h, dtype=torch.float64),
+                       torch.tensor(count_w, dtype=torch.float64)).to(dtype=dtype, device=device)
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """Whether ``t`` is stored N, H, W, C (and not also plain contiguous, as maps with a 1x1 plane are).
+
+    Args:
+        t: a 4-D tensor.
+
+    Returns:
+        True for channels-last storage.
+    """
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+@functools.lru_cache(maxsize=1024)
+def tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype, device: torch.device,
+               order: str = "tap,i,u") -> torch.Tensor:
+    """``T[(p, q, I, J), (U, V)]``: how often tap ``(p, q)`` at coarse output ``(I, J)`` reads ``X[U, V]``.
+
+    ``T[p, q, I, J, U, V] = A_h(I)[p, U - s*I] * A_w(J)[q, V - s*J]`` (``A`` per patch row, so partial
+    edge patches are exact); reads of the zero padding have no column.
+
+    Args:
+        ah: coarse geometry of the height axis.
+        aw: coarse geometry of the width axis.
+        kh: kernel height.
+        kw: kernel width.
+        dtype: dtype of the result.
+        device: device of the result.
+        order: memory order of the result: ``"tap,i,u"`` (a ``[kH kW L_out, L_in]`` matrix),
+            ``"i,u,tap"`` or ``"i,tap,u"`` (``[L_out, ., .]`` stacks of per-position matrices).
+
+    Returns:
+        The contiguous matrix or stack.
+    """
+    def axis(a: _Axis, k: int) -> torch.Tensor:
+        b = torch.zeros(k, a.n_out_c, a.n_in_c, dtype=torch.float64)
+        for first, stop, kind in a.blocks:
+            for big_i in range(first, stop):
+                for p, row in enumerate(a.tables[kind]):
+                    for mi, coef in enumerate(row):
+                        u = a.stride * big_i + mi - a.left
+                        if coef and 0 <= u < a.n_in_c:
+                            b[p, big_i, u] += coef
+        return b
+
+    t = torch.einsum("piu,qjv->pqijuv", axis(ah, kh), axis(aw, kw))
+    t = t.reshape(kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c)
+    dims = {"tap,i,u": (0, 1, 2), "i,u,tap": (1, 2, 0), "i,tap,u": (1, 0, 2)}[order]
+    t = t.permute(dims).contiguous().to(dtype=dtype, device=device)
+    return t.view(-1, t.shape[2]) if order == "tap,i,u" else t
+
+
+@functools.lru_cache(maxsize=1024)
+def _tap_unpool(ah: _Axis, aw: _Axis, kh: int, kw: int, h: int, w: int, radius: int,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``T M``: ``[kH kW L_out, h w]``, tap reads scattered back to the fine input grid (``/ n_U``)."""
+    tap = tap_matrix(ah, aw, kh, kw, torch.float64, torch.device("cpu"))
+    return (tap @ patch_matrix(h, w, radius, torch.float64, torch.device("cpu"))).to(dtype=dtype,
+                                                                                      device=device)
+
+
+@functools.lru_cache(maxsize=1024)
+def identity_scale(ah: _Axis, aw: _Axis, kh: int, kw: int) -> float | None:
+    """``s`` when the tap matrix is ``s`` times the identity (1x1 stride-1 convs on whole patches).
+
+    Args:
+        ah: coarse geometry of the height axis.
+        aw: coarse geometry of the width axis.
+        kh: kernel height.
+        kw: kernel width.
+
+    Returns:
+        ``s``, or None for any other tap matrix.
+    """
+    one_tap = kh == kw == 1 and len(ah.blocks) == len(aw.blocks) == 1 and ah.k_c == aw.k_c == 1
+    if not (one_tap and ah.left == aw.left == 0 and ah.stride == aw.stride == 1
+            and ah.n_in_c == ah.n_out_c and aw.n_in_c == aw.n_out_c):
+        return None
+    return float(ah.tables[0][0][0] * aw.tables[0][0][0])
+
+
+def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0) -> torch.Tensor:
+    """Patch means of a small map, by one (batched) GEMM with :func:`patch_matrix`, read in place.
+
+    Args:
+        x: ``[N, C, H, W]``, stored NCHW or channels-last (anything else is made contiguous).
+        radius: patch side.
+        layout: ``"pointwise"`` (``[C, N L]`` storage from NCHW, ``[N L, C]`` from channels-last),
+            ``"spatial"`` (``[L, N, C]``) or ``"channel"`` (``[N, C, L]``).
+        scale: factor on every mean.
+
+    Returns:
+        The pooled map, contiguous in the order named.
+    """
+    n, c, h, w = x.shape
+    m = patch_matrix(h, w, radius, x.dtype, x.device, scale)  # [L, HW]
+    lc, hw = m.shape
+    if is_channels_last(x):
+        flat = x.permute(0, 2, 3, 1).reshape(n, hw, c)  # a view: memory order N, H, W, C
+        if layout == "channel":
+            return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
+        out = torch.bmm(m.expand(n, lc, hw), flat)  # [N, L, C]
+        return out.view(n * lc, c) if layout == "pointwise" else out.transpose(0, 1).contiguous()
+    flat = x.contiguous().view(n, c, hw)
+    if layout == "pointwise":  # [C, N, L] storage, written per sample by a batch-strided GEMM
+        out = x.new_empty((c, n, lc))
+        torch.bmm(flat, m.T.expand(n, hw, lc), out=out.transpose(0, 1))
+        return out.view(c, n * lc)
+    if layout == "spatial":
+        return (m @ flat.view(n * c, hw).T).view(lc, n, c)
+    return (flat.view(n * c, hw) @ m.T).view(n, c, lc)
+
+
+def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
+                   x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis, groups: int,
+                   radius: int, needs: tuple[bool, bool, bool], x_channels_last: bool,
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dW, dbias)`` of a dense or depthwise conv on a small map (see the module docstring).
+
+    Args:
+        gy: ``dL/dy``, ``[N, O, H_o, W_o]`` (NCHW or channels-last).
+        x_pooled: the input pooled by :func:`pool_map` with :func:`saved_layout`'s layout (None when
+            ``dW`` is not needed).
+        weight: the weight (None when ``dx`` is not needed).
+        x_shape: input shape.
+        w_shape: weight shape.
+        ah: coarse geometry of the height axis.
+        aw: coarse geometry of the width axis.
+        groups: 1 or the channel count (depthwise).
+        radius: patch side.
+        needs: whether ``dx``, ``dW`` and ``dbias`` are needed.
+        x_channels_last: whether the input was stored channels-last (``dx`` is stored the same way).
+
+    Returns:
+        The three gradients, None where not needed.
+    """
+    if groups > 1:
+        return _depthwise_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs,
+                                   x_channels_last)
+    if w_shape[2] == w_shape[3] == 1:
+        return _pointwise_backward(gy, x_pooled, weight, x_shape, ah, aw, radius, needs, x_channels_last)
+    return _taps_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs, x_channels_last)
+
+
+def saved_layout(w_shape: tuple[int, ...], groups: int) -> str:
+    """The :func:`pool_map` layout :func:`dense_backward` reads the pooled input in.
+
+    Args:
+        w_shape: weight shape.
+        groups: 1 or the channel count (depthwise).
+
+    Returns:
+        ``"pointwise"`` for dense 1x1 convs, else ``"channel"``.
+    """
+    return "pointwise" if groups == 1 and w_shape[2] == w_shape[3] == 1 else "channel"
+
+
+def _pointwise_backward(gy, x_pooled, weight, x_shape, ah, aw, radius, needs, x_channels_last):
+    """1x1 convs: ``dW = G Z^T`` and ``dX = (G^T W)^T T M`` with ``K = (n, I)`` (module docstring)."""
+    need_x, need_w, need_b = needs
+    n, c, h, w = x_shape
+    o = gy.shape[1]
+    l_out, l_in = ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
+    scale = identity_scale(ah, aw, 1, 1)
+    g_ko = pool_map(gy, radius, "pointwise", scale or 1.0)  # G as a [K, O] matrix
+    g_ko = g_ko if is_channels_last(gy) else g_ko.T
+    gb = gx = gw = None
+    if need_b:  # sum of dL/dy = sum over patches of n_I * G[I] (G holds patch sums when scaled)
+        count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
+        gb = g_ko.sum(0) if scale else g_ko.T @ count.repeat(n)
+    tap = None if scale else tap_matrix(ah, aw, 1, 1, gy.dtype, gy.device)  # [L_out, L_in]
+    if need_w:  # Z = X T^T: what each coarse output reads
+        if x_channels_last:  # saved [N L_in, C]
+            z_kc = x_pooled if tap is None else \
+                torch.bmm(tap.expand(n, l_out, l_in), x_pooled.view(n, l_in, c)).view(n * l_out, c)
+        else:  # saved [C, N L_in]
+            z_kc = (x_pooled if tap is None else x_pooled.view(c * n, l_in) @ tap.T).view(c, n * l_out).T
+        gw = (g_ko.T @ z_kc).view(o, c, 1, 1)
+    if need_x:
+        unpool = patch_matrix(h, w, radius, gy.dtype, gy.device) if tap is None else \
+            _tap_unpool(ah, aw, 1, 1, h, w, radius, gy.dtype, gy.device)  # [L_out, HW]
+        d = (g_ko @ weight.view(o, c)).view(n, l_out, c)  # G W, per sample [L_out, C]
+        if x_channels_last:  # [N, HW, C] = (T M)^T [HW, L_out] @ d[n]
+            gx = torch.bmm(unpool.T.expand(n, h * w, l_out), d).view(n, h, w, c).permute(0, 3, 1, 2)
+        else:  # [N, C, HW] = d[n]^T @ T M [L_out, HW]
+            gx = torch.bmm(d.transpose(1, 2), unpool.expand(n, l_out, h * w)).view(n, c, h, w)
+    return gx, gw, gb
+
+
+def _taps_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs, x_channels_last):
+    """Dense convs with several taps: ``Z = X T^T`` per coarse output, ``dW = G^T Z``, ``dZ = G W``."""
+    need_x, need_w, need_b = needs
+    n, c, h, w = x_shape
+    o, _, kh, kw = w_shape
+    taps, l_out = kh * kw, ah.n_out_c * aw.n_out_c
+    g = pool_map(gy, radius, "spatial").view(l_out * n, o)  # [K, O], K = (I, n)
+    gb = None
+    if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
+        count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
+        gb = count.repeat_interleave(n) @ g
+    if not (need_x or need_w):
+        return None, None, gb
+    z = gx = gw = None
+    if need_w:  # Z[I] = X T[I]^T: [N C, L_in] x [L_in, kH kW] for each coarse output position I
+        t_w = tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,u,tap")
+        z = torch.bmm(x_pooled.view(n * c, -1).expand(l_out, -1, -1), t_w).view(l_out * n, c * taps)
+        gw = (g.T @ z).view(w_shape)
+    if need_x:  # [K, C kH kW], order I, N, C, taps; written into Z's buffer when there is one
+        gz = torch.mm(g, weight.reshape(o, c * taps), out=z).view(l_out, n * c, taps)
+        t_x = tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,tap,u")
+        gxc = torch.mm(gz[0], t_x[0])  # dX = sum_I dZ[I] T[I]: a few small GEMMs, no copy of dZ
+        for big_i in range(1, l_out):
+            gxc.addmm_(gz[big_i], t_x[big_i])
+        gx = unpool_map(gxc.view(n, c, -1), h, w, radius, x_channels_last)
+    return gx, gw, gb
+
+
+def _depthwise_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs, x_channels_last):
+    """Per channel ``R[c] = G[c] X[c]^T``, ``dW[c] = T . R[c]``, ``dX[c] = (W[c] . T)^T G[c]``."""
+    need_x, need_w, need_b = needs
+    _, c, h, w = x_shape
+    kh, kw = w_shape[2:]
+    taps, l_out, l_in = kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
+    g = pool_map(gy, radius, "channel")  # [N, C, L_out]
+    gb = gx = gw = None
+    if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
+        gb = g.sum(0) @ patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
+    if not (need_x or need_w):
+        return None, None, gb
+    tap = tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device).view(taps, l_out * l_in)
+    if need_w:
+        r = torch.bmm(g.permute(1, 2, 0), x_pooled.permute(1, 0, 2))  # [C, L_out, L_in]
+        gw = (r.view(c, l_out * l_in) @ tap.T).view(w_shape)
+    if need_x:
+        k = (weight.reshape(c, taps) @ tap).view(c, l_out, l_in)
+        gxc = torch.bmm(g.permute(1, 0, 2), k)  # [C, N, L_in]
+        gx = unpool_map(gxc.transpose(0, 1), h, w, radius, x_channels_last)
+    return gx, gw, gb
+
+
+def unpool_map(t: torch.Tensor, h: int, w: int, radius: int, channels_last: bool) -> torch.Tensor:
+    """Adjoint of patch-mean pooling: ``out[u] = t[U] / n_U``, by one GEMM that writes the full map.
+
+    Args:
+        t: ``[N, C, L]`` (any strides).
+        h: map height.
+        w: map width.
+        radius: patch side.
+        channels_last: store the result channels-last (else contiguous).
+
+    Returns:
+        ``[N, C, h, w]``.
+    """
+    n, c, lc = t.shape
+    m = patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]
+    hw = h * w
+    if channels_last:  # [N, HW, C] = M^T [HW, L] @ t^T [L, C]
+        out = torch.bmm(m.T.expand(n, hw, lc), t.transpose(1, 2))
+        return out.view(n, h, w, c).permute(0, 3, 1, 2)
+    if t.stride(0) == c * t.stride(1):  # samples and channels merge into one GEMM dimension
+        return (t.reshape(n * c, lc) @ m).view(n, c, h, w)
+    return torch.bmm(t, m.expand(n, lc, hw)).view(n, c, h, w)
