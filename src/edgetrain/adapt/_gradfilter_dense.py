@@ -13,10 +13,10 @@ transposed and batch-strided matrices in place and writes into strided outputs, 
 
 Three shapes of conv, each with the operand layouts that make its GEMMs single calls:
 
-* 1x1 convs (:func:`_pointwise_backward`): with ``K = (n, I)`` the pooled maps are plain matrices
-  ``G[O, K]`` and ``X[C, K]`` (pooled from NCHW tensors straight into channel-major storage), so
-  ``dW = G X^T`` and ``dX = (G^T W)^T T M`` are one GEMM and one batched GEMM that writes the input
-  gradient in the input's layout; channels-last inputs are pooled to ``[K, C]`` matrices instead.
+* 1x1 convs (:func:`_pointwise_backward`): the pooled maps are stored patch-major, ``G[K, O]`` and
+  ``X[L_in N, C]`` with ``K = (I, n)``, so the taps gather is one GEMM ``Z = T X`` (none when ``T`` is
+  ``s`` times the identity), ``dW = G^T Z`` another, and ``dX = (G W)^T T M`` one batched GEMM that
+  writes the input gradient in the input's layout.
 * Other dense convs (:func:`_taps_backward`): ``Z[K, C kH kW]`` holds the patch means every tap reads
   (``K = (I, n)``), ``dW = G^T Z``, ``dZ = G W`` and ``dX = sum_I dZ[I] T[I]``.
 * Depthwise convs (:func:`_depthwise_backward`): per channel ``R[c] = G[c] X[c]^T``, ``dW[c] = T . R[c]``
@@ -166,8 +166,7 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0) -> t
     Args:
         x: ``[N, C, H, W]``, stored NCHW or channels-last (anything else is made contiguous).
         radius: patch side.
-        layout: ``"pointwise"`` (``[C, N L]`` storage from NCHW, ``[N L, C]`` from channels-last),
-            ``"spatial"`` (``[L, N, C]``) or ``"channel"`` (``[N, C, L]``).
+        layout: ``"spatial"`` (``[L, N, C]``: patch, sample, channel) or ``"channel"`` (``[N, C, L]``).
         scale: factor on every mean.
 
     Returns:
@@ -178,18 +177,13 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0) -> t
     lc, hw = m.shape
     if is_channels_last(x):
         flat = x.permute(0, 2, 3, 1).reshape(n, hw, c)  # a view: memory order N, H, W, C
-        if layout == "channel":
-            return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
-        out = torch.bmm(m.expand(n, lc, hw), flat)  # [N, L, C]
-        return out.view(n * lc, c) if layout == "pointwise" else out.transpose(0, 1).contiguous()
-    flat = x.contiguous().view(n, c, hw)
-    if layout == "pointwise":  # [C, N, L] storage, written per sample by a batch-strided GEMM
-        out = x.new_empty((c, n, lc))
-        torch.bmm(flat, m.T.expand(n, hw, lc), out=out.transpose(0, 1))
-        return out.view(c, n * lc)
+        if layout == "spatial":  # the transposing copy is of the small pooled map
+            return torch.bmm(m.expand(n, lc, hw), flat).transpose(0, 1).contiguous()
+        return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
+    flat = x.contiguous().view(n * c, hw)
     if layout == "spatial":
-        return (m @ flat.view(n * c, hw).T).view(lc, n, c)
-    return (flat.view(n * c, hw) @ m.T).view(n, c, lc)
+        return (m @ flat.T).view(lc, n, c)
+    return (flat @ m.T).view(n, c, lc)
 
 
 def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
@@ -231,40 +225,36 @@ def saved_layout(w_shape: tuple[int, ...], groups: int) -> str:
         groups: 1 or the channel count (depthwise).
 
     Returns:
-        ``"pointwise"`` for dense 1x1 convs, else ``"channel"``.
+        ``"spatial"`` for dense 1x1 convs, else ``"channel"``.
     """
-    return "pointwise" if groups == 1 and w_shape[2] == w_shape[3] == 1 else "channel"
+    return "spatial" if groups == 1 and w_shape[2] == w_shape[3] == 1 else "channel"
 
 
 def _pointwise_backward(gy, x_pooled, weight, x_shape, ah, aw, radius, needs, x_channels_last):
-    """1x1 convs: ``dW = G Z^T`` and ``dX = (G^T W)^T T M`` with ``K = (n, I)`` (module docstring)."""
+    """1x1 convs: ``dW = G^T Z`` with ``Z = T X`` and ``dX = (G W)^T T M``, ``K = (I, n)``."""
     need_x, need_w, need_b = needs
     n, c, h, w = x_shape
     o = gy.shape[1]
-    l_out, l_in = ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
+    l_out = ah.n_out_c * aw.n_out_c
     scale = identity_scale(ah, aw, 1, 1)
-    g_ko = pool_map(gy, radius, "pointwise", scale or 1.0)  # G as a [K, O] matrix
-    g_ko = g_ko if is_channels_last(gy) else g_ko.T
+    g = pool_map(gy, radius, "spatial", scale or 1.0).view(l_out * n, o)  # [K, O]
     gb = gx = gw = None
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I] (G holds patch sums when scaled)
         count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
-        gb = g_ko.sum(0) if scale else g_ko.T @ count.repeat(n)
+        gb = g.sum(0) if scale else count.repeat_interleave(n) @ g
     tap = None if scale else tap_matrix(ah, aw, 1, 1, gy.dtype, gy.device)  # [L_out, L_in]
-    if need_w:  # Z = X T^T: what each coarse output reads
-        if x_channels_last:  # saved [N L_in, C]
-            z_kc = x_pooled if tap is None else \
-                torch.bmm(tap.expand(n, l_out, l_in), x_pooled.view(n, l_in, c)).view(n * l_out, c)
-        else:  # saved [C, N L_in]
-            z_kc = (x_pooled if tap is None else x_pooled.view(c * n, l_in) @ tap.T).view(c, n * l_out).T
-        gw = (g_ko.T @ z_kc).view(o, c, 1, 1)
+    if need_w:  # Z = T X: what each coarse output reads, [K, C]
+        z = x_pooled.view(-1, c) if tap is None else (tap @ x_pooled.view(tap.shape[1], n * c)).view(-1, c)
+        gw = (g.T @ z).view(o, c, 1, 1)
     if need_x:
         unpool = patch_matrix(h, w, radius, gy.dtype, gy.device) if tap is None else \
             _tap_unpool(ah, aw, 1, 1, h, w, radius, gy.dtype, gy.device)  # [L_out, HW]
-        d = (g_ko @ weight.view(o, c)).view(n, l_out, c)  # G W, per sample [L_out, C]
-        if x_channels_last:  # [N, HW, C] = (T M)^T [HW, L_out] @ d[n]
-            gx = torch.bmm(unpool.T.expand(n, h * w, l_out), d).view(n, h, w, c).permute(0, 3, 1, 2)
-        else:  # [N, C, HW] = d[n]^T @ T M [L_out, HW]
-            gx = torch.bmm(d.transpose(1, 2), unpool.expand(n, l_out, h * w)).view(n, c, h, w)
+        d = (g @ weight.view(o, c)).view(l_out, n, c)  # G W
+        if x_channels_last:  # [N, HW, C] = (T M)^T [HW, L_out] @ d[:, n] [L_out, C]
+            gx = torch.bmm(unpool.T.expand(n, h * w, l_out), d.transpose(0, 1))
+            gx = gx.view(n, h, w, c).permute(0, 3, 1, 2)
+        else:  # [N, C, HW] = d[:, n]^T [C, L_out] @ T M [L_out, HW]
+            gx = torch.bmm(d.permute(1, 2, 0), unpool.expand(n, l_out, h * w)).view(n, c, h, w)
     return gx, gw, gb
 
 
