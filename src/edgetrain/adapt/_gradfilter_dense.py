@@ -160,7 +160,8 @@ def identity_scale(ah: _Axis, aw: _Axis, kh: int, kw: int) -> float | None:
     return float(ah.tables[0][0][0] * aw.tables[0][0][0])
 
 
-def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0) -> torch.Tensor:
+def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0,
+             scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Patch means of a small map, by one (batched) GEMM with :func:`patch_matrix`, read in place.
 
     Args:
@@ -168,6 +169,8 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0) -> t
         radius: patch side.
         layout: ``"spatial"`` (``[L, N, C]``: patch, sample, channel) or ``"channel"`` (``[N, C, L]``).
         scale: factor on every mean.
+        scratch: memory to write the result into when ``x`` is stored NCHW (a contiguous tensor of at
+            least ``N C L`` elements), else None.
 
     Returns:
         The pooled map, contiguous in the order named.
@@ -182,8 +185,17 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0) -> t
         return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
     flat = x.contiguous().view(n * c, hw)
     if layout == "spatial":
-        return (m @ flat.T).view(lc, n, c)
-    return (flat @ m.T).view(n, c, lc)
+        out = None if scratch is None else scratch.view(-1)[:lc * n * c].view(lc, n * c)
+        return torch.mm(m, flat.T, out=out).view(lc, n, c)
+    out = None if scratch is None else scratch.view(-1)[:n * c * lc].view(n * c, lc)
+    return torch.mm(flat, m.T, out=out).view(n, c, lc)
+
+
+def _scratch(gx: torch.Tensor | None, numel: int, offset: int = 0) -> torch.Tensor | None:
+    """Part of ``dx``'s memory as scratch until ``dx`` is written (None if it is too small or absent)."""
+    if gx is None or offset + numel > gx.numel():
+        return None
+    return gx.as_strided((numel,), (1,), gx.storage_offset() + offset)
 
 
 def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
@@ -209,12 +221,18 @@ def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torc
     Returns:
         The three gradients, None where not needed.
     """
+    gx = None
+    if needs[0]:  # the full-size result first, so the small intermediates cannot take its cached block
+        gx = torch.empty(x_shape, dtype=gy.dtype, device=gy.device,
+                         memory_format=torch.channels_last if x_channels_last else torch.contiguous_format)
     if groups > 1:
-        return _depthwise_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs,
-                                   x_channels_last)
-    if w_shape[2] == w_shape[3] == 1:
-        return _pointwise_backward(gy, x_pooled, weight, x_shape, ah, aw, radius, needs, x_channels_last)
-    return _taps_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs, x_channels_last)
+        backward = _depthwise_backward
+    elif w_shape[2] == w_shape[3] == 1:
+        backward = _pointwise_backward
+    else:
+        backward = _taps_backward
+    gw, gb = backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs)
+    return gx, gw, gb
 
 
 def saved_layout(w_shape: tuple[int, ...], groups: int) -> str:
@@ -230,104 +248,104 @@ def saved_layout(w_shape: tuple[int, ...], groups: int) -> str:
     return "spatial" if groups == 1 and w_shape[2] == w_shape[3] == 1 else "channel"
 
 
-def _pointwise_backward(gy, x_pooled, weight, x_shape, ah, aw, radius, needs, x_channels_last):
+def _pointwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs):
     """1x1 convs: ``dW = G^T Z`` with ``Z = T X`` and ``dX = (G W)^T T M``, ``K = (I, n)``."""
-    need_x, need_w, need_b = needs
-    n, c, h, w = x_shape
-    o = gy.shape[1]
+    _, need_w, need_b = needs
+    n, o = gy.shape[:2]
+    c = w_shape[1]
     l_out = ah.n_out_c * aw.n_out_c
     scale = identity_scale(ah, aw, 1, 1)
-    g = pool_map(gy, radius, "spatial", scale or 1.0).view(l_out * n, o)  # [K, O]
-    gb = gx = gw = None
+    g = pool_map(gy, radius, "spatial", scale or 1.0, _scratch(gx, l_out * n * o)).view(l_out * n, o)  # [K, O]
+    gb = gw = None
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I] (G holds patch sums when scaled)
         count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
         gb = g.sum(0) if scale else count.repeat_interleave(n) @ g
     tap = None if scale else tap_matrix(ah, aw, 1, 1, gy.dtype, gy.device)  # [L_out, L_in]
     if need_w:  # Z = T X: what each coarse output reads, [K, C]
         z = x_pooled.view(-1, c) if tap is None else (tap @ x_pooled.view(tap.shape[1], n * c)).view(-1, c)
-        gw = (g.T @ z).view(o, c, 1, 1)
-    if need_x:
+        gw = (g.T @ z).view(w_shape)
+    if gx is not None:
+        h, w = gx.shape[2:]
         unpool = patch_matrix(h, w, radius, gy.dtype, gy.device) if tap is None else \
             _tap_unpool(ah, aw, 1, 1, h, w, radius, gy.dtype, gy.device)  # [L_out, HW]
         d = (g @ weight.view(o, c)).view(l_out, n, c)  # G W
-        if x_channels_last:  # [N, HW, C] = (T M)^T [HW, L_out] @ d[:, n] [L_out, C]
-            gx = torch.bmm(unpool.T.expand(n, h * w, l_out), d.transpose(0, 1))
-            gx = gx.view(n, h, w, c).permute(0, 3, 1, 2)
+        if is_channels_last(gx):  # [N, HW, C] = (T M)^T [HW, L_out] @ d[:, n] [L_out, C]
+            torch.bmm(unpool.T.expand(n, h * w, l_out), d.transpose(0, 1), out=_nhwc(gx))
         else:  # [N, C, HW] = d[:, n]^T [C, L_out] @ T M [L_out, HW]
-            gx = torch.bmm(d.permute(1, 2, 0), unpool.expand(n, l_out, h * w)).view(n, c, h, w)
-    return gx, gw, gb
+            torch.bmm(d.permute(1, 2, 0), unpool.expand(n, l_out, h * w), out=gx.view(n, c, h * w))
+    return gw, gb
 
 
-def _taps_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs, x_channels_last):
+def _taps_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs):
     """Dense convs with several taps: ``Z = X T^T`` per coarse output, ``dW = G^T Z``, ``dZ = G W``."""
-    need_x, need_w, need_b = needs
-    n, c, h, w = x_shape
-    o, _, kh, kw = w_shape
+    _, need_w, need_b = needs
+    n = gy.shape[0]
+    o, c, kh, kw = w_shape
     taps, l_out = kh * kw, ah.n_out_c * aw.n_out_c
-    g = pool_map(gy, radius, "spatial").view(l_out * n, o)  # [K, O], K = (I, n)
+    g = pool_map(gy, radius, "spatial", scratch=_scratch(gx, l_out * n * o)).view(l_out * n, o)  # [K, O]
     gb = None
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
         count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
         gb = count.repeat_interleave(n) @ g
-    if not (need_x or need_w):
-        return None, None, gb
-    z = gx = gw = None
+    z = gw = None
     if need_w:  # Z[I] = X T[I]^T: [N C, L_in] x [L_in, kH kW] for each coarse output position I
         t_w = tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,u,tap")
         z = torch.bmm(x_pooled.view(n * c, -1).expand(l_out, -1, -1), t_w).view(l_out * n, c * taps)
         gw = (g.T @ z).view(w_shape)
-    if need_x:  # [K, C kH kW], order I, N, C, taps; written into Z's buffer when there is one
+    if gx is not None:  # [K, C kH kW], order I, N, C, taps; written into Z's buffer when there is one
         gz = torch.mm(g, weight.reshape(o, c * taps), out=z).view(l_out, n * c, taps)
         t_x = tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device, "i,tap,u")
         gxc = torch.mm(gz[0], t_x[0])  # dX = sum_I dZ[I] T[I]: a few small GEMMs, no copy of dZ
         for big_i in range(1, l_out):
             gxc.addmm_(gz[big_i], t_x[big_i])
-        gx = unpool_map(gxc.view(n, c, -1), h, w, radius, x_channels_last)
-    return gx, gw, gb
+        unpool_map(gxc.view(n, c, -1), radius, gx)
+    return gw, gb
 
 
-def _depthwise_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, radius, needs, x_channels_last):
+def _depthwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs):
     """Per channel ``R[c] = G[c] X[c]^T``, ``dW[c] = T . R[c]``, ``dX[c] = (W[c] . T)^T G[c]``."""
-    need_x, need_w, need_b = needs
-    _, c, h, w = x_shape
-    kh, kw = w_shape[2:]
+    _, need_w, need_b = needs
+    c, _, kh, kw = w_shape
     taps, l_out, l_in = kh * kw, ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
-    g = pool_map(gy, radius, "channel")  # [N, C, L_out]
-    gb = gx = gw = None
+    n = gy.shape[0]
+    g = pool_map(gy, radius, "channel", scratch=_scratch(gx, n * c * l_out))  # [N, C, L_out]
+    gb = gw = None
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
         gb = g.sum(0) @ patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
-    if not (need_x or need_w):
-        return None, None, gb
     tap = tap_matrix(ah, aw, kh, kw, gy.dtype, gy.device).view(taps, l_out * l_in)
+    buf = _scratch(gx, c * l_out * l_in, g.numel())  # R, then the folded kernels: in dx's memory too
     if need_w:
-        r = torch.bmm(g.permute(1, 2, 0), x_pooled.permute(1, 0, 2))  # [C, L_out, L_in]
+        r = torch.bmm(g.permute(1, 2, 0), x_pooled.permute(1, 0, 2),
+                      out=None if buf is None else buf.view(c, l_out, l_in))  # [C, L_out, L_in]
+        buf = r.view(-1)
         gw = (r.view(c, l_out * l_in) @ tap.T).view(w_shape)
-    if need_x:
-        k = (weight.reshape(c, taps) @ tap).view(c, l_out, l_in)
-        gxc = torch.bmm(g.permute(1, 0, 2), k)  # [C, N, L_in]
-        gx = unpool_map(gxc.transpose(0, 1), h, w, radius, x_channels_last)
-    return gx, gw, gb
+    if gx is not None:
+        k = torch.mm(weight.reshape(c, taps), tap, out=None if buf is None else buf.view(c, -1))
+        gxc = torch.bmm(g.permute(1, 0, 2), k.view(c, l_out, l_in))  # [C, N, L_in]
+        unpool_map(gxc.transpose(0, 1), radius, gx)
+    return gw, gb
 
 
-def unpool_map(t: torch.Tensor, h: int, w: int, radius: int, channels_last: bool) -> torch.Tensor:
-    """Adjoint of patch-mean pooling: ``out[u] = t[U] / n_U``, by one GEMM that writes the full map.
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    """``[N, H W, C]`` view of a channels-last ``[N, C, H, W]`` tensor."""
+    n, c, h, w = t.shape
+    return t.permute(0, 2, 3, 1).view(n, h * w, c)
+
+
+def unpool_map(t: torch.Tensor, radius: int, out: torch.Tensor) -> None:
+    """Adjoint of patch-mean pooling, ``out[u] = t[U] / n_U``, by one GEMM that writes ``out``.
 
     Args:
         t: ``[N, C, L]`` (any strides).
-        h: map height.
-        w: map width.
         radius: patch side.
-        channels_last: store the result channels-last (else contiguous).
-
-    Returns:
-        ``[N, C, h, w]``.
+        out: ``[N, C, H, W]``, stored NCHW or channels-last.
     """
     n, c, lc = t.shape
+    h, w = out.shape[2:]
     m = patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]
-    hw = h * w
-    if channels_last:  # [N, HW, C] = M^T [HW, L] @ t^T [L, C]
-        out = torch.bmm(m.T.expand(n, hw, lc), t.transpose(1, 2))
-        return out.view(n, h, w, c).permute(0, 3, 1, 2)
-    if t.stride(0) == c * t.stride(1):  # samples and channels merge into one GEMM dimension
-        return (t.reshape(n * c, lc) @ m).view(n, c, h, w)
-    return torch.bmm(t, m.expand(n, lc, hw)).view(n, c, h, w)
+    if is_channels_last(out):  # [N, HW, C] = M^T [HW, L] @ t^T [L, C]
+        torch.bmm(m.T.expand(n, h * w, lc), t.transpose(1, 2), out=_nhwc(out))
+    elif t.stride(0) == c * t.stride(1):  # samples and channels merge into one GEMM dimension
+        torch.mm(t.reshape(n * c, lc), m, out=out.view(n * c, h * w))
+    else:
+        torch.bmm(t, m.expand(n, lc, h * w), out=out.view(n, c, h * w))
