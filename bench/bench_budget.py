@@ -222,7 +222,7 @@ def count_stages(spec: ModelSpec) -> int:
     from edgetrain.models import get_model
 
     torch.manual_seed(0)
-    return len(capture(get_model(spec.name, **spec.kwargs), torch.randn(2, *spec.input_shape)).stages)
+    return len(capture(get_model(spec.name, **spec.kwargs), torch.randn(2, *spec.input_shape), carry_cuts=False).stages)
 
 
 def _job(spec: ModelSpec, s: Settings, **kw: Any) -> Job:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -27,8 +28,10 @@ RTOL = 1e-9
 
 # ----------------------------------------------------------------------------- chains and brute force
 
-def small_chain(rng: random.Random, n: int, batch: int, *, integer: bool = True) -> CostChain:
-    """A random chain; ``integer`` gives integer byte costs at every m (so the DP grid is exact)."""
+def small_chain(rng: random.Random, n: int, batch: int, *, integer: bool = True,
+                carry: bool = False) -> CostChain:
+    """A random chain; ``integer`` gives integer byte costs at every m (so the DP grid is exact);
+    ``carry`` lets some cuts carry tensors made by earlier stages (a residual block's skip input)."""
     def size(hi_fixed: int, hi_per: int) -> Linear:
         if integer:
             return Linear(rng.randint(0, hi_fixed), rng.randint(0, hi_per))
@@ -41,8 +44,15 @@ def small_chain(rng: random.Random, n: int, batch: int, *, integer: bool = True)
             return Linear(0.0, 0.0)
         return Linear(0.0 if r < 0.4 else rng.random() * 0.1, rng.random())
 
-    stages = tuple(StageCost(f"s{i}", fwd_s=secs(), bwd_s=secs(), saved_bytes=size(5, 20),
-                             out_bytes=size(3, 10), workspace_bytes=size(3, 5)) for i in range(n))
+    stages = [StageCost(f"s{i}", fwd_s=secs(), bwd_s=secs(), saved_bytes=size(5, 20),
+                        out_bytes=size(3, 10), workspace_bytes=size(3, 5)) for i in range(n)]
+    if carry:  # a tensor made by stage p crossing the cuts after stages p+1..q-1 (read by stage q)
+        for p in range(n - 2):
+            if rng.random() < 0.5:
+                q, b = rng.randint(p + 2, n - 1), size(3, 10)
+                for t in range(p + 1, q):
+                    stages[t] = dataclasses.replace(stages[t], carried=stages[t].carried + ((p, b),))
+    stages = tuple(stages)
     return CostChain(stages, batch, input_bytes=size(3, 6), fixed_bytes=rng.randint(0, 50),
                      loss_s=Linear(0.01, 0.001), step_fixed_s=0.1, name="random")
 
@@ -109,11 +119,29 @@ def cases(count: int, seed: int, **kw):
         yield rng, chain
 
 
+def test_carried_tensors_in_the_memory_model() -> None:
+    """Stage 0 makes x (10 B); stage 1 runs beside it (x carried across its cut); stage 2 adds them."""
+    def st(name: str, saved: int, out: int, carried: tuple = ()) -> StageCost:
+        return StageCost(name, Linear(0, 1.0), Linear(0, 2.0), Linear(0, saved), Linear(0, out),
+                         carried=tuple((p, Linear(0, b)) for p, b in carried))
+
+    chain = CostChain((st("x", 1, 10), st("main", 2, 20, ((0, 10),)), st("add", 0, 5)), 1, Linear(0, 4), 0)
+    # group 0..1 makes x, so it retains x with its output (30); stage 1's backward holds x's gradient
+    a = simulate(chain, 1, [RECOMPUTE, RECOMPUTE, KEEP], [0, 0, 1])
+    assert a.per_stage_peak_bytes == ((1 + 10) + 2 + 20 + 10 + 10, 0 + 5 + 20 + 0)
+    assert a.activation_peak_bytes == 4 + 30 + 25
+    # a group starting after x's maker retains only its output: x is already resident
+    b = simulate(chain, 1, [KEEP, RECOMPUTE, KEEP], [0, 1, 2])
+    assert b.per_stage_peak_bytes == (1 + 10 + 4, 2 + 20 + 10 + 10, 25)
+    assert b.activation_peak_bytes == 4 + 11 + 20 + 25
+    assert CostChain.from_json(chain.to_json()) == chain
+
+
 # ----------------------------------------------------------------------------- dp against brute force
 
 @pytest.mark.parametrize("seed", range(4))
 def test_dp_equals_brute_force(seed: int) -> None:
-    for rng, chain in cases(12, seed):
+    for rng, chain in cases(12, seed, carry=seed % 2 == 1):
         rows = enumerate_costs(chain)
         lo = min(r[0] for r in rows)
         hi = simulate(chain, chain.batch_size, [KEEP] * chain.n).peak_bytes
@@ -181,7 +209,8 @@ def test_rounded_buckets_stay_feasible_and_gap_is_proven() -> None:
 @st.composite
 def chain_and_budgets(draw):
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    chain = small_chain(rng, draw(st.integers(1, 12)), draw(st.integers(1, 16)), integer=draw(st.booleans()))
+    chain = small_chain(rng, draw(st.integers(1, 12)), draw(st.integers(1, 16)), integer=draw(st.booleans()),
+                        carry=draw(st.booleans()))
     hi = simulate(chain, chain.batch_size, [KEEP] * chain.n).peak_bytes
     b1, b2 = sorted(draw(st.integers(0, hi + 10)) for _ in range(2))
     return chain, b1, b2, draw(st.sampled_from([16, 64, 4096]))
@@ -382,3 +411,17 @@ def test_plan_table_exact_on_small_chains() -> None:
             assert base.plan_for(b).peak_bytes <= b
             assert base.plan_for(b).step_time_s >= table.plan_for(b).step_time_s * (1 - RTOL)
     assert math.isfinite(table.build_time_s)
+
+
+def test_elastic_suffix_keeps_carried_tensors() -> None:
+    """Planning the trained suffix: a carried tensor the frozen prefix made is resident from the start."""
+    from edgetrain.adapt.elastic_memory import elastic_chain
+
+    def st(out: int, carried: tuple = ()) -> StageCost:
+        return StageCost("s", Linear(0, 1.0), Linear(0, 1.0), Linear(0, 1), Linear(0, out),
+                         carried=tuple((p, Linear(0, b)) for p, b in carried))
+
+    chain = CostChain((st(8), st(4, ((0, 8),)), st(4, ((0, 8),)), st(2, ((2, 4),)), st(1)), 1, Linear(0, 3), 0)
+    sub = elastic_chain(chain, 2).chain
+    assert sub.input_bytes == Linear(0, 4 + 8)  # stage 1's output and stage 0's carried x
+    assert [s.carried for s in sub.stages] == [(), ((0, Linear(0, 4)),), ()]

@@ -109,9 +109,9 @@ def test_simulate_paged_hand_computed():
     c = simulate_paged(chain, dev, 1, ["page", "keep", "keep"], inflight_bytes=None)
     # Stage 0 pages saved+out = 1100 bytes: prefix stays 50; stage 1 needs out_0 back.
     w0, r0 = 0.2 + 1100 / 500, 0.1 + 1100 / 1000
-    local0 = 50 + (1000 + 200 + 50 + 10)
-    local1 = 50 + 100 + (2000 + 400 + 100 + 20)
-    local2 = 50 + 2200 + (4000 + 600 + 200 + 30)
+    local0 = 50 + (1000 + 100 + 50 + 10)      # saved + gradients of output and input + ws
+    local1 = 50 + 100 + (2000 + 200 + 100 + 20)
+    local2 = 50 + 2200 + (4000 + 300 + 200 + 30)
     loss = 50 + 2200 + 4300 + 300
     assert c.inflight_bytes == 1100
     assert c.activation_peak_bytes == max(local0, local1, local2, loss) + 1100

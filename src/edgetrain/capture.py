@@ -1,9 +1,11 @@
-"""Cut a model into a chain of stages with a single tensor crossing each cut.
+"""Cut a model into a chain of stages with one new tensor crossing each cut.
 
 torch.fx traces the model; a submodule whose forward cannot be traced (data-dependent control flow) is
-retried as an opaque leaf, innermost first. Cuts go at every point of the graph where exactly one tensor
-(besides the model's own inputs and non-tensor values such as sizes) is produced before and used after;
-skip connections therefore stay inside a stage. Adjacent cut points are merged until at most
+retried as an opaque leaf, innermost first. Graph passes (:mod:`edgetrain._rewrite`) then make in-place
+ops out-of-place and some ops leaner, with the same values. Cuts go at every point of the graph where
+exactly one tensor made since the previous cut (besides the model's own inputs and non-tensor values such
+as sizes) is used after; tensors made before it may cross too, so a residual block is cut inside with its
+skip input *carried* across (``carry_cuts=False`` keeps skip connections inside a stage). Adjacent cut points are merged until at most
 ``max_stages`` stages remain, balancing the activation bytes per stage. A model that fx cannot trace at
 all becomes a single stage (micro-batching still applies) unless ``strict=True``.
 """
@@ -164,10 +166,12 @@ def _nbytes(v: Any) -> int:
 
 
 def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
-                keeps_input: Callable[[fx.Node], bool] = lambda n: True) -> list[int]:
-    """Indices p such that exactly one non-input tensor is produced at or before p and used after p.
+                keeps_input: Callable[[fx.Node], bool] = lambda n: True, carry: bool = True) -> list[int]:
+    """Indices p where exactly one non-input tensor made since the previous cut is used after p.
 
-    No cut goes where every later reader of that tensor frees it (``keeps_input`` false for all of them,
+    With ``carry``, tensors made before the previous cut may cross too (a residual block's skip input:
+    the block is then cut inside, its skip carried across); without, nothing else may cross.
+    No cut goes where every later reader of the new tensor frees it (``keeps_input`` false for all of them,
     e.g. a ReLU, whose backward reads its output): uncut, the tensor dies right after its reader; cut, a
     recomputed segment would keep it as its input.
     """
@@ -182,10 +186,13 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
             live.add(n)
         live = {x for x in live if last_use[x] > p}
         nxt = nodes[p + 1] if p + 1 < len(nodes) else None
-        if len(live) == 1 and nxt is not None and nxt.op != "output":
-            (tensor,) = live
-            if any(keeps_input(u) for u in tensor.users if index[u] > p):
-                cuts.append(p)
+        if nxt is None or nxt.op == "output":
+            continue
+        since = cuts[-1] if cuts else -1
+        fresh = [x for x in live if index[x] > since]
+        if len(fresh) == 1 and (carry or len(live) == 1) and any(
+                keeps_input(u) for u in fresh[0].users if index[u] > p):
+            cuts.append(p)
     return cuts
 
 
@@ -284,7 +291,8 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b)
 
 
-def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False) -> Chain:
+def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False,
+            carry_cuts: bool = True) -> Chain:
     """Cut ``model`` into a :class:`Chain` of stages, checked on ``example_inputs``.
 
     Args:
@@ -292,6 +300,9 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         example_inputs: a (small) batch: a tensor, a tuple of positional inputs or a dict of keyword inputs.
         max_stages: merge cut points until at most this many stages remain.
         strict: raise :class:`CaptureError` instead of falling back to a single stage.
+        carry_cuts: also cut inside residual blocks, where the block's skip input crosses the cut beside
+            the running tensor (``StageCost.carried``); False keeps every block in one stage (planners
+            without a model of carried tensors, such as the paging planners, need that).
 
     Returns:
         The chain. ``chain.method`` is ``"fx"`` or ``"single"``.
@@ -330,7 +341,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             raise CaptureError(msg)
         log.warning("%s; training it as a single stage", msg)
         return _single_stage(model, names)
-    cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n)), nodes, values, max_stages)
+    cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts), nodes, values,
+                    max_stages)
     if not cuts and strict:
         raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
                            "it cannot be cut into stages")

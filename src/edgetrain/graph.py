@@ -6,21 +6,30 @@ definition of what a schedule costs in memory and time; planners must agree with
 tests brute-force it).
 
 Memory model (bytes, for one micro-batch of ``m`` samples, stages ``0..n-1`` in forward order).
-``in_t`` is the input of stage ``t`` (``input_bytes`` for stage 0, else ``out_{t-1}``). A schedule cuts
-the chain into *groups*: a ``keep`` group is one stage whose saved tensors stay resident until its
-backward; a ``recompute`` group is a run of stages ``i..j`` executed as one checkpoint, which retains only
-its output and re-runs its forward during backward. Walking the groups forward with a resident prefix
-``P`` (initially ``input_bytes``):
+``in_t`` is the input of stage ``t`` (``input_bytes`` for stage 0, else ``out_{t-1}``). Inside a residual
+block a cut is crossed by the block's running tensor and by tensors made earlier that a later stage still
+reads (the skip input): ``carried_t`` lists those as ``(producer stage p, bytes)``. Their gradients wait
+while the stages between run backward, so ``ws'_t = ws_t + sum(carried_t)``. A recompute group ``i..j``
+retains ``add_ij = out_j + sum(bytes for (p, bytes) in carried_j if p >= i)``: its output and the carried
+tensors made inside it (one made before ``i`` is already resident). A schedule cuts the chain into
+*groups*: a ``keep`` group is one stage whose saved tensors stay resident until its backward; a
+``recompute`` group is a run of stages ``i..j`` executed as one checkpoint, which retains only ``add_ij``
+and re-runs its forward during backward. Walking the groups forward with a resident prefix ``P``
+(initially ``input_bytes``):
 
-* keep stage ``i``: local peak ``P + saved_i + 2*out_i + in_i + ws_i`` (saved tensors, the output and
-  its gradient, the input gradient being produced, transient workspace); then ``P += saved_i + out_i``.
-* recompute group ``i..j``: local peak ``P + out_j + max_t (sum_{s=i..t}(saved_s + out_s) + out_t + in_t
-  + ws_t)`` (the retained output plus the re-materialised group up to stage ``t`` while ``t`` runs
-  backward); then ``P += out_j``.
+* keep stage ``i``: local peak ``P + saved_i + out_i + in_i + ws'_i`` (its saved tensors, its output's
+  gradient and the input gradient being produced while it runs backward; its output itself is dead by
+  then: the stages that read it have run backward); then ``P += saved_i + out_i``.
+* recompute group ``i..j``: while stage ``t`` runs backward the group's re-run has re-materialised the
+  saved tensors of stages ``i..t`` and the outputs of stages ``i..t-1`` (the re-run stops once stage
+  ``t``'s saved tensors exist, so ``out_t`` is not made again), so the local peak is
+  ``P + max_t (sum_{s=i..t} saved_s + sum_{s=i..t-1} out_s + out_t + in_t + ws'_t)`` (at ``t = j`` this
+  covers the group's forward, ``add_ij + in_j + ws'_j``: a carried tensor the group makes is in the
+  output of its maker); then ``P += add_ij``.
 * nested recompute group ``i..j`` (a recompute group whose stages are each checkpointed again inside it,
   two-level checkpointing): the group's recomputation keeps only the stage outputs, then each stage is
-  recomputed again while it runs backward: local peak ``P + out_j + max_t (sum_{s=i..t} out_s + saved_t
-  + out_t + in_t + ws_t)``; then ``P += out_j``. Each of its stages runs forward three times.
+  recomputed again while it runs backward: local peak ``P + max_t (sum_{s=i..t-1} out_s + saved_t + out_t
+  + in_t + ws'_t)``; then ``P += add_ij``. Each of its stages runs forward three times.
 * after the last group, the loss needs ``P + out_{n-1}``.
 
 The activation peak is the largest of these; the predicted step peak adds ``fixed_bytes`` (parameters,
@@ -105,6 +114,8 @@ class StageCost:
             or backward, measured as resident memory (so the allocator's slack is included).
         flops: forward floating-point operations (0 when unknown), used to scale costs to other devices.
         bwd_input_s: the input-gradient part of ``bwd_s`` where measured (else 0).
+        carried: the other tensors crossing the cut after this stage, as ``(index of the stage that
+            made them, bytes)`` (a residual block's skip input; empty at a single-tensor cut).
     """
 
     name: str
@@ -115,6 +126,11 @@ class StageCost:
     workspace_bytes: Linear = Linear()
     flops: Linear = Linear()
     bwd_input_s: Linear = Linear()
+    carried: tuple[tuple[int, Linear], ...] = ()
+
+    def carried_at(self, m: int) -> list[tuple[int, int]]:
+        """``carried`` in whole bytes at micro-batch ``m``."""
+        return [(p, math.ceil(b.at(m))) for p, b in self.carried]
 
 
 @dataclass(frozen=True)
@@ -159,9 +175,12 @@ class CostChain:
         def lin(x: Any) -> Linear:
             return x if isinstance(x, Linear) else Linear(**x)
 
-        stages = tuple(
-            StageCost(name=s["name"], **{k: lin(v) for k, v in s.items() if k != "name"})
-            for s in d["stages"])
+        def stage(s: dict[str, Any]) -> StageCost:
+            carried = tuple((int(p), lin(b)) for p, b in s.get("carried", ()))
+            return StageCost(name=s["name"], carried=carried,
+                             **{k: lin(v) for k, v in s.items() if k not in ("name", "carried")})
+
+        stages = tuple(stage(s) for s in d["stages"])
         return CostChain(stages=stages, batch_size=int(d["batch_size"]), input_bytes=lin(d["input_bytes"]),
                          fixed_bytes=int(d["fixed_bytes"]), loss_s=lin(d.get("loss_s", {})),
                          step_fixed_s=float(d.get("step_fixed_s", 0.0)), name=d.get("name", ""))
@@ -244,14 +263,15 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
     st = chain.stages
     out = [math.ceil(s.out_bytes.at(m)) for s in st]
     saved = [math.ceil(s.saved_bytes.at(m)) for s in st]
-    ws = [math.ceil(s.workspace_bytes.at(m)) for s in st]
+    carried = [s.carried_at(m) for s in st]
+    ws = [math.ceil(s.workspace_bytes.at(m)) + sum(b for _, b in c) for s, c in zip(st, carried)]
     inp = [math.ceil(chain.input_bytes.at(m))] + out[:-1]
     prefix = inp[0]
     peak = 0
     locals_: list[int] = []
     for i, j in spans:
         if policies[i] != RECOMPUTE:
-            local = saved[i] + 2 * out[i] + inp[i] + ws[i]
+            local = saved[i] + out[i] + inp[i] + ws[i]
             peak = max(peak, prefix + local)
             prefix += saved[i] + out[i]
         else:
@@ -259,12 +279,16 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
             worst = 0
             two_level = groups[i] in nested
             for t in range(i, j + 1):
-                run += out[t] if two_level else saved[t] + out[t]
-                extra = saved[t] if two_level else 0
-                worst = max(worst, run + extra + out[t] + inp[t] + ws[t])
-            local = out[j] + worst
+                if two_level:
+                    worst = max(worst, run + saved[t] + out[t] + inp[t] + ws[t])
+                else:
+                    run += saved[t]
+                    worst = max(worst, run + out[t] + inp[t] + ws[t])
+                run += out[t]
+            retained = out[j] + sum(b for p, b in carried[j] if p >= i)
+            local = worst
             peak = max(peak, prefix + local)
-            prefix += out[j]
+            prefix += retained
         locals_.append(local)
     peak = max(peak, prefix + out[-1])
     return peak, locals_

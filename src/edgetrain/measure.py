@@ -207,7 +207,7 @@ def _worker(job: Job) -> JobResult:
 
         from .capture import capture
 
-        chain = capture(model, x[:2])
+        chain = capture(model, x[:2], carry_cuts=False)  # checkpoint_sequential: one tensor per cut
         funcs = _single_value_functions(chain)
         if funcs is None:
             res.error, res.error_type = "model is not a plain sequence of single-tensor stages", "ValueError"

@@ -53,6 +53,7 @@ class StageSample:
     out_bytes: int
     in_grad_bytes: int
     peak_bytes: int
+    carried: tuple[tuple[int, int], ...] = ()  # (producer stage, bytes) crossing the cut after the stage
 
     @property
     def workspace_bytes(self) -> int:
@@ -181,6 +182,15 @@ def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[
     return sample, {k: (o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(stage.outputs, outs)}
 
 
+def _carried(env: dict[str, Any], producer: dict[str, int], stage: Any) -> tuple[tuple[int, int], ...]:
+    """Tensors made by earlier stages that cross the cut after ``stage``, bytes summed per producer."""
+    per: dict[int, int] = {}
+    for k, v in env.items():
+        if k in producer and k not in stage.outputs and k != OUTPUT_KEY and isinstance(v, torch.Tensor):
+            per[producer[k]] = per.get(producer[k], 0) + _tensor_bytes(v)
+    return tuple(sorted(per.items()))
+
+
 def _count_flops(chain: Chain, inputs_env: dict[str, Any], m: int) -> list[float]:
     """Forward FLOPs of every stage at micro-batch ``m`` (torch's FlopCounterMode; 0 where it counts none)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -201,14 +211,15 @@ def _count_flops(chain: Chain, inputs_env: dict[str, Any], m: int) -> list[float
 def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: Callable[..., torch.Tensor],
                m: int, params: set[int], measure_memory: bool = True) -> tuple[list[StageSample], float]:
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
-    produced: set[str] = set()
+    producer: dict[str, int] = {}
     samples = []
     for st in chain.stages:
-        s, outs = _run_stage(st, env, produced, params, measure_memory)
-        samples.append(s)
+        s, outs = _run_stage(st, env, set(producer), params, measure_memory)
         env.update(outs)
-        produced.update(outs)
+        producer.update(dict.fromkeys(outs, st.index))
         chain.release(env, st.index)
+        s.carried = _carried(env, producer, st)
+        samples.append(s)
     out = env[OUTPUT_KEY]
     if isinstance(out, torch.Tensor) and out.is_floating_point():
         out = out.detach().requires_grad_(True)
@@ -221,7 +232,7 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
 
 def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...]) -> str:
     h = hashlib.sha256()
-    parts = ["v2", type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+    parts = ["v3", type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool"]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
@@ -268,7 +279,8 @@ def _fit(chain: Chain, lo: int, s_lo: list[StageSample], hi: int, s_hi: list[Sta
             bwd_s=Linear.fit(lo, a.bwd_s, hi, b.bwd_s),
             saved_bytes=Linear.fit(lo, a.saved_bytes, hi, b.saved_bytes),
             out_bytes=Linear.fit(lo, a.out_bytes, hi, b.out_bytes),
-            workspace_bytes=Linear.fit(lo, a.workspace_bytes, hi, b.workspace_bytes)))
+            workspace_bytes=Linear.fit(lo, a.workspace_bytes, hi, b.workspace_bytes),
+            carried=tuple((p, Linear.fit(lo, x, hi, y)) for (p, x), (_, y) in zip(a.carried, b.carried))))
     return costs
 
 
@@ -279,7 +291,7 @@ def _min_samples(runs: list[list[StageSample]]) -> list[StageSample]:
         out.append(StageSample(fwd_s=min(s.fwd_s for s in per), bwd_s=min(s.bwd_s for s in per),
                                saved_bytes=max(s.saved_bytes for s in per), out_bytes=max(s.out_bytes for s in per),
                                in_grad_bytes=max(s.in_grad_bytes for s in per),
-                               peak_bytes=max(s.peak_bytes for s in per)))
+                               peak_bytes=max(s.peak_bytes for s in per), carried=per[0].carried))
     return out
 
 

@@ -19,7 +19,7 @@ only a Linear/Conv's saved input becomes unnecessary), so this is a safe upper b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..errors import InputError
@@ -96,12 +96,17 @@ def elastic_chain(chain: CostChain, first_trained: int) -> ElasticChain:
     if not 0 <= first_trained < chain.n:
         raise InputError(f"first_trained must be in 0..{chain.n - 1}, got {first_trained}")
     prefix = chain.stages[:first_trained]
-    suffix = chain.stages[first_trained:]
+    suffix = tuple(chain.stages[first_trained:])
     input_bytes = prefix[-1].out_bytes if prefix else chain.input_bytes
+    if prefix:  # tensors the frozen prefix made that cross into the suffix are resident from its start
+        for _, b in prefix[-1].carried:
+            input_bytes = input_bytes + b
+        suffix = tuple(replace(st, carried=tuple((p - first_trained, b) for p, b in st.carried
+                                                 if p >= first_trained)) for st in suffix)
     loss_s = chain.loss_s
     for st in prefix:
         loss_s = loss_s + st.fwd_s
-    sub = CostChain(stages=tuple(suffix), batch_size=chain.batch_size, input_bytes=input_bytes,
+    sub = CostChain(stages=suffix, batch_size=chain.batch_size, input_bytes=input_bytes,
                     fixed_bytes=chain.fixed_bytes, loss_s=loss_s, step_fixed_s=chain.step_fixed_s,
                     name=f"{chain.name}[{first_trained}:]" if prefix else chain.name)
     return ElasticChain(sub, first_trained, tuple(prefix), chain.input_bytes)

@@ -5,7 +5,8 @@ it quickly; :func:`edgetrain.graph.simulate` stays the reference, and the planne
 For one micro-batch size ``m`` a schedule is a path through the *group boundaries* ``0..n``: from boundary
 ``t`` with resident prefix ``P`` a keep group ``t`` needs ``P + keep_local[t] <= A`` and moves to ``t+1``
 with ``P + keep_add[t]``; a recompute group ``t..j`` needs ``P + seg_local[t, j] <= A`` and moves to
-``j+1`` with ``P + out[j]``; at ``n`` the loss needs ``P + out[n-1] <= A``. ``A`` is the budget minus the
+``j+1`` with ``P + seg_add[t, j]`` (its output plus the carried tensors made inside it); at ``n`` the
+loss needs ``P + out[n-1] <= A``. ``A`` is the budget minus the
 chain's fixed bytes.
 """
 
@@ -44,7 +45,8 @@ class Sizes:
         inp0: bytes of the stage-0 input (the initial resident prefix).
         keep_local: per stage, the local peak of keeping it (above the prefix).
         keep_add: per stage, what keeping it adds to the prefix (saved + output).
-        out: per stage, output bytes (what a recompute group ending there adds to the prefix).
+        out: per stage, output bytes.
+        seg_add: ``[t, j]`` what recompute group ``t..j`` adds to the prefix (``_BIG`` where ``j < t``).
         seg_local: ``[t, j]`` local peak of recompute group ``t..j`` (``_BIG`` where ``j < t``).
         seg_worst: ``[t, j]`` the re-materialised part of ``seg_local`` (non-decreasing in ``j``; once
             it exceeds the budget every longer segment from ``t`` does too).
@@ -58,6 +60,7 @@ class Sizes:
     keep_local: np.ndarray
     keep_add: np.ndarray
     out: np.ndarray
+    seg_add: np.ndarray
     seg_local: np.ndarray
     seg_worst: np.ndarray
     nseg_local: np.ndarray | None = None
@@ -70,7 +73,8 @@ class Sizes:
     def gcd(self) -> int:
         """Greatest common divisor of every size the constraints use (0 when all are zero)."""
         valid = self.seg_local[self.seg_local < _BIG]
-        parts = [np.array([self.inp0], dtype=np.int64), self.keep_local, self.keep_add, self.out, valid]
+        parts = [np.array([self.inp0], dtype=np.int64), self.keep_local, self.keep_add, self.out, valid,
+                 self.seg_add[self.seg_add < _BIG]]
         if self.nseg_local is not None:
             parts.append(self.nseg_local[self.nseg_local < _BIG])
         return int(np.gcd.reduce(np.concatenate(parts)))
@@ -131,32 +135,40 @@ def sizes_at(chain: CostChain, m: int) -> Sizes:
     st = chain.stages
     out = np.array([math.ceil(s.out_bytes.at(m)) for s in st], dtype=np.int64)
     saved = np.array([math.ceil(s.saved_bytes.at(m)) for s in st], dtype=np.int64)
-    ws = np.array([math.ceil(s.workspace_bytes.at(m)) for s in st], dtype=np.int64)
+    carried = [s.carried_at(m) for s in st]
+    # a carried tensor's gradient waits while the stages it crosses run backward
+    ws = np.array([math.ceil(s.workspace_bytes.at(m)) + sum(b for _, b in c) for s, c in zip(st, carried)],
+                  dtype=np.int64)
     inp0 = int(math.ceil(chain.input_bytes.at(m)))
     inp = np.concatenate([[inp0], out[:-1]]).astype(np.int64)
     keep_add = saved + out
-    keep_local = saved + 2 * out + inp + ws
-    # Recompute group t..j: worst over u in t..j of run(t..u) + out_u + in_u + ws_u, where
-    # run(t..u) = S[u+1] - S[t]; so worst = cummax_u(S[u+1] + e_u) - S[t], then add the kept out_j.
+    keep_local = saved + out + inp + ws
+    # Recompute group t..j: worst over u in t..j of run(t..u) - out_u + out_u + in_u + ws_u, where
+    # run(t..u) = S[u+1] - S[t]; so worst = cummax_u(S[u+1] + in_u + ws_u) - S[t].
     n = len(out)
-    s_pref = np.concatenate([[0], np.cumsum(keep_add)]).astype(np.int64)
-    f = s_pref[1:] + out + inp + ws
     tri = np.triu(np.ones((n, n), dtype=bool))
+    add = np.tile(out, (n, 1))
+    for j, c in enumerate(carried):
+        for p, b in c:  # made by stage p: retained by groups t..j that start at or before p
+            add[: p + 1, j] += b
+    seg_add = np.where(tri, add, _BIG)
+    s_pref = np.concatenate([[0], np.cumsum(keep_add)]).astype(np.int64)
+    f = s_pref[1:] + inp + ws
     fm = np.where(tri, f[None, :], np.iinfo(np.int64).min)
     worst = np.maximum.accumulate(fm, axis=1) - s_pref[:-1, None]
     seg_worst = np.where(tri, worst, _BIG)
-    seg_local = np.where(tri, worst + out[None, :], _BIG)
-    # Two-level group t..j: worst over u of sum(out_t..out_u) + saved_u + out_u + in_u + ws_u.
+    seg_local = np.where(tri, worst, _BIG)
+    # Two-level group t..j: worst over u of sum(out_t..out_{u-1}) + saved_u + out_u + in_u + ws_u.
     o_pref = np.concatenate([[0], np.cumsum(out)]).astype(np.int64)
-    fn = o_pref[1:] + saved + out + inp + ws
+    fn = o_pref[:-1] + saved + out + inp + ws
     strict = np.triu(np.ones((n, n), dtype=bool), k=1)
     fnm = np.where(tri, fn[None, :], np.iinfo(np.int64).min)
     nworst = np.maximum.accumulate(fnm, axis=1) - o_pref[:-1, None]
     nseg_worst = np.where(strict, nworst, _BIG)
-    nseg_local = np.where(strict, nworst + out[None, :], _BIG)
-    for a in (out, keep_add, keep_local, seg_local, seg_worst, nseg_local, nseg_worst):
+    nseg_local = np.where(strict, nworst, _BIG)
+    for a in (out, keep_add, keep_local, seg_add, seg_local, seg_worst, nseg_local, nseg_worst):
         a.setflags(write=False)
-    return Sizes(m, inp0, keep_local, keep_add, out, seg_local, seg_worst, nseg_local, nseg_worst)
+    return Sizes(m, inp0, keep_local, keep_add, out, seg_add, seg_local, seg_worst, nseg_local, nseg_worst)
 
 
 def recompute_costs(chain: CostChain, m: int) -> np.ndarray:
@@ -220,14 +232,14 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
             ok = flat_ok
             if sz.nseg_local is not None:
                 ok = flat_ok | (p + sz.nseg_local[s, s:] <= act_budget)
-            cand = np.where(ok, p + sz.out[s:], _BIG)
+            cand = np.where(ok, p + sz.seg_add[s, s:], _BIG)
             better_ = cand < pmin[s + 1:]
             pmin[s + 1:] = np.where(better_, cand, pmin[s + 1:])
             pred[s + 1:][better_] = s
             pkeep[s + 1:][better_] = False
             pnest[s + 1:][better_] = ~flat_ok[better_]
-        elif p + sz.seg_local[s, s] <= act_budget and p + sz.out[s] < pmin[s + 1]:
-            pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.out[s], s, False
+        elif p + sz.seg_local[s, s] <= act_budget and p + sz.seg_add[s, s] < pmin[s + 1]:
+            pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.seg_add[s, s], s, False
         # Keep wins ties against a recompute group ending at s (fewer recomputed stages).
         if p + sz.keep_local[s] <= act_budget and p + sz.keep_add[s] <= pmin[s + 1]:
             pmin[s + 1], pred[s + 1], pkeep[s + 1], pnest[s + 1] = p + sz.keep_add[s], s, True, False

@@ -3,10 +3,11 @@
 For each candidate micro-batch size ``m`` the planner solves, over the group boundaries of the chain,
 
     cost_t(P) = min( keep t:            [P + keep_local_t <= A]  cost_{t+1}(P + keep_add_t),
-                     recompute t..j:    [P + seg_local_tj <= A]  c_t + ... + c_j + cost_{j+1}(P + out_j) )
+                     recompute t..j:    [P + seg_local_tj <= A]  c_t + ... + c_j + cost_{j+1}(P + add_tj) )
 
 with ``cost_n(P) = 0`` when the loss fits (``P + out_{n-1} <= A``), where ``P`` is the resident prefix,
-``A`` the budget minus the chain's fixed bytes and ``c_t`` the seconds per step that recomputing stage
+``A`` the budget minus the chain's fixed bytes, ``add_tj`` what the group retains (its output and the
+carried tensors made inside it) and ``c_t`` the seconds per step that recomputing stage
 ``t`` adds (see :mod:`edgetrain.planners._common` and :func:`edgetrain.graph.simulate`). ``cost_t`` is
 vectorised with numpy over all ``P`` at once, so one micro-batch size costs ``O(n^2 K)`` element
 operations with recompute segments and ``O(n K)`` without (``K`` byte buckets), ``O(#m n^2 K)`` in all.
@@ -75,7 +76,8 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
     inp0, last = int(q(sz.inp0)), int(q(sz.out[-1]))
     if inp0 + last > cap:
         return None, float("inf")
-    kl, ka, out = q(sz.keep_local).tolist(), q(sz.keep_add).tolist(), q(sz.out).tolist()
+    kl, ka = q(sz.keep_local).tolist(), q(sz.keep_add).tolist()
+    sa = q(np.minimum(sz.seg_add, np.int64(cap + 1) * g)).tolist()  # _BIG (invalid) must not overflow
     sl, sw = q(sz.seg_local), q(sz.seg_worst)
     nested = allow_segments and sz.nseg_local is not None
     nsl, nsw = (q(sz.nseg_local), q(sz.nseg_worst)) if nested else (sl, sw)
@@ -90,14 +92,14 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
             w = cap - kl[t] + 1
             np.minimum(row[:w], table[t + 1, ka[t]: ka[t] + w], out=row[:w])
         j_end = n if allow_segments else t + 1
-        sl_t, sw_t = sl[t].tolist(), sw[t].tolist()
+        sl_t, sw_t, sa_t = sl[t].tolist(), sw[t].tolist(), sa[t]
         for j in range(t, j_end):
             if sw_t[j] > cap:   # the re-materialised part only grows with j
                 break
             if sl_t[j] > cap:
                 continue
             w = cap - sl_t[j] + 1
-            np.add(table[j + 1, out[j]: out[j] + w], cum[j + 1] - cum[t], out=buf[:w])
+            np.add(table[j + 1, sa_t[j]: sa_t[j] + w], cum[j + 1] - cum[t], out=buf[:w])
             np.minimum(row[:w], buf[:w], out=row[:w])
         if nested:  # two-level groups: less memory, their stages' forward once more
             nsl_t, nsw_t = nsl[t].tolist(), nsw[t].tolist()
@@ -107,7 +109,7 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
                 if nsl_t[j] > cap or nsl_t[j] >= sl_t[j]:  # never better where the one-level group fits
                     continue
                 w = cap - nsl_t[j] + 1
-                np.add(table[j + 1, out[j]: out[j] + w], (cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t]),
+                np.add(table[j + 1, sa_t[j]: sa_t[j] + w], (cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t]),
                        out=buf[:w])
                 np.minimum(row[:w], buf[:w], out=row[:w])
     best = float(table[0, inp0])
@@ -124,16 +126,16 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
             t, p = t + 1, p + ka[t]
             continue
         for j in range(t, n if allow_segments else t + 1):
-            if int(sl[t, j]) + p <= cap and table[j + 1, p + out[j]] + (cum[j + 1] - cum[t]) == val:
+            if int(sl[t, j]) + p <= cap and table[j + 1, p + sa[t][j]] + (cum[j + 1] - cum[t]) == val:
                 spans.append((t, j, RECOMPUTE))
-                t, p = j + 1, p + out[j]
+                t, p = j + 1, p + sa[t][j]
                 break
         else:
             for j in range(t + 1, n if nested else t + 1):
                 if (int(nsl[t, j]) + p <= cap and int(nsl[t, j]) < int(sl[t, j])
-                        and table[j + 1, p + out[j]] + ((cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t])) == val):
+                        and table[j + 1, p + sa[t][j]] + ((cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t])) == val):
                     spans.append((t, j, NESTED))
-                    t, p = j + 1, p + out[j]
+                    t, p = j + 1, p + sa[t][j]
                     break
             else:
                 raise AssertionError("dp reconstruction lost the optimal path")

@@ -7,7 +7,7 @@ really does; with no paged stage both give the same peak and time. Everything is
 Memory. A ``page`` stage pages its *pack*: the tensors it saves for backward and, except for the last
 stage, its output (the boundary to the next stage), so it adds nothing to the resident prefix ``P``
 (the last stage adds its output, which the loss needs at once). Its local peak is that of ``keep``
-(``P + saved_t + 2 out_t + in_t + ws_t``: during its backward its tensors are back); the group after a
+(``P + saved_t + out_t + in_t + ws_t``: during its backward its tensors are back); the group after a
 paged stage ``t`` needs ``out_t`` back during its backward (its input), so every local peak of that group
 carries ``+ out_t``.
 
@@ -95,6 +95,9 @@ class PagedScheduleCost:
 
 def _ints(chain: CostChain, m: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
     st = chain.stages
+    if any(s.carried for s in st):
+        raise ValueError("the paging model has no carried tensors (cuts inside residual blocks); capture "
+                         "the model with carry_cuts=False for the paging planners, as prepare() does")
     out = [math.ceil(s.out_bytes.at(m)) for s in st]
     saved = [math.ceil(s.saved_bytes.at(m)) for s in st]
     ws = [math.ceil(s.workspace_bytes.at(m)) for s in st]
@@ -172,11 +175,11 @@ def simulate_paged(chain: CostChain, device: DeviceProfile, micro_batch_size: in
             run = worst = 0
             for t in range(i, j + 1):
                 run += saved[t] + out[t]
-                worst = max(worst, run + out[t] + inp[t] + ws[t])
-            local = out[j] + worst
+                worst = max(worst, run + inp[t] + ws[t])
+            local = worst
             prefix_add = out[j]
         else:
-            local = saved[i] + 2 * out[i] + inp[i] + ws[i]
+            local = saved[i] + out[i] + inp[i] + ws[i]
             if policies[i] == PAGE:
                 prefix_add = out[i] if i == n - 1 else 0
             else:
@@ -263,15 +266,15 @@ def paging_arrays(chain: CostChain, device: DeviceProfile, m: int) -> PagingArra
     m, n = sizes[0], chain.n
     out, saved, ws, inp, pack = (np.array(a, dtype=np.int64) for a in _ints(chain, m))
     keep_add = saved + out
-    keep_local = saved + 2 * out + inp + ws
+    keep_local = saved + out + inp + ws
     page_add = np.zeros(n, dtype=np.int64)
     page_add[-1] = out[-1]
-    f = out + inp + ws
+    f = inp + ws
     s_pref = np.concatenate([[0], np.cumsum(keep_add)]).astype(np.int64)
     tri = np.triu(np.ones((n, n), dtype=bool))
     run = np.where(tri, s_pref[None, 1:] - s_pref[:-1, None], 0)
     worst = np.maximum.accumulate(np.where(tri, run + f[None, :], np.iinfo(np.int64).min), axis=1)
-    seg_local = np.where(tri, worst + out[None, :], _HUGE)
+    seg_local = np.where(tri, worst, _HUGE)
     keep = ["keep"] * n
     base = chain.step_fixed_s + sum(micro_batch_time(chain, mb, keep)[0] for mb in sizes)
     rec = np.array([sum(s.fwd_s.at(mb) for mb in sizes) for s in chain.stages], dtype=np.float64)

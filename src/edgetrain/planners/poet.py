@@ -10,11 +10,11 @@ Binaries per stage: ``a_t`` (page asynchronously), ``s_t`` (page synchronously),
 ``e_t`` (a recompute group ends at ``t``); keep is ``1 - a_t - s_t - r_t``; ``p_t = a_t + s_t``. Prefix
 ``P_{t+1} = P_t + keep_add_t - (keep_add_t - page_add_t) p_t - keep_add_t r_t + out_t e_t``.
 Constraints: ``P_t + keep_local_t (1 - r_t) + out_{t-1} p_{t-1} + W <= A`` (keep/page local peak, the
-boundary of a paged predecessor read back); ``P_t + O_t + G_t + f_t r_t + W <= A`` (stage ``t`` inside a
-recompute group: ``G_t`` the bytes re-materialised in the group so far plus a paged predecessor's
-boundary, ``O_t`` the output the group retains; both linked along the chain with big-M rows that are
-inactive outside a group); ``P_n + out_{n-1} + W <= A``; ``W >= pack_t a_t``. That is ``7n`` variables
-of which ``4n`` are binary, and ``O(n)`` sparse rows: HiGHS proves 1% gaps on 100+ stage chains in
+boundary of a paged predecessor read back); ``P_t + G_t + f_t r_t + W <= A`` (stage ``t`` inside a
+recompute group: ``G_t`` the bytes re-materialised in the group up to stage ``t`` plus a paged
+predecessor's boundary, linked along the chain with rows that are inactive outside a group,
+``f_t = in_t + ws_t``); ``P_n + out_{n-1} + W <= A``; ``W >= pack_t a_t``. That is ``6n`` variables of
+which ``4n`` are binary, and ``O(n)`` sparse rows: HiGHS proves 1% gaps on 100+ stage chains in
 seconds, where POET's graph MILP (~5 T^2 binaries) did not solve ResNet-18 in 10 minutes.
 
 Around it (:func:`~edgetrain.planners._poet_search.plan_search`): memory feasibility per size is decided
@@ -58,7 +58,6 @@ class _Layout(NamedTuple):
     r: int      # recompute
     e: int      # a recompute group ends here
     g: int      # bytes re-materialised in the group so far
-    o: int      # the output the group retains
     w: int      # the in-flight window
     p: int      # prefix P_0..P_n
     one: int    # the constant 1 (carries the all-keep cost)
@@ -66,7 +65,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(n: int) -> _Layout:
-    return _Layout(0, n, 2 * n, 3 * n, 4 * n, 5 * n, 6 * n, 6 * n + 1, 7 * n + 2, 7 * n + 3)
+    return _Layout(0, n, 2 * n, 3 * n, 4 * n, 5 * n, 5 * n + 1, 6 * n + 2, 6 * n + 3)
 
 
 def _build(arr: PagingArrays, act_budget: int, objective: str, time_cap_s: float | None, paging: bool,
@@ -80,10 +79,9 @@ def _build(arr: PagingArrays, act_budget: int, objective: str, time_cap_s: float
     cost_a = arr.page_energy_j if energy else arr.async_time_s
     cost_s = arr.page_energy_j if energy else arr.sync_time_s
     cscale = max(base, 1e-30)
-    iA, iS, iR, iE, iG, iO, iW, iPre, iOne, nv = _layout(n)
+    iA, iS, iR, iE, iG, iW, iPre, iOne, nv = _layout(n)
     ka, kl, out, f = arr.keep_add / scale, arr.keep_local / scale, arr.out / scale, arr.f / scale
     drop, pack = (arr.keep_add - arr.page_add) / scale, arr.pack / scale
-    big_o = float(max(out.max(), 1e-12))
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
@@ -105,14 +103,12 @@ def _build(arr: PagingArrays, act_budget: int, objective: str, time_cap_s: float
         row([(iA + t, 1.0), (iS + t, 1.0), (iR + t, 1.0)], -inf, 1.0)
         back = [(iA + t - 1, out[t - 1]), (iS + t - 1, out[t - 1])] if t >= 1 else []
         row([(iPre + t, 1.0), (iR + t, -kl[t]), (iW, 1.0)] + back, -inf, 1.0 - kl[t])
-        row([(iPre + t, 1.0), (iO + t, 1.0), (iG + t, 1.0), (iR + t, f[t]), (iW, 1.0)], -inf, 1.0)
+        row([(iPre + t, 1.0), (iG + t, 1.0), (iR + t, f[t]), (iW, 1.0)], -inf, 1.0)
         row([(iR + t, ka[t]), (iG + t, -1.0)] + back, -inf, 0.0)
         if t >= 1:
             row([(iR + t, ka[t]), (iG + t - 1, 1.0), (iR + t - 1, 1.0), (iE + t - 1, -1.0), (iG + t, -1.0)],
                 -inf, 1.0)
-        row([(iE + t, out[t]), (iO + t, -1.0)], -inf, 0.0)
         if t + 1 < n:
-            row([(iO + t + 1, 1.0), (iO + t, -1.0), (iR + t, big_o), (iE + t, -big_o)], -inf, big_o)
             row([(iR + t, 1.0), (iR + t + 1, -1.0), (iE + t, -1.0)], -inf, 0.0)
         else:
             row([(iR + t, 1.0), (iE + t, -1.0)], -inf, 0.0)
@@ -169,9 +165,6 @@ def _start_vector(arr: PagingArrays, scale: float, sched: PagedSchedule) -> np.n
             x[lay.g + t] = back / scale
             prefix += arr.page_add[t] if paged else arr.keep_add[t]
         x[lay.p + t + 1] = prefix / scale
-    for t in range(n - 1, -1, -1):
-        if x[lay.r + t]:
-            x[lay.o + t] = arr.out[t] / scale if x[lay.e + t] else x[lay.o + t + 1]
     x[lay.w] = window / scale
     x[lay.one] = 1.0
     return x
