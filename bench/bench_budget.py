@@ -71,7 +71,7 @@ class Settings:
     job_timeout_s: float = 900.0
     maxbatch: ModelSpec = field(default_factory=lambda: replace(FULL_MODELS["mobilenet_v2"], batch_size=32))
     maxbatch_steps: int = 2
-    maxbatch_resolution: float = 1 / 16
+    maxbatch_resolution: float = 1 / 64
     maxbatch_limit: int = 2048
 
 
