@@ -2,7 +2,7 @@
 
 Coarse maps of a few dozen positions (the last layers of a CNN) leave convolution kernels with little to
 vectorise, so here every step is a matrix product on contiguous or plainly strided operands (MKL reads
-transposed and batch-strided matrices in place and writes into strided outputs, so no step copies):
+transposed and batch-strided matrices in place, so no step copies an operand):
 
 * pooling is a product with the patch-mean matrix ``M`` (``[L, H W]``), unpooling a product with its
   transpose; for a conv whose tap matrix is ``s`` times the identity (1x1 stride-1 on whole patches) the
@@ -20,7 +20,13 @@ Three shapes of conv, each with the operand layouts that make its GEMMs single c
 * Other dense convs (:func:`_taps_backward`): ``Z[K, C kH kW]`` holds the patch means every tap reads
   (``K = (I, n)``), ``dW = G^T Z``, ``dZ = G W`` and ``dX = sum_I dZ[I] T[I]``.
 * Depthwise convs (:func:`_depthwise_backward`): per channel ``R[c] = G[c] X[c]^T``, ``dW[c] = T . R[c]``
-  and ``dX[c] = G[c] (W[c] . T M)``, written straight into the NCHW input gradient.
+  and ``dX[c] = (W[c] . T)^T G[c]``, unpooled into the input gradient.
+
+Memory: the full-size input gradient is allocated first and, until the last GEMM writes it, holds the
+pooled ``dL/dy`` (and the depthwise ``R`` and folded kernels) as scratch, so the backward takes no more
+fresh memory than exact backward does; a caching allocator (edgetrain's pool) then serves it without
+page faults. What remains is bound by memory traffic on these shapes: the full-size ``dL/dy`` is read
+once (pooling) and the full-size ``dL/dx`` written once, as in exact backward.
 """
 
 from __future__ import annotations
