@@ -7,8 +7,8 @@ Part 1, for MobileNetV2 and ResNet-18 at r = 2 and 4 over the last 2 and 4 convs
 frozen, as in the paper; the exact baseline trains the same layers with plain PyTorch convs):
 
 * per filtered conv, run alone on its real input: backward FLOPs (estimate), measured backward
-  seconds (median, exact and filtered interleaved), saved-activation bytes (measured with
-  ``torch.autograd.graph.saved_tensors_hooks``, unique storages, parameters excluded);
+  seconds (median, exact and filtered interleaved, in alternating order), saved-activation bytes
+  (measured with ``torch.autograd.graph.saved_tensors_hooks``, unique storages, parameters excluded);
 * end to end (one training step of the whole model): the same three numbers. The end-to-end bytes
   include the BatchNorm/ReLU tensors that filtering does not change.
 
@@ -76,10 +76,15 @@ CLOCK = time.perf_counter
 
 
 def time_backward(fns, reps: int) -> list[float]:
-    """Median backward seconds of each ``fn() -> (output, grad_output)``, runs interleaved."""
+    """Median backward seconds of each ``fn() -> (output, grad_output)``, runs interleaved.
+
+    The order alternates from one repetition to the next, so no variant always runs right after
+    another one's backward (whose writes evict the caches and whose frees shape the allocator's cache).
+    """
     samples: list[list[float]] = [[] for _ in fns]
     for rep in range(reps + 2):
-        for i, fn in enumerate(fns):
+        order = list(enumerate(fns))
+        for i, fn in (order if rep % 2 == 0 else order[::-1]):
             out, grad = fn()
             t0 = CLOCK()
             out.backward(grad)
@@ -274,7 +279,7 @@ def main() -> None:  # noqa: D103
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; allocator {args.allocator}; times are "
-          f"{args.clock}-clock medians of interleaved runs")
+          f"{args.clock}-clock medians of interleaved runs (order alternating)")
     if not args.skip_speed:
         part1(args.quick)
     if not args.skip_accuracy:
