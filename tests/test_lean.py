@@ -149,3 +149,19 @@ def test_in_place_models_train_exactly(monkeypatch, solver):
 
 def _pair(v: int) -> tuple[int, int]:
     return (v, v)
+
+
+def test_no_cut_after_a_view_or_before_an_add():
+    """A reshape's output shares its source's bytes; an add and dropout need none of their inputs."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.drop = nn.Linear(8, 8), nn.Linear(8, 8), nn.Dropout(0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x).view(-1, 4, 2).view(-1, 8)
+            return x + self.drop(self.b(h))
+
+    chain = capture(Block(), torch.randn(4, 8))
+    names = [st.name for st in chain.stages]
+    assert names == ["a", "b..drop"], names  # no cut after the views, none before the dropout

@@ -137,8 +137,8 @@ class Planner:
                 plan = self._solve(plan_budget)
             except BudgetError as e:
                 fitted = self._smallest_if_it_fits(run, unallocated, grads, plan_budget)
-                if fitted is not None:
-                    return fitted, self.costs
+                if fitted is not None:  # the corrected model may now admit a faster plan than the smallest
+                    return self._improved(fitted, plan_budget, run, unallocated, grads), self.costs
                 raise self._infeasible(e, run, unallocated, grads) from None
             model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
             if measured_peak <= plan_budget and (model_peak > plan_budget or measured_peak < plan.peak_bytes):

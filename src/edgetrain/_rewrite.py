@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -232,14 +233,18 @@ def _lean_convs(gm: fx.GraphModule) -> int:
     return count
 
 
-_OUTPUT_SAVING_FUNCTIONS = (lean_hardtanh, torch.relu, F.relu, torch.sigmoid, torch.tanh)
-_OUTPUT_SAVING_METHODS = frozenset({"relu", "sigmoid", "tanh"})
-_OUTPUT_SAVING_MODULES = (nn.ReLU, nn.Sigmoid, nn.Tanh)
+# Ops whose backward needs none of their inputs: they read their output (ReLU, sigmoid, tanh), a mask
+# (dropout) or nothing (addition).
+_OUTPUT_SAVING_FUNCTIONS = (lean_hardtanh, torch.relu, F.relu, torch.sigmoid, torch.tanh, F.dropout,
+                            operator.add, operator.sub, torch.add, torch.sub)
+_OUTPUT_SAVING_METHODS = frozenset({"relu", "sigmoid", "tanh", "add", "sub"})
+_OUTPUT_SAVING_MODULES = (nn.ReLU, nn.Sigmoid, nn.Tanh, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
 
 def keeps_input(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """False when ``n``'s backward reads only its output (ReLU, ReLU6 after :func:`rewrite`, sigmoid,
-    tanh), so its input need not outlive its forward; True for anything else (the safe answer).
+    """False when ``n``'s backward needs none of its inputs (ReLU, ReLU6 after :func:`rewrite`, sigmoid
+    and tanh read their output, dropout its mask, addition nothing), so its input need not outlive its
+    forward; True for anything else (the safe answer).
 
     Args:
         gm: the graph module ``n`` belongs to.

@@ -171,7 +171,8 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
 
     With ``carry``, tensors made before the previous cut may cross too (a residual block's skip input:
     the block is then cut inside, its skip carried across); without, nothing else may cross.
-    No cut goes where every later reader of the new tensor frees it (``keeps_input`` false for all of them,
+    No cut goes after a view (its bytes are its source's), nor where every later reader of the new tensor
+    frees it (``keeps_input`` false for all of them,
     e.g. a ReLU, whose backward reads its output): uncut, the tensor dies right after its reader; cut, a
     recomputed segment would keep it as its input.
     """
@@ -190,10 +191,21 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
             continue
         since = cuts[-1] if cuts else -1
         fresh = [x for x in live if index[x] > since]
-        if len(fresh) == 1 and (carry or len(live) == 1) and any(
+        if len(fresh) == 1 and (carry or len(live) == 1) and not _is_view(fresh[0], values) and any(
                 keeps_input(u) for u in fresh[0].users if index[u] > p):
             cuts.append(p)
     return cuts
+
+
+def _is_view(n: fx.Node, values: dict[fx.Node, Any]) -> bool:
+    """Whether ``n``'s value shares storage with a tensor it was made from (a reshape, permute, slice):
+    cut there, the same bytes would cross twice."""
+    v = values.get(n)
+    if not isinstance(v, torch.Tensor):
+        return False
+    ptr = v.untyped_storage().data_ptr()
+    return any(isinstance(values.get(a), torch.Tensor) and values[a].untyped_storage().data_ptr() == ptr
+               for a in n.all_input_nodes)
 
 
 def _coarsen(cuts: list[int], nodes: list[fx.Node], values: dict[fx.Node, Any], max_stages: int) -> list[int]:

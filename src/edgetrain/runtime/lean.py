@@ -1,4 +1,4 @@
-"""Lean convolution backward: the same gradients as ``nn.Conv2d``, computed over slices of the batch.
+"""Lean convolution: the same values and gradients as ``nn.Conv2d``, computed over slices of the batch.
 
 oneDNN's convolution backward on CPU copies its operands into blocked layouts before it computes, and
 those copies are as large as the layer's input and output gradient. On the layer that sets a step's peak
@@ -14,10 +14,12 @@ edgetrain's pool): that call falls from 125 to 79 MiB above live at 8 slices, an
 gradient of a large 1x1 problem is slow in one call).
 
 :mod:`edgetrain._rewrite` replaces, in the traced model graph, every call of a plain ``nn.Conv2d`` by
-:func:`lean_conv2d` on the module's own parameters (the user's model is not changed). The forward is ``F.conv2d`` itself (so recomputation replays it
-bit-identically); only the backward slices, and only when the layer's input plus output gradient exceeds
-:data:`CHUNK_BYTES` (smaller layers take PyTorch's own path with no overhead at all). Set
-``EDGETRAIN_CONV_CHUNK_BYTES=0`` to turn the rewrite off, or to another byte count to change the slice size.
+:func:`lean_conv2d` on the module's own parameters (the user's model is not changed). The forward runs
+over the same slices (the forward's blocked copy of the input is one slice big too), always the same way
+for a given batch size, so recomputation replays it bit for bit; against one ``F.conv2d`` call the values
+differ by float rounding only. A layer whose input plus output fits :data:`CHUNK_BYTES` takes PyTorch's
+own path with no overhead at all. Set ``EDGETRAIN_CONV_CHUNK_BYTES=0`` to turn the rewrite off, or to
+another byte count to change the slice size.
 
 :func:`lean_hardtanh` (ReLU6 and Hardtanh) saves its output for backward instead of its input; see there.
 """
@@ -110,9 +112,10 @@ def lean_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         groups: as in ``F.conv2d``.
 
     Returns:
-        The convolution output, exactly ``F.conv2d``'s. Its backward slices the batch so that one slice's
-        input plus output gradient is at most :func:`chunk_bytes` (at least one sample); a layer that
-        needs no slicing, or runs without gradients, is plain ``F.conv2d``.
+        The convolution output, ``F.conv2d``'s up to float rounding. The forward and backward run over
+        the fewest equal slices of the batch whose input plus output (gradient) is at most
+        :func:`chunk_bytes` each (at least one sample per slice); a layer that fits one slice is plain
+        ``F.conv2d``.
     """
     limit = chunk_bytes()
     wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -122,7 +125,8 @@ def lean_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out_hw = [(x.shape[2 + j] + 2 * padding[j] - dilation[j] * (weight.shape[2 + j] - 1) - 1) // stride[j] + 1
               for j in (0, 1)]
     per_sample = (x[0].numel() + weight.shape[0] * out_hw[0] * out_hw[1]) * x.element_size()
-    rows = max(1, limit // max(per_sample, 1))
+    slices = -(-n * per_sample // limit)
+    rows = -(-n // slices)  # balanced: 2 slices of 16, not 31 and 1
     if rows >= n:
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if not (wants_grad and torch.is_grad_enabled()):
