@@ -277,8 +277,8 @@ def _pointwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs
         d = (g @ weight.view(o, c)).view(l_out, n, c)  # G W
         if is_channels_last(gx):  # [N, HW, C] = (T M)^T [HW, L_out] @ d[:, n] [L_out, C]
             torch.bmm(unpool.T.expand(n, h * w, l_out), d.transpose(0, 1), out=_nhwc(gx))
-        else:  # [N, C, HW] = d[:, n]^T [C, L_out] @ T M [L_out, HW]
-            torch.bmm(d.permute(1, 2, 0), unpool.expand(n, l_out, h * w), out=gx.view(n, c, h * w))
+        else:  # [N C, HW] = d^T [N C, L_out] @ T M [L_out, HW]: one GEMM over samples and channels
+            torch.mm(d.view(l_out, n * c).T, unpool, out=gx.view(n * c, h * w))
     return gw, gb
 
 
