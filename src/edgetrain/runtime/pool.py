@@ -8,7 +8,8 @@ and page-faulted in (210k faults a step, 0.43 s instead of 0.26 s). The pool (``
 unmaps cached blocks whenever live + cached bytes would pass its cap: by default the highest live bytes
 seen (since :func:`reset_peak`), so the pool never holds more than the peak of live tensors, and never more
 than an optional cap (a step sets it from its memory budget). Measured on that model: 245.6 MiB, 21k faults,
-0.24 s a step (``bench/RESULTS_ADAPT.md``, "Allocator share", from ``python bench/bench_adapt.py``).
+0.24 s a step (``bench/RESULTS_ADAPT.md``, "Allocator share", from ``python bench/bench_adapt.py``; 245.5 MiB,
+21k faults, 0.33 s against glibc's 0.32 s in the busier run of 2026-12-01).
 
 PyTorch has no Python hook for its CPU allocator, so the pool is C++: compiled on first use with the
 system's C++ compiler against the installed torch (about 3 s), cached under ``~/.cache/edgetrain/pool``,
