@@ -128,16 +128,16 @@ def test_inputs_as_dict_and_tuple():
             return self.head(torch.relu(self.a(left) + self.b(right)))
 
     ref, opt_r, ours, opt_o = twins(TwoIn, lr=0.1)
-    l, r, y = torch.randn(10, 4), torch.randn(10, 4), torch.randint(0, 3, (10,))
+    lt, rt, y = torch.randn(10, 4), torch.randn(10, 4), torch.randint(0, 3, (10,))
     loss_fn = nn.CrossEntropyLoss()
-    step = edgetrain.prepare(ours, opt_o, loss_fn, ({"left": l, "right": r}, y), micro_batch_size=3)
-    step({"left": l, "right": r}, y)
+    step = edgetrain.prepare(ours, opt_o, loss_fn, ({"left": lt, "right": rt}, y), micro_batch_size=3)
+    step({"left": lt, "right": rt}, y)
     opt_r.zero_grad()
-    loss_fn(ref(l, r), y).backward()
+    loss_fn(ref(lt, rt), y).backward()
     opt_r.step()
     assert_state_close(ours, ref, rtol=1e-5, atol=1e-7)
-    step2 = edgetrain.prepare(ours, opt_o, loss_fn, ((l, r), y))
-    step2((l, r), y)
+    step2 = edgetrain.prepare(ours, opt_o, loss_fn, ((lt, rt), y))
+    step2((lt, rt), y)
 
 
 def test_wrong_batches_get_clear_errors():
