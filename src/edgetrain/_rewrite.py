@@ -214,7 +214,8 @@ def _lean_activations(gm: fx.GraphModule) -> int:
 
 def _lean_convs(gm: fx.GraphModule) -> int:
     """Plain ``nn.Conv2d`` calls -> :func:`lean_conv2d` on the module's own parameters (pass 3)."""
-    if chunk_bytes() <= 0:
+    limit = chunk_bytes()
+    if limit <= 0:
         return 0
     count = 0
     for n in list(gm.graph.nodes):
@@ -228,7 +229,7 @@ def _lean_convs(gm: fx.GraphModule) -> int:
             weight = gm.graph.get_attr(f"{n.target}.weight")
             bias = gm.graph.get_attr(f"{n.target}.bias") if m.bias is not None else None
         _replace(gm, n, lean_conv2d, (n.args[0], weight, bias, tuple(m.stride), tuple(m.padding),
-                                      tuple(m.dilation), m.groups), module=str(n.target))
+                                      tuple(m.dilation), m.groups, limit), module=str(n.target))
         count += 1
     return count
 

@@ -5,8 +5,8 @@ retried as an opaque leaf, innermost first. Graph passes (:mod:`edgetrain._rewri
 ops out-of-place and some ops leaner, with the same values. Cuts go at every point of the graph where
 exactly one tensor made since the previous cut (besides the model's own inputs and non-tensor values such
 as sizes) is used after; tensors made before it may cross too, so a residual block is cut inside with its
-skip input *carried* across (``carry_cuts=False`` keeps skip connections inside a stage). Adjacent cut points are merged until at most
-``max_stages`` stages remain, balancing the activation bytes per stage. A model that fx cannot trace at
+skip input *carried* across (``carry_cuts=False`` keeps skip connections inside a stage). Adjacent cut
+points are merged until at most ``max_stages`` stages remain, balancing the activation bytes per stage. A model that fx cannot trace at
 all becomes a single stage (micro-batching still applies) unless ``strict=True``.
 """
 
@@ -172,9 +172,8 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
     With ``carry``, tensors made before the previous cut may cross too (a residual block's skip input:
     the block is then cut inside, its skip carried across); without, nothing else may cross.
     No cut goes after a view (its bytes are its source's), nor where every later reader of the new tensor
-    frees it (``keeps_input`` false for all of them,
-    e.g. a ReLU, whose backward reads its output): uncut, the tensor dies right after its reader; cut, a
-    recomputed segment would keep it as its input.
+    frees it (``keeps_input`` false for all of them, e.g. a ReLU, whose backward reads its output): uncut,
+    the tensor dies right after its reader; cut, a recomputed segment would keep it as its input.
     """
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
@@ -226,9 +225,13 @@ def _coarsen(cuts: list[int], nodes: list[fx.Node], values: dict[fx.Node, Any], 
     return chosen
 
 
+def _module_name(n: fx.Node) -> str | None:
+    """The qualified name of the module ``n`` runs: its target, or the one a graph rewrite recorded."""
+    return str(n.target) if n.op == "call_module" else n.meta.get(MODULE_META)
+
+
 def _stage_name(nodes: Sequence[fx.Node]) -> str:
-    mods = [str(n.target) if n.op == "call_module" else n.meta[MODULE_META] for n in nodes
-            if n.op == "call_module" or MODULE_META in n.meta]
+    mods = [m for m in map(_module_name, nodes) if m is not None]
     if not mods:
         ops = [getattr(n.target, "__name__", str(n.target)) for n in nodes if n.op in ("call_function", "call_method")]
         return "+".join(ops[:2]) or "stage"
@@ -278,8 +281,7 @@ def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int]) -> 
             out_names.append(OUTPUT_KEY)
         g.output(tuple(out_vals))
         sub = fx.GraphModule(gm, g, f"stage{s}")
-        mods = tuple(gm.get_submodule(str(n.target) if n.op == "call_module" else n.meta[MODULE_META])
-                     for n in members if n.op == "call_module" or MODULE_META in n.meta)
+        mods = tuple(gm.get_submodule(m) for m in map(_module_name, members) if m is not None)
         stages.append(Stage(index=s, name=_stage_name(members), fn=sub, inputs=tuple(inputs),
                             outputs=tuple(out_names), modules=mods))
     return stages, last_use
@@ -340,7 +342,7 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             log.warning("%s; training it as a single stage (micro-batching only). %s", e,
                         "Make the forward fx-traceable to let edgetrain recompute inside it.")
             return _single_stage(model, names)
-        log.debug("rewrites: %s", rewrite(gm))  # same values, out-of-place and leaner (_rewrite.py)
+        rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
         set_rng_state(state)
         values = _node_values(gm, env)
     nodes = list(gm.graph.nodes)

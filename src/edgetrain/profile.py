@@ -23,7 +23,7 @@ import platform
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 import torch
 from torch import nn
@@ -135,7 +135,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return optimizer_costs(optimizer).state_bytes
 
 
-def _run_stage(stage: Any, env: dict[str, Any], produced: set[str], params: set[int],
+def _run_stage(stage: Any, env: dict[str, Any], produced: Container[str], params: set[int],
                measure_memory: bool = True) -> tuple[StageSample, dict[str, Any]]:
     """Forward and backward one stage in isolation; returns its sample and detached outputs.
 
@@ -214,7 +214,7 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
     producer: dict[str, int] = {}
     samples = []
     for st in chain.stages:
-        s, outs = _run_stage(st, env, set(producer), params, measure_memory)
+        s, outs = _run_stage(st, env, producer, params, measure_memory)
         env.update(outs)
         producer.update(dict.fromkeys(outs, st.index))
         chain.release(env, st.index)

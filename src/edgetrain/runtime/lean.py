@@ -101,7 +101,7 @@ def _sliced_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def lean_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
-                groups: int) -> torch.Tensor:
+                groups: int, limit: int | None = None) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` with a batch-sliced backward.
 
     Args:
@@ -110,14 +110,16 @@ def lean_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bias: ``[O]`` or None.
         stride, padding, dilation: pairs of ints (zero padding).
         groups: as in ``F.conv2d``.
+        limit: bytes of input plus output a slice may cover (None: :func:`chunk_bytes`, read from the
+            environment; a graph rewrite passes it once instead of reading it on every call).
 
     Returns:
         The convolution output, ``F.conv2d``'s up to float rounding. The forward and backward run over
-        the fewest equal slices of the batch whose input plus output (gradient) is at most
-        :func:`chunk_bytes` each (at least one sample per slice); a layer that fits one slice is plain
+        the fewest equal slices of the batch whose input plus output (gradient) is at most ``limit``
+        each (at least one sample per slice); a layer that fits one slice is plain
         ``F.conv2d``.
     """
-    limit = chunk_bytes()
+    limit = chunk_bytes() if limit is None else limit
     wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if limit <= 0 or x.dim() != 4:
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
