@@ -57,3 +57,43 @@ def test_a_faster_plan_that_does_not_fit_when_run_is_not_taken():
     plan, costs = planner.plan_validated(run, 0, 0)
     assert len(runs) == 2
     assert plan.policies == first.policies and plan.peak_bytes <= BUDGET
+
+
+def test_fixed_bytes_follow_the_micro_batch_size_that_ran():
+    """A run leaves kernels and heap behind that grow with its micro-batch size: the fixed bytes measured at
+    one size must not be charged to a smaller one (the transformer at 35% fell back to micro-batch 1)."""
+    residue = 4 * MIB  # per sample a run leaves resident
+    runs = []
+
+    def run(plan):
+        runs.append(plan)
+        c = chain(HELD)
+        act = simulate(c, plan.micro_batch_size, plan.policies, plan.groups, plan.nested_groups).activation_peak_bytes
+        left = HELD + residue * plan.micro_batch_size
+        return Measured(rss_before=HELD, peak=left + act, rss_after=left)
+
+    budget = HELD + 60 * MIB
+    planner = Planner(chain(HELD), budget, 0, "dp", None, False, 1, 0)
+    plan, costs = planner.plan_validated(run, 0, 0)
+    assert planner.fixed_at(8) == HELD + 8 * residue
+    assert planner.fixed_at(4) == HELD + 4 * residue  # interpolated from the size-0 floor
+    assert costs.fixed_bytes == HELD + residue * plan.micro_batch_size
+    truth = HELD + residue * plan.micro_batch_size + simulate(
+        chain(HELD), plan.micro_batch_size, plan.policies, plan.groups, plan.nested_groups).activation_peak_bytes
+    assert truth <= budget
+    # the fastest plan under the true costs: planning each size with its own fixed bytes finds it
+    best = min((simulate(chain(HELD + residue * m), m, ("keep",) * 6).step_time_s, m)
+               for m in (1, 2, 3, 4, 8)
+               if HELD + residue * m + simulate(chain(0), m, ("keep",) * 6).activation_peak_bytes <= budget)
+    assert plan.step_time_s <= best[0] + 1e-9
+
+
+def test_activations_are_measured_from_what_the_run_left_resident():
+    """Kernels a first run builds stay resident: they are fixed bytes, not activations as well."""
+    planner = Planner(chain(HELD), BUDGET, 0, "dp", 8, False, 1, 0)
+    plan = planner._solve(BUDGET - 50 * MIB)
+    act = simulate(chain(0), 8, plan.policies, plan.groups, plan.nested_groups).activation_peak_bytes
+    built = 30 * MIB  # kernels built during the run, kept afterwards
+    model_peak, measured = planner._correct(plan, Measured(HELD, HELD + built + act, HELD + built), 0, 0)
+    assert planner.costs.fixed_bytes == HELD + built
+    assert model_peak == measured == HELD + built + act

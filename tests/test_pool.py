@@ -96,3 +96,47 @@ def test_training_through_the_pool_is_bit_exact():
         results.append([t.detach().clone() for t in [*m.parameters(), *m.buffers()]])
     assert pool.stats().hits > 0
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_reused_block_keeps_its_tail_cached_and_freed_neighbours_merge():
+    pool.release()
+    pool.reset_peak()
+    big = torch.ones(1 << 21)  # 8 MiB
+    del big
+    before = pool.stats()
+    head = torch.empty(1 << 19)  # 2 MiB out of the 8 MiB block: the 6 MiB tail stays cached
+    st = pool.stats()
+    assert st.hits == before.hits + 1 and st.split_bytes - before.split_bytes == 6 << 20
+    assert st.cached_bytes == before.cached_bytes - (2 << 20)
+    tail = torch.empty(3 << 19)  # 6 MiB: served by the tail, no new pages
+    assert pool.stats().misses == before.misses
+    del head, tail  # the two halves merge back into one 8 MiB block
+    f0 = _faults()
+    whole = torch.empty(1 << 21)
+    whole.fill_(1.0)  # its pages were touched before: no page faults
+    assert pool.stats().misses == before.misses
+    assert _faults() - f0 < 64
+    del whole
+
+
+def test_a_request_larger_than_any_cached_block_grows_one_in_place():
+    pool.release()
+    pool.reset_peak()
+    a = torch.ones(1 << 20)  # 4 MiB, touched
+    del a
+    before = pool.stats()
+    f0 = _faults()
+    b = torch.ones(3 << 19)  # 6 MiB: the cached 4 MiB are remapped, only 2 MiB of new pages fault
+    faults = _faults() - f0
+    st = pool.stats()
+    assert st.misses == before.misses + 1 and st.cached_bytes == 0
+    assert st.evicted_bytes == before.evicted_bytes  # nothing unmapped
+    if not pool.huge_pages():
+        assert faults <= (2 << 20) // 4096 + 64
+    del b

@@ -38,7 +38,7 @@ from . import memory
 from .errors import BudgetError
 from .units import format_bytes
 
-__all__ = ["ChildResult", "analyse_safely", "available", "run_in_child"]
+__all__ = ["ChildResult", "analyse_safely", "available", "measure_in_child", "run_in_child"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -176,33 +176,77 @@ def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
         return None
 
 
-def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[[Any], Any], budget: int | None,
-                    can_fork: bool) -> tuple[Any, Any]:
+def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any], budget: int | None,
+                   can_fork: bool, profile: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
     """Capture the chain and analyse it where the memory this takes cannot break the budget.
 
-    With a budget, capture and analysis first run in a forked child: its BudgetError is raised here before this process has run the model at all. When the child finds a plan,
-    this process captures the chain (the child has shown that fits) and, if it runs one intra-op thread
-    as the child did, plans and validates here from the child's costs (no profiling); otherwise it
-    analyses again here.
+    With a budget, the work runs in forked children, so that a BudgetError is raised here before this
+    process has run the model at all. When ``profile`` is given, one child profiles and a second, forked
+    afresh from this process, plans and validates from those costs: profiling runs many micro-batch sizes
+    and leaves oneDNN kernels and allocator heap behind for each (27 MiB on ResNet-18 32x32), which a
+    validation in the same process would count as the step's own and so refuse budgets that fit. When the
+    children find a plan, this process captures the chain (the children have shown that fits) and, if it
+    runs one intra-op thread as they did, plans and validates here from their costs (no profiling);
+    otherwise it analyses again here.
+
+    Args:
+        capture_chain: builds the stage chain.
+        analyse: ``analyse(chain)`` profiles, plans and validates; ``analyse(chain, costs)`` skips profiling.
+        budget: the memory budget (None: no child is needed).
+        can_fork: False runs everything in this process.
+        profile: ``profile(chain)`` returns the costs ``analyse`` takes; None profiles in the validating child.
 
     Returns:
-        ``(chain, analyse(chain))``.
+        ``(chain, analyse(chain[, costs]))``.
     """
     if budget is None or not can_fork or not available():
         chain = capture_chain()
         return chain, analyse(chain)
-    res = run_in_child(lambda: analyse(capture_chain()))
+    costs = None
+    if profile is not None:
+        res = run_in_child(lambda: profile(capture_chain()))
+        if res is not None:
+            log.info("profiling in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
+                     format_bytes(budget))
+            _raise_budget_error(res)
+            if res.error is None:
+                costs = res.value
+            else:
+                log.info("profiling in the child failed (%s)", res.error)
+    res = run_in_child(lambda: analyse(capture_chain(), costs) if costs is not None else analyse(capture_chain()))
     if res is not None:
         log.info("analysis in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
                  format_bytes(budget))
-        if res.budget_error is not None:
-            message, budget_bytes, need = res.budget_error
-            raise BudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=need)
+        _raise_budget_error(res)
         if res.error is not None:
             log.info("analysis in the child failed (%s); running it here", res.error)
     chain = capture_chain()
     if res is not None and res.error is None and torch.get_num_threads() == CHILD_THREADS:
-        # The child's costs hold kernel caches of every profiled shape; this process has none of them, so
-        # validating here (plan, measure, and re-plan with what was freed) may find a faster plan.
+        # Plan and validate here from the child's corrected costs: this process holds no kernels of the
+        # profiled shapes, and its own first run of the plan is measured like the child's was.
         return chain, analyse(chain, res.value[1])
     return chain, analyse(chain)
+
+
+def _raise_budget_error(res: ChildResult) -> None:
+    if res.budget_error is not None:
+        message, budget_bytes, need = res.budget_error
+        raise BudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=need)
+
+
+def measure_in_child(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run in a fresh fork of this process, or None when that cannot be done faithfully.
+
+    Used for validation runs: a fork starts from this process's exact memory, so what ``fn`` measures is
+    what this process would measure on its first run, and nothing ``fn`` builds (kernels for a new
+    micro-batch size, allocator heap) stays behind to inflate the next measurement. Only a process running
+    the child's single intra-op thread forks for this (memory can depend on the thread count).
+    """
+    if not available() or torch.get_num_threads() != CHILD_THREADS:
+        return None
+    res = run_in_child(fn)
+    if res is None or res.error is not None or res.budget_error is not None:
+        if res is not None:
+            log.debug("validation in a child failed (%s); running it in this process", res.error)
+        return None
+    return res.value

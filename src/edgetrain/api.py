@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import memory
-from ._fork import analyse_safely
+from ._fork import analyse_safely, measure_in_child
 from ._planning import Measured, Planner, first_run_cost, run_plan
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
@@ -436,36 +436,57 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         pager = Pager(page_dir, keep=list(model.parameters()))
     grads = _grad_bytes_missing(model)
 
-    def validator(chain: Any) -> Callable[[Plan], Measured]:
-        return lambda p: run_plan(chain, p, model, env, targets, loss_fn, pager)
+    def validator(chain: Any, isolated: bool = False) -> Callable[[Plan], Measured]:
+        """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process
+        (when it can: one intra-op thread, no pager), so that every run is measured as this process's first
+        step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave."""
+        def run(p: Plan) -> Measured:
+            if isolated and pager is None:
+                measured = measure_in_child(lambda: run_plan(chain, p, model, env, targets, loss_fn, None))
+                if measured is not None:
+                    return measured
+            return run_plan(chain, p, model, env, targets, loss_fn, pager)
+        return run
 
     def capture_chain() -> Any:
         return capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages,
                        carry_cuts=not solver.startswith("poet"))  # the paging model has no carried tensors
 
+    def profile(chain: Any, with_overhead: bool = False) -> CostChain:
+        """The chain's costs; ``with_overhead`` counts what profiling left resident in the fixed bytes."""
+        costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
+                              budget_bytes=plan_budget, use_cache=use_cache,
+                              name=name or type(model).__name__, min_micro_batch=min_micro)
+        pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
+        overhead = max(0, memory.rss_bytes() - rss_start) if with_overhead else 0
+        return CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
+                         costs.step_fixed_s, costs.name)
+
     def analyse(chain: Any, costs: CostChain | None = None) -> tuple[Plan, CostChain, int, list[int]]:
         """Profile (unless ``costs`` are given), plan and validate: (plan, costs, fixed bytes before
         validation, sizes allowed)."""
         if costs is None:
-            costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
-                                  budget_bytes=plan_budget, use_cache=use_cache,
-                                  name=name or type(model).__name__, min_micro_batch=min_micro)
-            pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
-            overhead = max(0, memory.rss_bytes() - rss_start)
-            costs = CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
-                              costs.step_fixed_s, costs.name)
+            costs = profile(chain, with_overhead=True)
         planner = Planner(costs, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm, min_micro,
                           opt_costs.update_bytes, solver_kw)
-        planner.reprofile = lambda b: profile_chain(
-            chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=costs.fixed_bytes, budget_bytes=b,
-            use_cache=use_cache, name=name or type(model).__name__, min_micro_batch=min_micro)
+
+        def reprofile(b: int) -> CostChain:
+            def work() -> CostChain:
+                return profile_chain(chain, model, env, targets, loss_fn, batch_size=batch,
+                                     fixed_bytes=costs.fixed_bytes, budget_bytes=b, use_cache=use_cache,
+                                     name=name or type(model).__name__, min_micro_batch=min_micro)
+            # in a fork when it can: the kernels profiling builds must not inflate later validation runs
+            return measure_in_child(work) or work()
+
+        planner.reprofile = reprofile
         fixed_before = planner.costs.fixed_bytes
         if plan_budget is None:
             return planner.plan(None), costs, fixed_before, planner.sizes()
-        plan, costs = planner.plan_validated(validator(chain), grads + opt_costs.state_bytes, grads)
+        plan, costs = planner.plan_validated(validator(chain, isolated=True), grads + opt_costs.state_bytes, grads)
         return plan, costs, fixed_before, planner.sizes()
 
-    chain, (plan, costs, fixed_before, sizes) = analyse_safely(capture_chain, analyse, budget, pager is None)
+    chain, (plan, costs, fixed_before, sizes) = analyse_safely(capture_chain, analyse, budget, pager is None,
+                                                                profile=profile)
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
