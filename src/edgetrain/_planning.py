@@ -120,7 +120,6 @@ class Planner:
         return 0
 
     def _solve(self, plan_budget: int) -> Plan:
-
         err: BudgetError | None = None
         for cand in self._sizes():
             try:
