@@ -191,7 +191,8 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
 
     Args:
         capture_chain: builds the stage chain.
-        analyse: ``analyse(chain)`` profiles, plans and validates; ``analyse(chain, costs)`` skips profiling.
+        analyse: ``analyse(chain)`` profiles, plans and validates, returning a result with ``.costs``;
+            ``analyse(chain, costs)`` skips profiling.
         budget: the memory budget (None: no child is needed).
         can_fork: False runs everything in this process.
         profile: ``profile(chain)`` returns the costs ``analyse`` takes; None profiles in the validating child.
@@ -224,7 +225,7 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
     if res is not None and res.error is None and torch.get_num_threads() == CHILD_THREADS:
         # Plan and validate here from the child's corrected costs: this process holds no kernels of the
         # profiled shapes, and its own first run of the plan is measured like the child's was.
-        return chain, analyse(chain, res.value[1])
+        return chain, analyse(chain, res.value.costs)
     return chain, analyse(chain)
 
 

@@ -68,7 +68,7 @@ class Planner:
         # Fixed bytes measured per micro-batch size: a run leaves kernels and heap behind that grow with
         # the size it ran (transformer, 64 samples: 3.3 MiB after micro-batches of 8, 7.4 MiB after 22).
         self._fixed_at: dict[int, int] = {}
-        self._floor: int | None = None  # fixed bytes before any run (no residue)
+        self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
 
     def _with_fixed(self, extra: int) -> None:
         c = self.costs
@@ -83,11 +83,11 @@ class Planner:
         measured. A size never run is validated before it is taken, so an estimate that is low costs one
         more validation run, never the budget.
         """
-        if not self._fixed_at or self._floor is None:
+        if not self._fixed_at or self.floor is None:
             return self.costs.fixed_bytes
         if m in self._fixed_at:
             return self._fixed_at[m]
-        pts = [(0, min(self._floor, min(self._fixed_at.values())))] + sorted(self._fixed_at.items())
+        pts = [(0, min(self.floor, min(self._fixed_at.values())))] + sorted(self._fixed_at.items())
         for (m0, f0), (m1, f1) in zip(pts, pts[1:]):
             if m <= m1:
                 return int(f0 + (f1 - f0) * (m - m0) / (m1 - m0))
@@ -281,7 +281,7 @@ class Planner:
                  "%d (was %.1f)", act_meas / 2**20, act_pred / 2**20, fixed / 2**20, plan.micro_batch_size,
                  self.fixed_at(plan.micro_batch_size) / 2**20)
         self._fixed_at[plan.micro_batch_size] = fixed
-        self._floor = m.rss_before + unallocated
+        self.floor = m.rss_before + unallocated
         self._with_fixed(fixed - self.costs.fixed_bytes)
         measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
         return max(fixed + act_pred, fixed + self.update_bytes), measured

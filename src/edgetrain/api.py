@@ -11,15 +11,16 @@ import torch
 from torch import nn
 
 from . import memory
-from ._fork import analyse_safely, measure_in_child
-from ._planning import Measured, Planner, first_run_cost, run_plan
+from ._analysis import Analysis
+from ._fork import analyse_safely
+from ._planning import Measured, first_run_cost
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
-from .capture import bind_inputs, capture
+from .capture import bind_inputs
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
-from .profile import optimizer_costs, profile_chain
+from .profile import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import Executor
@@ -418,7 +419,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     opt_costs = optimizer_costs(optimizer)
     fixed = in_use + _grad_bytes_missing(model) + opt_costs.state_bytes
     margin = 0 if budget is None else int(budget * safety_margin)
-    plan_budget = None if budget is None else budget - margin
     env = bind_inputs(model, inputs)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1
@@ -427,66 +427,20 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     if paging or time_budget is not None or solver.startswith("poet"):
         from .devices import DeviceProfile, load_profile
 
-        profile = device if isinstance(device, DeviceProfile) else load_profile(device)
+        dev_profile = device if isinstance(device, DeviceProfile) else load_profile(device)
         solver = solver if solver.startswith("poet") else "poet"
-        solver_kw = {"device": profile, "objective": objective, "time_budget": time_budget, "paging": paging}
+        solver_kw = {"device": dev_profile, "objective": objective, "time_budget": time_budget, "paging": paging}
     if paging:
         from .runtime.paging import Pager
 
         pager = Pager(page_dir, keep=list(model.parameters()))
-    grads = _grad_bytes_missing(model)
-
-    def validator(chain: Any, isolated: bool = False) -> Callable[[Plan], Measured]:
-        """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process
-        (when it can: one intra-op thread, no pager), so that every run is measured as this process's first
-        step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave."""
-        def run(p: Plan) -> Measured:
-            if isolated and pager is None:
-                measured = measure_in_child(lambda: run_plan(chain, p, model, env, targets, loss_fn, None))
-                if measured is not None:
-                    return measured
-            return run_plan(chain, p, model, env, targets, loss_fn, pager)
-        return run
-
-    def capture_chain() -> Any:
-        return capture(model, slice_batch(inputs, 0, min(batch, 2)), max_stages=max_stages,
-                       carry_cuts=not solver.startswith("poet"))  # the paging model has no carried tensors
-
-    def profile(chain: Any, with_overhead: bool = False) -> CostChain:
-        """The chain's costs; ``with_overhead`` counts what profiling left resident in the fixed bytes."""
-        costs = profile_chain(chain, model, env, targets, loss_fn, batch_size=batch, fixed_bytes=fixed,
-                              budget_bytes=plan_budget, use_cache=use_cache,
-                              name=name or type(model).__name__, min_micro_batch=min_micro)
-        pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
-        overhead = max(0, memory.rss_bytes() - rss_start) if with_overhead else 0
-        return CostChain(costs.stages, batch, costs.input_bytes, fixed + overhead, costs.loss_s,
-                         costs.step_fixed_s, costs.name)
-
-    def analyse(chain: Any, costs: CostChain | None = None) -> tuple[Plan, CostChain, int, list[int]]:
-        """Profile (unless ``costs`` are given), plan and validate: (plan, costs, fixed bytes before
-        validation, sizes allowed)."""
-        if costs is None:
-            costs = profile(chain, with_overhead=True)
-        planner = Planner(costs, budget, margin, solver, micro_batch_size, has_bn and exact_batchnorm, min_micro,
-                          opt_costs.update_bytes, solver_kw)
-
-        def reprofile(b: int) -> CostChain:
-            def work() -> CostChain:
-                return profile_chain(chain, model, env, targets, loss_fn, batch_size=batch,
-                                     fixed_bytes=costs.fixed_bytes, budget_bytes=b, use_cache=use_cache,
-                                     name=name or type(model).__name__, min_micro_batch=min_micro)
-            # in a fork when it can: the kernels profiling builds must not inflate later validation runs
-            return measure_in_child(work) or work()
-
-        planner.reprofile = reprofile
-        fixed_before = planner.costs.fixed_bytes
-        if plan_budget is None:
-            return planner.plan(None), costs, fixed_before, planner.sizes()
-        plan, costs = planner.plan_validated(validator(chain, isolated=True), grads + opt_costs.state_bytes, grads)
-        return plan, costs, fixed_before, planner.sizes()
-
-    chain, (plan, costs, fixed_before, sizes) = analyse_safely(capture_chain, analyse, budget, pager is None,
-                                                                profile=profile)
+    analysis = Analysis(model, inputs, env, targets, loss_fn, batch, fixed, rss_start, budget, margin, solver,
+                        solver_kw, micro_batch_size, has_bn and exact_batchnorm, min_micro, opt_costs.update_bytes,
+                        opt_costs.state_bytes, _grad_bytes_missing(model), max_stages, use_cache,
+                        name or type(model).__name__, pager)
+    chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
+                                    profile=analysis.profile)
+    plan, costs = outcome.plan, outcome.costs
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
         warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
@@ -500,11 +454,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
-    step._micro_sizes = sizes
-    if plan_budget is not None:
-        step._validate = validator(chain)
+    step._micro_sizes = outcome.sizes
+    if budget is not None:
+        step._validate = analysis.validator(chain)
         step._seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
-        step._first_run_bytes = max(0, costs.fixed_bytes - fixed_before)  # what validation had to add
+        step._first_run_bytes = outcome.first_run_bytes
         step._opt_state_bytes = opt_costs.state_bytes
     step.page_dir = page_dir
     if speedup is not None:
