@@ -14,8 +14,9 @@ Per model, at the full batch B:
    plain = the largest micro-batch of B, B/2, ... 1 (gradient accumulation) that fits; checkpoint_sequential =
    the fastest segment count of {2, 4, sqrt(n), n/2} (n = stages edgetrain captures), with accumulation only
    when nothing fits at B; edgetrain = ``prepare(..., memory_budget=budget)`` (BudgetError is an entry);
-3. the issue's claims: edgetrain's throughput above checkpoint_sequential's at every budget, and at 50% of P
-   a step at most 1.35x T inside the budget (re-measured ``--repeats`` times, interleaved with plain).
+3. the issue's claims: edgetrain's throughput above checkpoint_sequential's at every budget (both re-measured
+   in turn ``--versus-repeats`` times where both fit; medians compared), and at 50% of P a step at most 1.35x T
+   inside the budget (re-measured ``--repeats`` times, interleaved with plain).
 Then the largest batch without micro-batching that plain and edgetrain (``micro_batch_size=batch``) each train
 inside a fixed budget (plain's peak at batch 32) for MobileNetV2 at 64x64: doubling, then bisection.
 
@@ -67,6 +68,7 @@ class Settings:
     steps: int = 4
     threads: int = 0
     repeats: int = 1
+    versus_repeats: int = 2
     quick_segments: bool = False
     job_timeout_s: float = 900.0
     maxbatch: ModelSpec = field(default_factory=lambda: replace(FULL_MODELS["mobilenet_v2"], batch_size=32))
@@ -75,7 +77,7 @@ class Settings:
     maxbatch_limit: int = 2048
 
 
-QUICK = Settings(budgets=(0.5, 1.0), steps=2, repeats=0, quick_segments=True,
+QUICK = Settings(budgets=(0.5, 1.0), steps=2, repeats=0, versus_repeats=0, quick_segments=True,
                  maxbatch=replace(FULL_MODELS["mobilenet_v2"], batch_size=8), maxbatch_resolution=0.5,
                  maxbatch_limit=64)
 
@@ -269,6 +271,7 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
     full = [(r.peak_bytes, seg) for seg in segs if (r := ckpt[(B, seg)]).ok]
     lean_seg = min(full)[1] if full else segs[len(segs) // 2]
 
+    ck_best: dict[float, tuple[int, int]] = {}
     for frac, budget in rep.budgets:
         # plain: the largest micro-batch that fits
         m = largest_fitting(plain_by_mb, budget)
@@ -300,6 +303,7 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                       f"failed: {failed.error_type if failed else '?'}")
         else:
             e.result = ckpt[best]
+            ck_best[frac] = best
             e.config = f"seg={best[1]}" + (f", mb={best[0]} x{math.ceil(B / best[0])} accum" if best[0] < B else "")
         rep.entries[(frac, "checkpoint_sequential")] = e
 
@@ -311,6 +315,23 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             r = run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, exact_batchnorm=False),
                     f"{EDGE_MBN} budget {frac:.0%}")
             rep.entries[(frac, EDGE_MBN)] = edgetrain_entry(r, budget, B, n, EDGE_MBN)
+
+    edge_methods = ("edgetrain", EDGE_MBN) if spec.batchnorm else ("edgetrain",)
+    for i in range(s.versus_repeats):  # each comparison again, in turn, so that load drift hits both alike
+        for frac, budget in rep.budgets:
+            ck_e = rep.entries[(frac, "checkpoint_sequential")]
+            ets = [m for m in edge_methods if rep.entries[(frac, m)].fits]
+            if not ck_e.fits or not ets:
+                continue
+            m, seg = ck_best[frac]
+            ck_e.repeats.append(run(_job(spec, s, mode="checkpoint_sequential", segments=seg, env=SYSTEM_ALLOC,
+                                         micro_batch_size=None if m == B else m, seed=101 + i),
+                                    f"checkpoint_sequential seg={seg} mb={m} (versus repeat {i + 1})"))
+            for meth in ets:
+                kw = {} if meth == "edgetrain" else {"exact_batchnorm": False}
+                rep.entries[(frac, meth)].repeats.append(run(
+                    _job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=101 + i, **kw),
+                    f"{meth} budget {frac:.0%} (versus repeat {i + 1})"))
 
     if CLAIM_FRACTION in s.budgets:
         budget = dict(rep.budgets)[CLAIM_FRACTION]
@@ -386,6 +407,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default="budgets,maxbatch", help="budgets and/or maxbatch")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per job (first is warm-up)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved re-measurements for the 50%% claim")
+    p.add_argument("--versus-repeats", type=int, default=None,
+                   help="re-measurements of checkpoint_sequential and edgetrain, in turn, at each budget where both fit")
     p.add_argument("--threads", type=int, default=0, help="torch threads per job (0: torch's default)")
     p.add_argument("--out", default=None, help="write the report as markdown here")
     p.add_argument("--json", default=None, help="write every job and its raw result here")
@@ -405,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = replace(s, steps=args.steps)
     if args.repeats is not None:
         s = replace(s, repeats=args.repeats)
+    if args.versus_repeats is not None:
+        s = replace(s, versus_repeats=args.versus_repeats)
     s = replace(s, threads=args.threads)
     if args.batch_mult != 1:
         models = {k: replace(v, batch_size=v.batch_size * args.batch_mult) for k, v in models.items()}

@@ -128,6 +128,27 @@ def test_versus_and_claim() -> None:
     assert "FAIL" in bb.claims_table([rep]).to_text()
 
 
+def test_versus_compares_medians_over_the_repeats() -> None:
+    rep = fake_report()
+    et, ck = rep.entries[(1.0, "edgetrain")], rep.entries[(1.0, "checkpoint_sequential")]
+    assert "100%: 0.98x" in bb.versus_line(rep)
+    # the table's edgetrain run was the slow one: two repeats put its median under checkpoint_sequential's
+    et.repeats += [ok(et.result.peak_bytes / MIB, et.result.step_time_s * 0.8),
+                   ok(et.result.peak_bytes / MIB, et.result.step_time_s * 0.9)]
+    ck.repeats += [ok(ck.result.peak_bytes / MIB, ck.result.step_time_s * 1.1)]
+    assert et.step_time_s == pytest.approx(et.result.step_time_s * 0.9) and et.runs == 3
+    assert ck.step_time_s == pytest.approx(ck.result.step_time_s * 1.05) and ck.runs == 2
+    x = (et.batch_size / et.step_time_s) / (ck.batch_size / ck.step_time_s)
+    assert f"100%: {x:.2f}x" in bb.versus_line(rep) and x > 1
+    row = next(line for line in bb.budget_table(rep).to_text().splitlines()
+               if line.startswith("100%") and " edgetrain " in line)
+    assert "(3)" in row.split()
+    # a repeat over the budget marks the row as not fitting
+    et.repeats.append(ok(10_000, 1.0))
+    assert "NO" in next(line for line in bb.budget_table(rep).to_text().splitlines()
+                        if line.startswith("100%") and " edgetrain " in line).split()
+
+
 def test_batchnorm_variant_rows_lines_and_claim() -> None:
     rep = fake_report()
     P = 400 * MIB
