@@ -69,6 +69,19 @@ def test_chunk_setting_is_validated(monkeypatch):
         lean_conv2d(torch.randn(1, 1, 3, 3), torch.randn(1, 1, 1, 1), None, (1, 1), (0, 0), (1, 1), 1)
 
 
+def test_profiles_cached_under_one_slice_limit_are_not_reused_under_another(monkeypatch):
+    from edgetrain.profile import _cache_key
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    chain = capture(model, x)
+    env = {"input": x}
+    monkeypatch.setenv("EDGETRAIN_CONV_CHUNK_BYTES", str(8 << 20))
+    a = _cache_key(chain, model, env, (1, 2))
+    monkeypatch.setenv("EDGETRAIN_CONV_CHUNK_BYTES", "0")
+    assert _cache_key(chain, model, env, (1, 2)) != a
+
+
 def test_hardtanh_saving_output_has_pytorchs_gradient_bit_for_bit():
     x = torch.tensor([-1.0, 0.0, 1e-8, 3.0, 6.0, 6.5, float("inf")]).repeat(3).requires_grad_()
     g = torch.arange(21, dtype=torch.float32)

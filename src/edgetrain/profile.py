@@ -30,6 +30,7 @@ from torch import nn
 
 from . import memory
 from .runtime import pool
+from .runtime.lean import chunk_bytes
 from ._state import preserved_model_state
 from .batch import batch_signature, slice_batch
 from .capture import OUTPUT_KEY, Chain
@@ -234,7 +235,8 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
     h = hashlib.sha256()
     parts = ["v3", type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
-             str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool"]
+             str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
+             f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}"]  # both change measured costs
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
     parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
     for p in parts:
