@@ -1,6 +1,7 @@
 """The validation loop of prepare(): correct the cost model by a measured run, and use the room it frees."""
 
 from edgetrain._planning import Measured, Planner
+from edgetrain.errors import BudgetError
 from edgetrain.graph import CostChain, Linear, StageCost, simulate
 
 MIB = 2**20
@@ -97,3 +98,26 @@ def test_activations_are_measured_from_what_the_run_left_resident():
     model_peak, measured = planner._correct(plan, Measured(HELD, HELD + built + act, HELD + built), 0, 0)
     assert planner.costs.fixed_bytes == HELD + built
     assert model_peak == measured == HELD + built + act
+
+
+def test_the_plan_taken_is_always_one_that_ran_inside_the_budget():
+    """Every run leaves a little more resident (kernels, heap): the loop must not end on a plan it never ran."""
+    runs, measured = [], {}
+
+    def run(plan):
+        runs.append(plan)
+        left = HELD + 4 * len(runs) * MIB  # grows with every run, whatever its size
+        act = simulate(chain(HELD), plan.micro_batch_size, plan.policies, plan.groups,
+                       plan.nested_groups).activation_peak_bytes
+        measured[id(plan)] = left + act
+        return Measured(rss_before=HELD, peak=left + act, rss_after=left)
+
+    budget = HELD + 30 * MIB
+    planner = Planner(chain(HELD), budget, 0, "dp", None, False, 1, 0)
+    try:
+        plan, _ = planner.plan_validated(run, 0, 0)
+    except BudgetError as e:
+        assert e.min_feasible_bytes > budget
+        return
+    ran = [p for p in runs if p.policies == plan.policies and p.micro_batch_size == plan.micro_batch_size]
+    assert ran and min(measured[id(p)] for p in ran) <= budget

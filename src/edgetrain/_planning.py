@@ -195,7 +195,8 @@ class Planner:
         """
         assert self.budget is not None
         plan_budget = self.budget - self.margin
-        for _ in range(4):
+        measured_peak = 0
+        for _ in range(8):  # every size measured moves the fixed bytes; a plan is taken only once it has run
             try:
                 plan = self._solve(plan_budget)
             except BudgetError as e:
@@ -204,15 +205,16 @@ class Planner:
                     return self._improved(fitted, plan_budget, run, unallocated, grads), self.costs
                 raise self._infeasible(e, run, unallocated, grads) from None
             model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
-            if measured_peak <= plan_budget and (model_peak > plan_budget or measured_peak < plan.peak_bytes):
-                plan = self._measured(plan, measured_peak, max(model_peak, plan.peak_bytes))
+            if measured_peak <= plan_budget:
+                if model_peak > plan_budget or measured_peak < plan.peak_bytes:
+                    plan = self._measured(plan, measured_peak, max(model_peak, plan.peak_bytes))
                 return self._improved(plan, plan_budget, run, unallocated, grads), self.costs
-            if model_peak <= plan_budget:
-                return self._improved(plan, plan_budget, run, unallocated, grads), self.costs
-        try:
-            return self._solve(plan_budget), self.costs
-        except BudgetError as e:
-            raise self._infeasible(e, run, unallocated, grads) from None
+        fitted = self._smallest_if_it_fits(run, unallocated, grads, plan_budget)
+        if fitted is not None:
+            return self._improved(fitted, plan_budget, run, unallocated, grads), self.costs
+        err = BudgetError("no plan run measured inside the budget", budget_bytes=plan_budget,
+                          min_feasible_bytes=max(self._min_needed(), measured_peak))
+        raise self._infeasible(err, run, unallocated, grads)
 
     def _improved(self, plan: Plan, plan_budget: int, run: Callable[[Plan], Measured], unallocated: int,
                   grads: int) -> Plan:
