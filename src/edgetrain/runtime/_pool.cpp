@@ -3,9 +3,10 @@
 // Why: glibc either keeps freed tensor memory in heaps that fragment (resident memory follows the history
 // of allocations) or, with a low mmap threshold, maps every tensor afresh and page-faults it in (about 1.8x
 // slower training steps measured on 2-core x86). This pool keeps freed blocks mapped and reuses them
-// (best fit, the unused tail of a much larger block is unmapped), and it unmaps cached blocks whenever
-// live + cached bytes would exceed the highest live bytes seen (or a lower cap): resident pool memory never
-// exceeds the peak of live tensor bytes, so there is no fragmentation above page rounding.
+// (best fit; a reused block's tail stays cached, freed neighbours merge, a miss grows the largest cached
+// block in place with mremap, blocks >= 2 MiB ask for transparent huge pages), and it unmaps cached bytes
+// whenever live + cached bytes would exceed the highest live bytes seen (or a lower cap): resident pool
+// memory never exceeds the peak of live tensor bytes, so there is no fragmentation above page rounding.
 //
 // Built on first use by edgetrain/runtime/pool.py with the system C++ compiler against the installed torch;
 // loaded with ctypes; installed with c10::SetCPUAllocator. Small allocations go to the default allocator.

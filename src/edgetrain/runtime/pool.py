@@ -1,15 +1,17 @@
 """edgetrain's CPU tensor pool: cached tensor memory whose resident size never exceeds a cap.
 
 glibc gives a training process two bad choices. Its heap keeps freed tensor memory and fragments, so
-resident memory follows the history of allocations (plain MobileNetV2 64x64 batch 32, one thread: 307 MiB
+resident memory follows the history of allocations (plain MobileNetV2 64x64 batch 32, one thread: 300 MiB
 peak where the exact-release setting needs 245 MiB); with a low mmap threshold every tensor is mapped afresh
-and page-faulted in (210k faults a step, 0.43 s instead of 0.26 s). The pool (``_pool.cpp``, a ``c10::Allocator``) keeps freed blocks of
-64 KiB or more mapped and reuses them best-fit (the unused tail of a much larger block is unmapped), and it
-unmaps cached blocks whenever live + cached bytes would pass its cap: by default the highest live bytes
-seen (since :func:`reset_peak`), so the pool never holds more than the peak of live tensors, and never more
-than an optional cap (a step sets it from its memory budget). Measured on that model: 245.6 MiB, 21k faults,
-0.24 s a step (``bench/RESULTS_ADAPT.md``, "Allocator share", from ``python bench/bench_adapt.py``; 245.5 MiB,
-21k faults, 0.33 s against glibc's 0.32 s in the busier run of 2026-12-01).
+and page-faulted in (210k faults a step, 0.53 s instead of 0.30 s). The pool (``_pool.cpp``, a
+``c10::Allocator``) keeps freed blocks of 64 KiB or more mapped and reuses them best-fit: a reused block's
+tail stays cached as a block of its own, freed neighbours merge, a request larger than every cached block
+grows the largest in place (``mremap``: only the new pages fault), and blocks of 2 MiB or more ask for
+transparent huge pages (:func:`huge_pages`). It unmaps cached bytes, only as many as needed, whenever live +
+cached bytes would pass its cap: by default the highest live bytes seen (since :func:`reset_peak`), so the
+pool never holds more than the peak of live tensors, and never more than an optional cap (a step sets it
+from its memory budget). Measured on that model: 245.2 MiB, 450 faults, 0.28 s a step
+(``bench/RESULTS_ADAPT.md``, "Allocator share", ``python bench/bench_adapt.py --sections fragmentation``).
 
 PyTorch has no Python hook for its CPU allocator, so the pool is C++: compiled on first use with the
 system's C++ compiler against the installed torch (about 3 s), cached under ``~/.cache/edgetrain/pool``,
