@@ -15,7 +15,7 @@ from torch import nn
 
 from . import memory
 from ._fork import measure_in_child
-from ._planning import Measured, Planner, run_plan
+from ._planning import Measured, Planner, run_plan, run_steps
 from .batch import slice_batch
 from .capture import capture
 from .graph import CostChain
@@ -70,6 +70,8 @@ class Analysis:
     use_cache: bool
     name: str
     pager: Any = None
+    optimizer: Any = None
+    margin_share: float | None = None  # prepare's safety_margin
 
     @property
     def plan_budget(self) -> int | None:
@@ -85,8 +87,13 @@ class Analysis:
         step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave."""
         def run(p: Plan) -> Measured:
             if isolated and self.pager is None:
-                measured = measure_in_child(
-                    lambda: run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, None))
+                if self.optimizer is not None:  # the fork is thrown away: run real steps, update included
+                    measured = measure_in_child(lambda: run_steps(
+                        chain, p, self.model, self.env, self.targets, self.loss_fn, self.optimizer,
+                        self.grads + self.state_bytes, self.grads))
+                else:
+                    measured = measure_in_child(
+                        lambda: run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, None))
                 if measured is not None:
                     return measured
             return run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager)
@@ -119,6 +126,7 @@ class Analysis:
             return measure_in_child(work) or work()
 
         planner.reprofile = reprofile
+        planner.margin_share = self.margin_share
         if self.plan_budget is None:
             return Outcome(planner.plan(None), costs, 0, planner.sizes())
         plan, costs = planner.plan_validated(self.validator(chain, isolated=True), self.grads + self.state_bytes,

@@ -39,6 +39,24 @@ def predicted_activations(plan: Plan, fixed: int) -> int:
     return int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - fixed))
 
 
+#: the least a positive safety margin holds back (see ``prepare(safety_margin=)``)
+MIN_MARGIN_BYTES = 4 * 2**20
+
+
+def safety_margin_bytes(budget: int, share: float) -> int:
+    """Bytes of ``budget`` held back: ``share`` of it, at least :data:`MIN_MARGIN_BYTES` (never over half)."""
+    if share <= 0:
+        return 0
+    return min(budget // 2, max(int(budget * share), MIN_MARGIN_BYTES))
+
+
+def budget_for(need: int, share: float) -> int:
+    """The smallest budget whose margin (:func:`safety_margin_bytes`) leaves ``need`` bytes to plan with."""
+    if share <= 0:
+        return need
+    return max(math.ceil(need / (1 - share)), need + MIN_MARGIN_BYTES) if need > MIN_MARGIN_BYTES else 2 * need
+
+
 def candidate_sizes(batch: int) -> list[int]:
     return sorted({math.ceil(batch / k) for k in range(1, batch + 1)}, reverse=True)
 
@@ -65,6 +83,7 @@ class Planner:
         self.update_bytes = update_bytes
         self.solver_kw = dict(solver_kw or {})
         self.reprofile: Callable[[int], CostChain] | None = None
+        self.margin_share: float | None = None  # prepare's safety_margin (the margin then has a floor)
         # Fixed bytes measured per micro-batch size: a run leaves kernels and heap behind that grow with
         # the size it ran (transformer, 64 samples: 3.3 MiB after micro-batches of 8, 7.4 MiB after 22).
         self._fixed_at: dict[int, int] = {}
@@ -315,7 +334,10 @@ class Planner:
         assert self.budget is not None
         # A fresh process profiling at larger sizes loads kernels for more tensor shapes than this failed
         # attempt did; keep 3% for that, so that a retry at the named budget succeeds.
-        user_need = math.ceil(1.03 * need * self.budget / (self.budget - self.margin))
+        if self.margin_share is not None:
+            user_need = budget_for(math.ceil(1.03 * need), self.margin_share)
+        else:
+            user_need = math.ceil(1.03 * need * self.budget / (self.budget - self.margin))
         hint = "" if self.micro_batch_size is None else " or let the planner choose micro_batch_size"
         return BudgetError(
             f"no {self.solver} plan trains this batch of {self.costs.batch_size} within "
@@ -373,3 +395,38 @@ def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any],
         peak = memory.peak_rss_bytes()
     pool.release()  # blocks cached for reuse are not memory the run left behind
     return Measured(before - base, peak - base, memory.rss_bytes() - base)
+
+
+def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
+              loss_fn: Callable[..., torch.Tensor], optimizer: Any, unallocated: int, grads: int,
+              steps: int = 2) -> Measured:
+    """Run ``steps`` whole training steps of ``plan`` (optimizer update included) and measure them.
+
+    For a process that is thrown away afterwards (a fork): it changes the model and the optimizer. What it
+    measures is what real steps do, the second one included: the optimizer's state and update, and the
+    tensor pool and allocator heaps as the previous step left them, which one forward/backward from a
+    fresh state does not show (a transformer plan recomputing most stages peaked 2.5 MiB above such a
+    run). The result is expressed as :func:`run_plan`'s (gradients allocated during the run, the
+    ``unallocated`` bytes added by the planner), so that the planner corrects its model the same way.
+    """
+    executor = Executor(chain, plan)
+    sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
+    base = memory.baseline_rss_bytes()
+    memory.reset_peak()
+    before = memory.rss_bytes()
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        start = 0
+        for size in sizes:
+            env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
+            loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
+            (loss * (size / plan.batch_size)).backward()
+            del loss, env
+            start += size
+        optimizer.step()
+    peak = memory.peak_rss_bytes()
+    optimizer.zero_grad(set_to_none=True)
+    pool.release()
+    after = memory.rss_bytes()  # holds the optimizer state; the gradients are freed
+    # as run_plan's: peak with the gradients but without what the planner adds (unallocated)
+    return Measured(before - base, peak - base - unallocated + grads, after - base - (unallocated - grads))
