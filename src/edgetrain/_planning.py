@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -90,9 +90,7 @@ class Planner:
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
 
     def _with_fixed(self, extra: int) -> None:
-        c = self.costs
-        self.costs = CostChain(c.stages, c.batch_size, c.input_bytes, c.fixed_bytes + extra, c.loss_s,
-                               c.step_fixed_s, c.name)
+        self.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes + extra)
 
     def fixed_at(self, m: int) -> int:
         """Fixed bytes a plan of micro-batch size ``m`` is expected to find.
@@ -114,8 +112,7 @@ class Planner:
         return int(f1 + max(0.0, (f1 - f0) / (m1 - m0)) * (m - m1))
 
     def _costs_at(self, m: int) -> CostChain:
-        c = self.costs
-        return CostChain(c.stages, c.batch_size, c.input_bytes, self.fixed_at(m), c.loss_s, c.step_fixed_s, c.name)
+        return replace(self.costs, fixed_bytes=self.fixed_at(m))
 
     def sizes(self) -> list[int]:
         """Every micro-batch size the model accepts (a budget change may pick any, even when prepare's
@@ -198,12 +195,11 @@ class Planner:
 
     def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int,
                        grads: int) -> tuple[Plan, CostChain]:
-        plan, _ = self._plan_validated(run, unallocated, grads)
+        plan = self._plan_validated(run, unallocated, grads)
         self.costs = self._costs_at(plan.micro_batch_size)
         return plan, self.costs
 
-    def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int,
-                        grads: int) -> tuple[Plan, CostChain]:
+    def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int) -> Plan:
         """Plan, run the plan once, correct the cost model by what was measured, and re-plan if needed.
 
         Args:
@@ -221,16 +217,16 @@ class Planner:
             except BudgetError as e:
                 fitted = self._smallest_if_it_fits(run, unallocated, grads, plan_budget)
                 if fitted is not None:  # the corrected model may now admit a faster plan than the smallest
-                    return self._improved(fitted, plan_budget, run, unallocated, grads), self.costs
+                    return self._improved(fitted, plan_budget, run, unallocated, grads)
                 raise self._infeasible(e, run, unallocated, grads) from None
             model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
             if measured_peak <= plan_budget:
                 if model_peak > plan_budget or measured_peak < plan.peak_bytes:
                     plan = self._measured(plan, measured_peak, max(model_peak, plan.peak_bytes))
-                return self._improved(plan, plan_budget, run, unallocated, grads), self.costs
+                return self._improved(plan, plan_budget, run, unallocated, grads)
         fitted = self._smallest_if_it_fits(run, unallocated, grads, plan_budget)
         if fitted is not None:
-            return self._improved(fitted, plan_budget, run, unallocated, grads), self.costs
+            return self._improved(fitted, plan_budget, run, unallocated, grads)
         err = BudgetError("no plan run measured inside the budget", budget_bytes=plan_budget,
                           min_feasible_bytes=max(self._min_needed(), measured_peak))
         raise self._infeasible(err, run, unallocated, grads)
@@ -374,24 +370,29 @@ def first_run_cost(table: Any, seen: set[int], run: Callable[[Plan], Measured], 
     return fresh[0], cost
 
 
+def _micro_batches(executor: Executor, plan: Plan, env_full: dict[str, Any], targets: Any,
+                   loss_fn: Callable[..., torch.Tensor]) -> None:
+    """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples."""
+    start = 0
+    for size in micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
+        env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
+        loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
+        (loss * (size / plan.batch_size)).backward()
+        del loss, env
+        start += size
+        if executor.pager is not None:
+            executor.pager.reset()
+
+
 def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
               loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
     """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
     executor = Executor(chain, plan, pager=pager if "page" in plan.policies else None)
-    sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
     base = memory.baseline_rss_bytes()
     with preserved_model_state(model):
         memory.reset_peak()
         before = memory.rss_bytes()
-        start = 0
-        for size in sizes:
-            env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
-            loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
-            (loss * (size / plan.batch_size)).backward()
-            del loss, env
-            start += size
-            if executor.pager is not None:
-                executor.pager.reset()
+        _micro_batches(executor, plan, env_full, targets, loss_fn)
         peak = memory.peak_rss_bytes()
     pool.release()  # blocks cached for reuse are not memory the run left behind
     return Measured(before - base, peak - base, memory.rss_bytes() - base)
@@ -405,24 +406,17 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
     For a process that is thrown away afterwards (a fork): it changes the model and the optimizer. What it
     measures is what real steps do, the second one included: the optimizer's state and update, and the
     tensor pool and allocator heaps as the previous step left them, which one forward/backward from a
-    fresh state does not show (a transformer plan recomputing most stages peaked 2.5 MiB above such a
-    run). The result is expressed as :func:`run_plan`'s (gradients allocated during the run, the
+    fresh state does not show. (It does not explain everything: transformer plans recomputing most stages
+    still peak 2-3 MiB above it in the process itself, which the safety margin's floor covers.) The result is expressed as :func:`run_plan`'s (gradients allocated during the run, the
     ``unallocated`` bytes added by the planner), so that the planner corrects its model the same way.
     """
     executor = Executor(chain, plan)
-    sizes = micro_batch_sizes(plan.batch_size, plan.micro_batch_size)
     base = memory.baseline_rss_bytes()
     memory.reset_peak()
     before = memory.rss_bytes()
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        start = 0
-        for size in sizes:
-            env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
-            loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
-            (loss * (size / plan.batch_size)).backward()
-            del loss, env
-            start += size
+        _micro_batches(executor, plan, env_full, targets, loss_fn)
         optimizer.step()
     peak = memory.peak_rss_bytes()
     optimizer.zero_grad(set_to_none=True)
