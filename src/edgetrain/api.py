@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from typing import Any, Callable
 
@@ -126,6 +127,7 @@ class TrainStep:
         if self.elastic is not None:
             if self.elastic.maybe_reselect(self.steps_done, (inputs, targets)):
                 self.replan_for_selection()
+        t_step = time.perf_counter()  # the step's own time, for the elastic selector's closed loop
         env_full = bind_inputs(self.model, inputs)
         new_sizes = not self._seen_micro.issuperset(micro_batch_sizes(n, self._plan.micro_batch_size))
         held = self._held() if new_sizes and self.steps_done else None
@@ -159,6 +161,8 @@ class TrainStep:
         self.optimizer.step()
         self._bn.finish()
         self.steps_done += 1
+        if self.elastic is not None:
+            self.elastic.record_step_time(time.perf_counter() - t_step, samples=n)
         if held is not None:  # what this size's first run left behind bounds the next new size's
             self._first_run_bytes = max(self._first_run_bytes, self._held() - held)
         self._seen_micro.update(micro_batch_sizes(n, self._plan.micro_batch_size))
@@ -386,7 +390,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         speedup: opt-in, approximate: train only the parameter tensors that matter most so a step is this
             many times faster (ElasticTrainer); a float or an ``edgetrain.adapt.ElasticConfig``. Re-selects
             every ``interval_steps``; after each selection the memory plan is remade for the trained suffix
-            of the chain (the frozen prefix runs forward only and saves nothing).
+            of the chain (the frozen prefix runs forward only and saves nothing). The steps' own times
+            correct the selector's target at each re-selection (closed-loop speed-up control).
         grad_filter: opt-in, approximate: an ``edgetrain.adapt.GradFilter`` (gradient filtering on the
             last convolutions, earlier layers frozen); applied before profiling, so the plan sees the
             smaller saved activations and backward times.

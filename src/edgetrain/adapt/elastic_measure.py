@@ -306,12 +306,16 @@ def time_updates(model: nn.Module, optimizer: torch.optim.Optimizer | None, para
 
 
 def measure_speedup(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any, loss_fn: LossFn,
-                    params: list[nn.Parameter], chosen: set[int], pairs: int) -> float:
+                    params: list[nn.Parameter], chosen: set[int], pairs: int) -> tuple[float, list[float]]:
     """Median over ``pairs`` back-to-back rounds of (full step s) / (step s training ``params[chosen]``).
 
     A step is what training runs: ``zero_grad``, forward, loss, backward and ``optimizer.step()``.
     Back-to-back pairs make the ratio robust to load drift on a shared machine. The caller restores
     the training state (the steps change parameters, buffers and optimizer state).
+
+    Returns:
+        ``(median ratio, the full steps' seconds)``; the latter is the real full fine-tuning step time
+        that closed-loop control (:mod:`.elastic_feedback`) compares training steps with.
     """
     def step(sel: set[int] | None) -> float:
         for i, p in enumerate(params):
@@ -325,8 +329,9 @@ def measure_speedup(model: nn.Module, optimizer: torch.optim.Optimizer | None, b
         return time.perf_counter() - t0
 
     step(None), step(chosen)             # warm-up: allocator, optimizer state of every tensor
-    ratios = []
+    ratios, fulls = [], []
     for _ in range(max(1, pairs)):
         full = step(None)
+        fulls.append(full)
         ratios.append(full / max(step(chosen), 1e-12))
-    return statistics.median(ratios)
+    return statistics.median(ratios), fulls
