@@ -121,3 +121,58 @@ def test_the_plan_taken_is_always_one_that_ran_inside_the_budget():
         return
     ran = [p for p in runs if p.policies == plan.policies and p.micro_batch_size == plan.micro_batch_size]
     assert ran and min(measured[id(p)] for p in ran) <= budget
+
+
+def test_a_plan_is_run_again_when_the_process_grew_since_its_validation():
+    """Planning after a plan's run (other candidates, caches) can leave the process larger; the step starts
+    from there, so the plan is measured again and, when it no longer fits, planned anew."""
+    from edgetrain import memory
+
+    now = memory.rss_bytes() - memory.baseline_rss_bytes()
+    inner, runs = exact_runner(HELD)
+    grown = 30 * MIB  # what the process holds beyond the state the first run started from
+
+    def run(plan):
+        m = inner(plan)
+        if len(runs) == 1:  # the first run saw the process 30 MiB smaller than it is now
+            return Measured(m.rss_before, m.peak, m.rss_after, process_rss=now - grown)
+        # from now on the 30 MiB are in every run
+        return Measured(m.rss_before + grown, m.peak + grown, m.rss_after + grown, process_rss=now)
+
+    budget = HELD + 130 * MIB
+    planner = Planner(chain(HELD), budget, 0, "dp", 8, False, 1, 0)
+    plan, costs = planner.plan_validated(run, 0, 0)
+    assert len(runs) >= 2 and runs[1].policies == runs[0].policies  # the same plan, run again
+    assert costs.fixed_bytes >= HELD + grown
+    assert plan.peak_bytes <= budget
+    final = simulate(chain(HELD + grown), plan.micro_batch_size, plan.policies, plan.groups, plan.nested_groups)
+    assert final.peak_bytes <= budget  # fits with the 30 MiB counted
+    assert runs[0].policies.count("recompute") < plan.policies.count("recompute")
+
+
+def test_a_plan_run_from_the_current_state_is_not_run_again():
+    from edgetrain import memory
+
+    inner, runs = exact_runner(HELD)
+
+    def run(plan):
+        m = inner(plan)
+        return Measured(m.rss_before, m.peak, m.rss_after,
+                        process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
+
+    planner = Planner(chain(HELD), HELD + 130 * MIB, 0, "dp", 8, False, 1, 0)
+    planner.plan_validated(run, 0, 0)
+    assert len(runs) == 1
+
+
+def test_plan_caches_do_not_grow_with_the_fixed_bytes():
+    """The planner re-plans one chain with many fixed-byte figures; the activation caches key on the stages
+    only, so re-planning holds no more memory than the first plan did."""
+    from edgetrain.planners import _common, solve
+
+    solve(chain(HELD), HELD + 130 * MIB, solver="dp", micro_batch_sizes=[8])
+    before = _common._sizes_at.cache_info().currsize, _common._min_peak_schedule.cache_info().currsize
+    for extra in range(1, 20):
+        solve(chain(HELD + extra * MIB), HELD + 150 * MIB, solver="dp", micro_batch_sizes=[8])
+    after = _common._sizes_at.cache_info().currsize, _common._min_peak_schedule.cache_info().currsize
+    assert after == before

@@ -7,7 +7,7 @@ plan in a fresh fork of its own) in a second, and again here from the children's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -95,8 +95,9 @@ class Analysis:
                     measured = measure_in_child(
                         lambda: run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, None))
                 if measured is not None:
-                    return measured
-            return run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager)
+                    return replace(measured, process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
+            measured = run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager)
+            return replace(measured, process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
         return run
 
     def _profile_at(self, chain: Any, fixed: int, budget: int | None) -> CostChain:

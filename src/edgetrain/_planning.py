@@ -27,11 +27,18 @@ log = logging.getLogger("edgetrain.api")
 
 @dataclass(frozen=True)
 class Measured:
-    """One validation run, in bytes above the import baseline."""
+    """One validation run, in bytes above the import baseline.
+
+    ``process_rss``: the resident memory of the process that will train, once the run was done (None when
+    unknown). A run in a fork leaves this process as it was; one in this process leaves its residue here.
+    The run's figures hold for a step started from that state; :meth:`Planner.plan_validated` runs the
+    plan again when the process has grown since.
+    """
 
     rss_before: int
     peak: int
     rss_after: int
+    process_rss: int | None = None
 
 
 def predicted_activations(plan: Plan, fixed: int) -> int:
@@ -40,7 +47,10 @@ def predicted_activations(plan: Plan, fixed: int) -> int:
 
 
 #: the least a positive safety margin holds back (see ``prepare(safety_margin=)``)
-MIN_MARGIN_BYTES = 4 * 2**20
+MIN_MARGIN_BYTES = 2**20
+
+#: growth of the process since a plan's validation run beyond which the run no longer speaks for a step
+STALE_BYTES = 256 * 2**10
 
 
 def safety_margin_bytes(budget: int, share: float) -> int:
@@ -55,6 +65,10 @@ def budget_for(need: int, share: float) -> int:
     if share <= 0:
         return need
     return max(math.ceil(need / (1 - share)), need + MIN_MARGIN_BYTES) if need > MIN_MARGIN_BYTES else 2 * need
+
+
+def _plan_key(plan: Plan) -> tuple[int, tuple[str, ...]]:
+    return plan.micro_batch_size, tuple(plan.policies)
 
 
 def candidate_sizes(batch: int) -> list[int]:
@@ -88,6 +102,7 @@ class Planner:
         # the size it ran (transformer, 64 samples: 3.3 MiB after micro-batches of 8, 7.4 MiB after 22).
         self._fixed_at: dict[int, int] = {}
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
+        self._ran_at: dict[tuple[int, tuple[str, ...]], int] = {}  # plan -> process RSS after its last run
 
     def _with_fixed(self, extra: int) -> None:
         self.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes + extra)
@@ -195,7 +210,24 @@ class Planner:
 
     def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int,
                        grads: int) -> tuple[Plan, CostChain]:
+        """The fastest plan whose validation run fits, validated from the state the steps will start in.
+
+        A run measures a step begun from the process as it was then. Planning after it (other candidates,
+        other runs) can leave the process larger, and the real step starts from there: when it has grown by
+        more than :data:`STALE_BYTES` the plan is run again, and if it no longer fits, planned anew.
+        """
         plan = self._plan_validated(run, unallocated, grads)
+        for _ in range(3):
+            ran_at = self._ran_at.get(_plan_key(plan))
+            grown = 0 if ran_at is None else memory.rss_bytes() - memory.baseline_rss_bytes() - ran_at
+            if grown <= STALE_BYTES:
+                break
+            log.info("this process grew %s since the plan's validation run; running it again", format_bytes(grown))
+            model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+            if measured_peak <= self.budget - self.margin:
+                plan = plan.replace(peak_bytes=measured_peak) if measured_peak > plan.peak_bytes else plan
+                break
+            plan = self._plan_validated(run, unallocated, grads)
         self.costs = self._costs_at(plan.micro_batch_size)
         return plan, self.costs
 
@@ -304,6 +336,8 @@ class Planner:
                  "%d (was %.1f)", act_meas / 2**20, act_pred / 2**20, fixed / 2**20, plan.micro_batch_size,
                  self.fixed_at(plan.micro_batch_size) / 2**20)
         self._fixed_at[plan.micro_batch_size] = fixed
+        if m.process_rss is not None:
+            self._ran_at[_plan_key(plan)] = m.process_rss
         self.floor = m.rss_before + unallocated
         self._with_fixed(fixed - self.costs.fixed_bytes)
         measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
@@ -406,9 +440,8 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
     For a process that is thrown away afterwards (a fork): it changes the model and the optimizer. What it
     measures is what real steps do, the second one included: the optimizer's state and update, and the
     tensor pool and allocator heaps as the previous step left them, which one forward/backward from a
-    fresh state does not show. (It does not explain everything: transformer plans recomputing most stages
-    still peak 2-3 MiB above it in the process itself, which the safety margin's floor covers.) The result is expressed as :func:`run_plan`'s (gradients allocated during the run, the
-    ``unallocated`` bytes added by the planner), so that the planner corrects its model the same way.
+    fresh state does not show. The result is expressed as :func:`run_plan`'s (gradients allocated during the
+    run, the ``unallocated`` bytes added by the planner), so that the planner corrects its model the same way.
     """
     executor = Executor(chain, plan)
     base = memory.baseline_rss_bytes()

@@ -375,8 +375,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             (identical to plain PyTorch) and micro-batch only if no such plan fits.
         safety_margin: share of the budget held back for what validation cannot see of a real step
             (allocator noise, code and heap a process touches that its fork did not), and at least
-            ``MIN_MARGIN_BYTES`` (4 MiB) when above 0: a transformer plan recomputing most stages peaked
-            2.6 MiB above its validated peak at a 40 MiB budget.
+            ``MIN_MARGIN_BYTES`` (1 MiB) when above 0.
         use_cache: reuse profiles measured earlier on this machine.
         name: model name for reports.
         paging: let the planner page tensors saved for backward to storage (``page_dir``) as well as
