@@ -154,3 +154,19 @@ def test_refused_budget_change_under_a_budget_names_one_that_works():
     assert step.set_memory_budget(least).peak_bytes <= least
     assert step._seen_micro  # the sizes run so far are known, so the next change plans with them
     step(x, y)
+
+
+def test_a_new_budget_holds_back_the_margin_prepare_did():
+    """The safety margin of a new budget is prepare's share of it, with the same floor, and it is the margin
+    the step then works with (the tensor pool's cap included)."""
+    from edgetrain._planning import MIN_MARGIN_BYTES, safety_margin_bytes
+
+    model = mlp(d=64, n_blocks=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 16), torch.randint(0, 5, (32,))
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="400MiB", safety_margin=0.01)
+    assert step.margin_bytes == safety_margin_bytes(400 * 2**20, 0.01) == 4 * 2**20
+    step.set_memory_budget("60MiB")  # 1% of it is below the floor
+    assert step.budget_bytes == 60 * 2**20 and step.margin_bytes == MIN_MARGIN_BYTES
+    assert step.plan.peak_bytes <= 60 * 2**20 - MIN_MARGIN_BYTES
+    step(x, y)

@@ -14,7 +14,7 @@ from torch import nn
 from . import memory
 from ._analysis import Analysis
 from ._fork import analyse_safely
-from ._planning import Measured, first_run_cost, safety_margin_bytes
+from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
@@ -59,6 +59,8 @@ class TrainStep:
         self.costs = costs
         self.budget_bytes = budget_bytes
         self.margin_bytes = margin_bytes
+        # prepare's safety_margin: a new budget holds back the same share, with the same floor
+        self.margin_share = margin_bytes / budget_bytes if budget_bytes else 0.0
         self.solver = solver
         self._signature = signature
         self._bn = FullBatchStats(model)
@@ -218,7 +220,7 @@ class TrainStep:
                 left exactly as they were. ``min_feasible_bytes`` is what the process needs now plus 2%.
         """
         budget = parse_bytes(memory_budget)
-        keep = self.margin_bytes / self.budget_bytes if self.budget_bytes else 0.0  # share held back
+        margin = safety_margin_bytes(budget, self.margin_share)
         table = self.budget_table()  # built first: its measuring run adds to what the process holds
         drift = self._drift()
 
@@ -230,12 +232,12 @@ class TrainStep:
             extra = self._first_run_bytes if table.plans[i].micro_batch_size in new else 0
             return table.budgets[i] + drift + extra
 
-        plan_budget = budget - int(budget * keep)
+        plan_budget = budget - margin
         fits = [i for i in range(len(table)) if need(i) <= plan_budget]
         if not fits:
             # what this process needs now, plus 2%: kernel caches differ by a few hundred KiB from one
             # process to the next, and a retry at the named budget in a fresh process must work
-            least = math.ceil(min(need(i) for i in range(len(table))) / (1 - keep) * 1.02)
+            least = math.ceil(budget_for(min(need(i) for i in range(len(table))), self.margin_share) * 1.02)
             raise BudgetError(
                 f"no plan fits the new budget {format_bytes(budget)}: the smallest this process can train in now "
                 f"is {format_bytes(least)} (it holds {format_bytes(drift)} more than when it was planned: kernel "
@@ -245,7 +247,7 @@ class TrainStep:
         if plan.micro_batch_size < self._plan.batch_size and self._bn.has_batchnorm:
             plan = plan.replace(bn_micro_batched=True)
         self.set_plan(plan.replace(budget_bytes=budget))
-        self.budget_bytes = budget
+        self.budget_bytes, self.margin_bytes = budget, margin
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one
         self._cap_pool()
         if self.elastic is not None:
@@ -463,6 +465,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step._fixed_micro = micro_batch_size is not None
     step._micro_sizes = outcome.sizes
     if budget is not None:
+        step.margin_share = safety_margin
         step._validate = analysis.validator(chain)
         step._seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
         step._first_run_bytes = outcome.first_run_bytes
