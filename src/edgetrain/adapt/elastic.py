@@ -83,7 +83,8 @@ class ElasticConfig:
             attach time; 0 turns calibration off (the plan then rests on the timing model alone).
         calibration_rounds: at most this many measure-and-correct rounds at attach time.
         calibration_tolerance: stop correcting once the measured speed-up is within this fraction of
-            the requested one.
+            the requested one; also the step-time resolution of the planner near the reachable limit
+            (selections within it of the fastest count as fastest: see ``plan_for_speedup``'s slack).
         feedback_gain: closed-loop control from training steps: the fraction of the (log) error between
             the requested and the delivered speed-up that each re-selection corrects; 0 turns it off.
         feedback_max_change: one correction moves the planner's target by at most a factor
@@ -295,8 +296,11 @@ class ElasticSelector:
 
     def _plan(self, imp: list[float], warn: bool) -> SpeedupPlan:
         timing, _ = self._require()
+        # speed-ups within calibration_tolerance are equal to the selector: near the reachable limit
+        # ("max") it takes the most important selection that fast, not the single fastest tensor
         plan = plan_for_speedup(imp, timing.train_s, timing.depth_s, timing.fixed_s, timing.full_step_s,
-                                self.target_speedup, self.config.time_units, warn=warn)
+                                self.target_speedup, self.config.time_units, warn=warn,
+                                slack=self.config.calibration_tolerance)
         self.plan = replace(plan, requested_speedup=float(self.config.speedup),
                             clamped=plan.clamped and self.config.speedup > plan.reachable_speedup)
         return self.plan

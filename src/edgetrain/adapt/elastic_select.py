@@ -196,12 +196,19 @@ def select_tensors(importance: Sequence[float], weight_grad_s: Sequence[float],
 
 def plan_for_speedup(importance: Sequence[float], weight_grad_s: Sequence[float],
                      depth_s: Sequence[float], fixed_s: float, full_step_s: float,
-                     speedup: float, time_units: int = 10_000, warn: bool = True) -> SpeedupPlan:
+                     speedup: float, time_units: int = 10_000, warn: bool = True,
+                     slack: float = 0.0) -> SpeedupPlan:
     """Select tensors for a step ``speedup`` times faster than full fine-tuning, or the fastest possible.
 
     The budget is ``full_step_s / speedup``. A request beyond what any selection reaches (the forward
     pass bounds it) is lowered to the reachable speed-up with a :class:`UserWarning` and a log record
     naming both numbers; it is never missed silently.
+
+    Speed-ups closer than ``slack`` cannot be told apart by the caller's measurements (the selector
+    passes its ``calibration_tolerance``), so the budget is never below ``1 + slack`` times the fastest
+    selection's time: at and near the limit (``speedup=math.inf`` included) the plan is the most
+    important selection that fast, not the single fastest tensor (e.g. a classifier's weight and bias
+    instead of its bias alone). The budget stays non-increasing in ``speedup``.
 
     Args:
         importance, weight_grad_s, depth_s, fixed_s, time_units: as for :func:`select_tensors`.
@@ -209,15 +216,18 @@ def plan_for_speedup(importance: Sequence[float], weight_grad_s: Sequence[float]
         speedup: requested speed-up (>= 1; 1 trains every tensor).
         warn: raise the warning (and log it at WARNING) when the request is lowered; False logs it
             at INFO only (for repeated re-selections after the first warning).
+        slack: the relative step-time resolution described above (>= 0; 0: the fastest exactly).
 
     Returns:
         The :class:`SpeedupPlan`.
 
     Raises:
-        InputError: ``speedup < 1`` or not finite-or-inf positive.
+        InputError: ``speedup < 1`` or not finite-or-inf positive, or ``slack < 0``.
     """
     if not speedup >= 1.0:
         raise InputError(f"speedup must be >= 1.0 (1.0 trains every tensor), got {speedup}")
+    if not slack >= 0.0:
+        raise InputError(f"slack must be >= 0, got {slack}")
     n = len(importance)
     singles = [fixed_s + depth_s[k] + weight_grad_s[k] for k in range(n)]
     fastest_s = float(min(singles))
@@ -231,7 +241,7 @@ def plan_for_speedup(importance: Sequence[float], weight_grad_s: Sequence[float]
     if clamped:
         msg = (f"requested speed-up {speedup:.3g}x is beyond the reachable {reachable:.3g}x: the forward "
                f"pass and loss alone take {fixed_s:.4g} s of the {full_step_s:.4g} s full step; training "
-               f"at {reachable:.3g}x instead")
+               f"at {reachable:.3g}x instead" + (f" (within {100 * slack:.3g}%)" if slack else ""))
         if warn:
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
@@ -240,5 +250,6 @@ def plan_for_speedup(importance: Sequence[float], weight_grad_s: Sequence[float]
         budget_s = fastest_s
     else:
         budget_s = full_step_s / speedup
+    budget_s = max(budget_s, fastest_s * (1.0 + slack))
     sel = select_tensors(importance, weight_grad_s, depth_s, fixed_s, budget_s, time_units)
     return SpeedupPlan(sel, float(speedup), reachable, full_step_s / sel.time_s, clamped)
