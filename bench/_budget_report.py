@@ -64,6 +64,11 @@ class Entry:
         return 1 + sum(fits(r, self.budget_bytes) for r in self.repeats) if self.fits else 0
 
     @property
+    def over_budget(self) -> int:
+        """Runs (the table's and its repeats) that finished above the budget."""
+        return sum(r is not None and r.ok and r.peak_bytes > self.budget_bytes for r in [self.result, *self.repeats])
+
+    @property
     def throughput(self) -> float:
         t = self.step_time_s
         return self.batch_size / t if t > 0 else 0.0
@@ -189,7 +194,9 @@ def versus_line(rep: ModelReport, method: str = "edgetrain") -> str:
         et, ck = rep.entries[(frac, method)], rep.entries[(frac, "checkpoint_sequential")]
         if et.fits and ck.fits:
             x = et.throughput / ck.throughput if ck.throughput else math.inf
-            parts.append(f"{frac:.0%}: {x:.2f}x")
+            over = [f"{name} over budget in {e.over_budget} of {1 + len(e.repeats)} runs"
+                    for name, e in ((method, et), ("checkpoint_sequential", ck)) if e.over_budget]
+            parts.append(f"{frac:.0%}: {x:.2f}x" + (f" ({', '.join(over)})" if over else ""))
         elif et.fits or ck.fits:
             x = math.inf if et.fits else 0.0
             parts.append(f"{frac:.0%}: {method if et.fits else 'checkpoint_sequential'} only")

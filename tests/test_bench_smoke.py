@@ -143,10 +143,11 @@ def test_versus_compares_medians_over_the_repeats() -> None:
     row = next(line for line in bb.budget_table(rep).to_text().splitlines()
                if line.startswith("100%") and " edgetrain " in line)
     assert "(3)" in row.split()
-    # a repeat over the budget marks the row as not fitting
+    # a repeat over the budget marks the row as not fitting, and the versus line says so
     et.repeats.append(ok(10_000, 1.0))
     assert "NO" in next(line for line in bb.budget_table(rep).to_text().splitlines()
                         if line.startswith("100%") and " edgetrain " in line).split()
+    assert "(edgetrain over budget in 1 of 4 runs)" in bb.versus_line(rep)
 
 
 def test_batchnorm_variant_rows_lines_and_claim() -> None:
