@@ -358,7 +358,7 @@ class ElasticSelector:
         """Correct the planner's target from the timed steps of the selection in force (closed loop)."""
         cfg, plan, times = self.config, self.plan, self._step_times
         if (cfg.feedback_gain == 0.0 or plan is None or not math.isfinite(cfg.speedup) or cfg.speedup == 1.0
-                or math.isinf(self.target_speedup)):
+                or math.isinf(self.target_speedup) or not self.full_step_s > 0.0):
             return
         want = min(cfg.speedup, plan.reachable_speedup)
         c = correct_target(self.target_speedup, want, self.full_step_s, times, gain=cfg.feedback_gain,
