@@ -182,8 +182,6 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0,
         The pooled map, contiguous in the order named.
     """
     n, c, h, w = x.shape
-    if layout == "spatial" and is_channels_last(x) and h % radius == 0 and w % radius == 0:
-        return _pool_slices(x, radius, scale)
     m = patch_matrix(h, w, radius, x.dtype, x.device, scale)  # [L, HW]
     lc, hw = m.shape
     if is_channels_last(x):
@@ -197,52 +195,6 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0,
         return torch.mm(m, flat.T, out=out).view(lc, n, c)
     out = None if scratch is None else scratch.view(-1)[:n * c * lc].view(n * c, lc)
     return torch.mm(flat, m.T, out=out).view(n, c, lc)
-
-
-def _pool_slices(x: torch.Tensor, radius: int, scale: float) -> torch.Tensor:
-    """:func:`pool_map` (``"spatial"``) of a channels-last map of whole patches: the sum of its ``r^2``
-    strided slices, written as ``[L, N, C]``.
-
-    Each slice reads rows of ``C`` contiguous values, so this is bound by reading ``x`` once, where the
-    GEMM with the patch-mean matrix does ``L`` multiply-adds per value read (1x1 conv 160 -> 960 channels
-    at 8 x 8, 16 samples, whole filtered backward: 1.46 -> 1.25 ms). The ``"channel"`` layout keeps the
-    GEMM: its transposed result would cost a copy that eats the gain (depthwise backward 1.20 -> 1.49 ms).
-    """
-    n, c, h, w = x.shape
-    hc, wc = h // radius, w // radius
-    v = x.permute(0, 2, 3, 1).reshape(n, hc, radius, wc, radius, c)  # a view: the memory is N, H, W, C
-    out = torch.empty(hc, wc, n, c, dtype=x.dtype, device=x.device)
-    acc = out.permute(2, 0, 1, 3)  # [N, Hc, Wc, C] view of the [L, N, C] result
-    parts = [v[:, :, a, :, b] for a in range(radius) for b in range(radius)]
-    torch.add(parts[0], parts[1], out=acc)
-    for part in parts[2:]:
-        acc.add_(part)
-    acc.mul_(scale / radius**2)
-    return out.view(hc * wc, n, c)
-
-
-@functools.lru_cache(maxsize=256)
-def patch_index(h: int, w: int, radius: int, device: torch.device) -> torch.Tensor:
-    """The patch ``U`` of each position ``u`` of an ``h x w`` map, row-major: ``[h w]`` int64."""
-    rows = torch.arange(h, device=device) // radius
-    cols = torch.arange(w, device=device) // radius
-    return (rows[:, None] * -(-w // radius) + cols[None, :]).reshape(-1)
-
-
-def _unpool_rows(t: torch.Tensor, radius: int, out: torch.Tensor) -> None:
-    """Unpool ``t`` (``[N, L, C]``, any strides) into the channels-last ``out``: ``out[u] = t[U] / n_U``.
-
-    The division is done on the small map, then every fine position copies its patch's row of ``C``
-    values (an index_select along the positions): bound by writing ``out`` once, where the GEMM with
-    the patch matrix does ``L`` multiply-adds per value written. Used by 1x1 convs, whose ``G W`` is
-    made in that order; the depthwise and tap paths' ``[N, C, L]`` maps keep the GEMM (a transposing
-    copy would cost what this saves).
-    """
-    n, lc, c = t.shape
-    h, w = out.shape[2:]
-    counts = patch_counts(h, w, radius, t.dtype, t.device).view(1, lc, 1)
-    rows = torch.div(t, counts)  # [N, L, C], contiguous (a map r^2 smaller than out)
-    torch.index_select(rows.contiguous(), 1, patch_index(h, w, radius, t.device), out=_nhwc(out))
 
 
 def _scratch(gx: torch.Tensor | None, numel: int, offset: int = 0) -> torch.Tensor | None:
@@ -323,9 +275,7 @@ def _pointwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs
         unpool = patch_matrix(h, w, radius, gy.dtype, gy.device) if tap is None else \
             _tap_unpool(ah, aw, 1, 1, h, w, radius, gy.dtype, gy.device)  # [L_out, HW]
         d = (g @ weight.view(o, c)).view(l_out, n, c)  # G W
-        if tap is None and is_channels_last(gx):  # whole patches: each position copies its patch's row
-            _unpool_rows(d.transpose(0, 1), radius, gx)
-        elif is_channels_last(gx):  # [N, HW, C] = (T M)^T [HW, L_out] @ d[:, n] [L_out, C]
+        if is_channels_last(gx):  # [N, HW, C] = (T M)^T [HW, L_out] @ d[:, n] [L_out, C]
             torch.bmm(unpool.T.expand(n, h * w, l_out), d.transpose(0, 1), out=_nhwc(gx))
         else:  # [N C, HW] = d^T [N C, L_out] @ T M [L_out, HW]: one GEMM over samples and channels
             torch.mm(d.view(l_out, n * c).T, unpool, out=gx.view(n * c, h * w))
