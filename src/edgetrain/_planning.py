@@ -223,7 +223,7 @@ class Planner:
             if grown <= STALE_BYTES:
                 break
             log.info("this process grew %s since the plan's validation run; running it again", format_bytes(grown))
-            model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+            _, measured_peak = self._correct(plan, run(plan), unallocated, grads)
             if measured_peak <= self.budget - self.margin:
                 plan = plan.replace(peak_bytes=measured_peak) if measured_peak > plan.peak_bytes else plan
                 break
