@@ -176,3 +176,48 @@ def test_plan_caches_do_not_grow_with_the_fixed_bytes():
         solve(chain(HELD + extra * MIB), HELD + 150 * MIB, solver="dp", micro_batch_sizes=[8])
     after = _common._sizes_at.cache_info().currsize, _common._min_peak_schedule.cache_info().currsize
     assert after == before
+
+
+def _residue_and_overprediction_runner():
+    """Small micro-batches leave 40 MiB behind; at the largest size (8) the model over-predicts the
+    activations fourfold and nothing is left behind."""
+    runs = []
+
+    def run(plan):
+        runs.append(plan)
+        act = simulate(chain(HELD), plan.micro_batch_size, plan.policies, plan.groups,
+                       plan.nested_groups).activation_peak_bytes
+        if plan.micro_batch_size == 8:
+            return Measured(rss_before=HELD, peak=HELD + act // 4, rss_after=HELD)
+        return Measured(rss_before=HELD, peak=HELD + 40 * MIB + act, rss_after=HELD + 40 * MIB)
+
+    return run, runs
+
+
+def test_the_largest_micro_batch_is_run_when_the_smallest_plan_misses():
+    """What a run leaves depends on the plan, and the model can over-predict a size's activations: when the
+    smallest plan measures over the budget, the largest size's smallest plan is run as well, and taken
+    when it fits (ResNet-18, batch 12: 191.5 MiB was named where micro-batch 12 peaks at 167 MiB)."""
+    run, runs = _residue_and_overprediction_runner()
+    budget = HELD + 30 * MIB
+    planner = Planner(chain(HELD), budget, 0, "dp", None, False, 1, 0)
+    plan, _ = planner.plan_validated(run, 0, 0)
+    assert plan.micro_batch_size == 8 and plan.peak_bytes <= budget
+    assert runs[-1].micro_batch_size == 8 and any(r.micro_batch_size < 8 for r in runs)
+
+
+def test_the_named_smallest_budget_is_one_a_plan_was_measured_in():
+    run, runs = _residue_and_overprediction_runner()
+    planner = Planner(chain(HELD), HELD + 10 * MIB, 0, "dp", None, False, 1, 0)
+    try:
+        planner.plan_validated(run, 0, 0)
+        raise AssertionError("expected a BudgetError")
+    except BudgetError as e:
+        named = e.min_feasible_bytes
+    assert any(r.micro_batch_size == 8 for r in runs)  # the largest size ran
+    at_8 = max(HELD + simulate(chain(HELD), 8, r.policies, r.groups, r.nested_groups).activation_peak_bytes // 4
+               for r in runs if r.micro_batch_size == 8)
+    assert named <= 1.04 * at_8  # the largest size's measured peak (plus 3%), not the smallest plan's 140+ MiB
+    retry = Planner(chain(HELD), named, 0, "dp", None, False, 1, 0)
+    plan, _ = retry.plan_validated(_residue_and_overprediction_runner()[0], 0, 0)
+    assert plan.peak_bytes <= named
