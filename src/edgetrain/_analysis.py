@@ -15,7 +15,8 @@ from torch import nn
 
 from . import memory
 from ._fork import measure_in_child
-from ._planning import Measured, Planner, run_plan, run_steps
+from ._planning import Measured, Planner
+from ._runs import run_plan, run_steps
 from .batch import slice_batch
 from .capture import capture
 from .graph import CostChain
