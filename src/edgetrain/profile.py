@@ -88,7 +88,7 @@ class OptimizerCosts:
     update_per_param: float
 
 
-_PROBE_ELEMS = 1 << 16
+_PROBE_ELEMS = 1 << 18
 
 
 def _constructor_options(cls: type, group: dict[str, Any]) -> dict[str, Any]:
@@ -123,10 +123,25 @@ def _probe_step(cls: type, group: dict[str, Any], n_probes: int) -> tuple[float,
     return per_elem, max(0, memory.peak_rss_bytes() - rss0)
 
 
+def _probe_in_child(cls: type, group: dict[str, Any]) -> tuple[float, int, int]:
+    """:func:`_probe_step` with one and with four probes, in a forked child where possible (the probes and
+    their state take ~20 MiB for Adam, which must not count against this process's budget)."""
+    from . import _fork
+
+    def probe() -> tuple[float, int, int]:
+        per_elem, one = _probe_step(cls, group, 1)
+        return per_elem, one, _probe_step(cls, group, 4)[1]
+
+    res = _fork.run_in_child(probe) if _fork.available() else None
+    if res is not None and res.error is None and res.value is not None:
+        return res.value
+    return probe()
+
+
 def optimizer_costs(optimizer: torch.optim.Optimizer) -> OptimizerCosts:
     """Learn the optimizer's memory from probes of the same class and hyper-parameters.
 
-    A fresh optimizer steps a probe parameter of 64K elements twice: per parameter element we count the
+    A fresh optimizer steps a probe parameter of 256K elements twice: per parameter element we count the
     state tensors it keeps, and from the resident-memory peak of the second step the temporaries its
     update allocates, per element. Whether those temporaries are made for the whole model at once
     (foreach kernels, e.g. Adam's square roots of every parameter) or one parameter at a time (the
@@ -142,8 +157,7 @@ def optimizer_costs(optimizer: torch.optim.Optimizer) -> OptimizerCosts:
     group = _constructor_options(type(optimizer), optimizer.param_groups[0])
     probe_bytes = _PROBE_ELEMS * 4
     try:
-        per_elem, one = _probe_step(type(optimizer), group, 1)
-        _, four = _probe_step(type(optimizer), group, 4)
+        per_elem, one, four = _probe_in_child(type(optimizer), group)
         whole_model = four > 2.5 * one
         # page-granular reading: round up to a quarter of a tensor
         transient = math.ceil((one if whole_model else max(one, four)) / probe_bytes * 4) / 4
