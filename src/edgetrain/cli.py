@@ -125,8 +125,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{args.budget_fraction:.0%} of it: {edgetrain.format_bytes(budget)}")
     digits = load_mnist(seed=args.seed)
     # The dataset (and the packages that load it) are not training memory: start the budget's zero point
-    # here, as plain PyTorch's measurement (random data, no loader) does.
+    # here, as plain PyTorch's measurement (random data, no loader) does, and the peak with it (loading
+    # peaks far above what it keeps; until prepare stopped resetting the peak in this process, its
+    # optimizer probe happened to clear that).
     memory.record_baseline()
+    memory.reset_peak()
     torch.manual_seed(args.seed)
     model, channels, layout = _model_for(args.model, args.image_size, args.width)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
