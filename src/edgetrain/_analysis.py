@@ -87,6 +87,7 @@ class Analysis:
         (when it can: one intra-op thread, no pager), so that every run is measured as this process's first
         step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave."""
         def run(p: Plan) -> Measured:
+            measured = None
             if isolated and self.pager is None:
                 if self.optimizer is not None:  # the fork is thrown away: run real steps, update included
                     measured = measure_in_child(lambda: run_steps(
@@ -95,9 +96,8 @@ class Analysis:
                 else:
                     measured = measure_in_child(
                         lambda: run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, None))
-                if measured is not None:
-                    return replace(measured, process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
-            measured = run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager)
+            if measured is None:
+                measured = run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager)
             return replace(measured, process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
         return run
 

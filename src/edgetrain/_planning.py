@@ -96,7 +96,7 @@ class Planner:
         self._fixed_at: dict[int, int] = {}
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
         self._ran_at: dict[tuple[int, tuple[str, ...]], int] = {}  # plan -> process RSS after its last run
-        self._largest_tried: list[tuple[Plan, int, int]] = []  # _largest_size_run's one run
+        self._largest_run: tuple[Plan, int, int] | None = None  # _largest_size_run's one run
 
     def _with_fixed(self, extra: int) -> None:
         self.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes + extra)
@@ -356,28 +356,28 @@ class Planner:
         than 1.5x ``near`` (not worth a run, and a run far above the budget could exhaust the memory of
         a small device; a later call, after re-profiling, may judge it again). Runs at most once.
         """
-        if self._largest_tried:  # it ran: once is enough
-            return self._largest_tried[0]
         largest = max(s for group in self._sizes() for s in group)
-        result = None
-        if largest not in self._fixed_at:
-            try:
-                self._solve_sizes(0, [largest])
-            except BudgetError as e:
-                at_largest = int(e.min_feasible_bytes or 0)
-                # judged with the fixed bytes measured so far, not their extrapolation to this size
-                flat = at_largest - self.fixed_at(largest) + max(self._fixed_at.values(), default=0)
-                if at_largest and flat < 1.5 * near:
-                    costs_before = self.costs
-                    try:
-                        plan = self._solve_sizes(at_largest, [largest])
-                        model_peak, measured = self._correct(plan, run(plan), unallocated, grads)
-                        result = plan, model_peak, measured
-                        self._largest_tried.append(result)
-                    except BudgetError as e2:
-                        log.debug("could not run the largest micro-batch size: %s", e2)
-                        self.costs = costs_before
-        return result
+        if self._largest_run is not None or largest in self._fixed_at:
+            return self._largest_run  # it ran (once is enough), or that size ran on the main path
+        try:
+            self._solve_sizes(0, [largest])
+            return None  # a plan of any size fits a budget of 0: nothing to learn
+        except BudgetError as e:
+            at_largest = int(e.min_feasible_bytes or 0)
+        # judged with the fixed bytes measured so far, not their extrapolation to this size
+        flat = at_largest - self.fixed_at(largest) + max(self._fixed_at.values(), default=0)
+        if not at_largest or flat >= 1.5 * near:
+            return None
+        costs_before = self.costs
+        try:
+            plan = self._solve_sizes(at_largest, [largest])
+        except BudgetError as e:
+            log.debug("could not run the largest micro-batch size: %s", e)
+            self.costs = costs_before
+            return None
+        model_peak, measured = self._correct(plan, run(plan), unallocated, grads)
+        self._largest_run = plan, model_peak, measured
+        return self._largest_run
 
     def _infeasible(self, err: BudgetError, run: Callable[[Plan], Measured], unallocated: int,
                     grads: int) -> BudgetError:

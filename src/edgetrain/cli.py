@@ -126,8 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     digits = load_mnist(seed=args.seed)
     # The dataset (and the packages that load it) are not training memory: start the budget's zero point
     # here, as plain PyTorch's measurement (random data, no loader) does, and the peak with it (loading
-    # peaks far above what it keeps; until prepare stopped resetting the peak in this process, its
-    # optimizer probe happened to clear that).
+    # peaks far above what it keeps).
     memory.record_baseline()
     memory.reset_peak()
     torch.manual_seed(args.seed)

@@ -95,12 +95,12 @@ def _constructor_options(cls: type, group: dict[str, Any]) -> dict[str, Any]:
     """The hyper-parameters of ``group`` that ``cls(params, **options)`` accepts (a param group can hold
     keys the constructor sets itself, e.g. AdamW's ``decoupled_weight_decay``)."""
     try:
-        sig = inspect.signature(cls.__init__)
+        params = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
-        return {k: v for k, v in group.items() if k != "params"}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
-        return {k: v for k, v in group.items() if k != "params"}
-    return {k: v for k, v in group.items() if k != "params" and k in sig.parameters}
+        params = None  # unknown: pass every key
+    if params is not None and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        params = None
+    return {k: v for k, v in group.items() if k != "params" and (params is None or k in params)}
 
 
 def _probe_step(cls: type, group: dict[str, Any], n_probes: int) -> tuple[float, int]:
