@@ -12,6 +12,11 @@ frozen, as in the paper; the exact baseline trains the same layers with plain Py
 * end to end (one training step of the whole model): the same three numbers. The end-to-end bytes
   include the BatchNorm/ReLU tensors that filtering does not change.
 
+Part 3 (auto mode): with all but the last 8 convs frozen, ``plan_grad_filter`` picks layers and radius
+for a backward speed-up target, from measured per-layer times (default) and from FLOPs, in NCHW and
+channels-last layout; "verified" is the speed-up the planner itself measured for its choice (measured
+timing only: it re-plans when short), "measured" the bench's own interleaved measurement of one step.
+
 Part 2: pretrain a small MobileNetV2 on digits 0-4, fine-tune the last 4 convs (+ head) on 5-9 exactly
 and with r = 2 from the same weights and batches, and compare test accuracy (target: within 1.5 points).
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import statistics
 import sys
 import time
@@ -31,7 +37,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from edgetrain.adapt import GradFilter, apply_grad_filter, remove_grad_filter  # noqa: E402
+from edgetrain.adapt import GradFilter, apply_grad_filter, plan_grad_filter, remove_grad_filter  # noqa: E402
+from edgetrain.errors import BudgetError  # noqa: E402
 from edgetrain.adapt._gradfilter_trace import trace_model  # noqa: E402  (whole-step FLOPs)
 from edgetrain.units import format_bytes  # noqa: E402
 
@@ -189,6 +196,54 @@ def part1(quick: bool) -> None:
             print(table(e2e_header, end_to_end(exact, filtered, reports, x, y, reps)))
 
 
+def part3(quick: bool) -> None:
+    """Auto mode: predicted (measured timing, FLOPs) vs measured backward speed-up of its choice."""
+    from edgetrain.models import mobilenet_v2, resnet18
+    size, reps = (128, 3) if quick else (256, 7)
+    setups = [("MobileNetV2", lambda: mobilenet_v2(num_classes=10), 4 if quick else 16),
+              ("ResNet-18", lambda: resnet18(num_classes=10), 4 if quick else 8)]
+    header = ["layout", "target", "timing", "chosen (left exact)", "r", "predicted", "verified", "measured"]
+    for name, build, batch in setups:
+        print(f"\n== auto mode, {name}, input {batch}x3x{size}x{size}, all but the last 8 convs frozen, "
+              f"backward speed-up of one step ==")
+        rows = []
+        for layout in (torch.contiguous_format, CL):
+            label = "channels_last" if layout is CL else "NCHW"
+            torch.manual_seed(0)
+            model = build().to(memory_format=layout)
+            x = torch.randn(batch, 3, size, size).contiguous(memory_format=layout)
+            y = torch.randint(0, 10, (batch,))
+            frozen = apply_grad_filter(copy.deepcopy(model), GradFilter(radius=1, last_n=8), x).frozen
+            freeze(model, frozen)
+            timings = None
+            for target in (1.5, 2.0):
+                for timing in ("measured", "flops"):
+                    try:
+                        plan = plan_grad_filter(model, x, target_speedup=target, timing=timing,
+                                                timings=timings)
+                    except BudgetError as exc:
+                        best = re.search(r"best reachable backward speed-up is (\S+)", str(exc))
+                        rows.append([label, f"{target}x", timing, f"refused: best {best.group(1) if best else '?'}",
+                                     "", "", "", ""])
+                        continue
+                    timings = plan.timings or timings
+                    filtered = copy.deepcopy(model)
+                    apply_grad_filter(filtered, plan.config)
+
+                    def step(m: nn.Module):
+                        m.zero_grad(set_to_none=True)
+                        return F.cross_entropy(m(x), y), None
+
+                    t_exact, t_filt = time_backward([lambda: step(model), lambda: step(filtered)], reps)
+                    chosen = f"{len(plan.layers)} convs" + (f" ({', '.join(plan.left_exact)})"
+                                                             if plan.left_exact else "")
+                    rows.append([label, f"{target}x", timing, chosen,
+                                 str(plan.config.radius), f"{plan.predicted_speedup:.2f}x",
+                                 "-" if plan.measured_speedup is None else f"{plan.measured_speedup:.2f}x",
+                                 f"{t_exact / t_filt:.2f}x"])
+        print(table(header, rows))
+
+
 CL = torch.channels_last  # oneDNN runs MobileNetV2 ~1.6x faster on CPU in this layout (both variants)
 
 
@@ -261,7 +316,8 @@ def main() -> None:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small inputs, few repeats (< 2 min)")
     parser.add_argument("--skip-accuracy", action="store_true", help="run part 1 only")
-    parser.add_argument("--skip-speed", action="store_true", help="run part 2 only")
+    parser.add_argument("--skip-speed", action="store_true", help="skip part 1")
+    parser.add_argument("--skip-auto", action="store_true", help="skip part 3 (auto mode)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: process CPU time (steadier on a shared machine)")
@@ -282,6 +338,8 @@ def main() -> None:  # noqa: D103
           f"{args.clock}-clock medians of interleaved runs (order alternating)")
     if not args.skip_speed:
         part1(args.quick)
+    if not args.skip_auto:
+        part3(args.quick)
     if not args.skip_accuracy:
         part2(args.quick)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -390,9 +390,10 @@ def test_estimates_match_measured_saved_bytes(radius):
 
 
 def test_auto_mode_picks_the_smallest_suffix_that_meets_the_target():
+    """With the FLOPs model (deterministic); measured timing: tests/test_gradfilter_auto.py."""
     model = _small_cnn()
     x = torch.randn(4, 3, 16, 16)
-    config = auto_grad_filter(model, x, target_speedup=1.5)
+    config = auto_grad_filter(model, x, target_speedup=1.5, timing="flops")
     assert config.freeze_earlier is False and config.radius in (2, 4)
 
     def speedup(n, r):
@@ -407,14 +408,14 @@ def test_auto_mode_picks_the_smallest_suffix_that_meets_the_target():
     assert all(speedup(n, r) < 1.5 for n in range(1, config.last_n) for r in (2, 4))
     if config.radius == 4:
         assert speedup(config.last_n, 2) < 1.5
-    bigger = auto_grad_filter(model, x, target_speedup=2.5)
+    bigger = auto_grad_filter(model, x, target_speedup=2.5, timing="flops")
     assert (bigger.last_n, bigger.radius) > (config.last_n, config.radius)
     with pytest.raises(BudgetError, match="best reachable"):
-        auto_grad_filter(model, x, target_speedup=1000.0)
+        auto_grad_filter(model, x, target_speedup=1000.0, timing="flops")
     with pytest.raises(ValueError, match="target"):
         auto_grad_filter(model, x)
     budget = _step_saved_bytes(model, x) - 1
-    by_bytes = auto_grad_filter(model, x, target_saved_bytes=budget)
+    by_bytes = auto_grad_filter(model, x, target_saved_bytes=budget, timing="flops")
     filtered = copy.deepcopy(model)
     apply_grad_filter(filtered, by_bytes)
     assert _step_saved_bytes(filtered, x) <= budget

@@ -10,10 +10,12 @@ from .gradfilter import (
     FilteredConv2d, GradFilter, GradFilterReport, LayerCost, apply_grad_filter, auto_grad_filter,
     estimate_costs, filtered_conv2d, remove_grad_filter,
 )
+from ._gradfilter_auto import FilterTimings, GradFilterPlan, measure_filter_timings, plan_grad_filter
 
 __all__ = [
     "FilteredConv2d", "GradFilter", "GradFilterReport", "LayerCost", "apply_grad_filter",
     "auto_grad_filter", "estimate_costs", "filtered_conv2d", "remove_grad_filter",
+    "FilterTimings", "GradFilterPlan", "measure_filter_timings", "plan_grad_filter",
     "ElasticConfig", "ElasticSelector", "tensor_importance", "Selection", "SpeedupPlan", "plan_for_speedup",
     "select_tensors", "solve_units", "TrainingSnapshot", "TensorTiming", "measure_timing",
 ]

@@ -24,8 +24,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import BudgetError
-from ..units import format_bytes, parse_bytes
+from ..units import format_bytes
 from ._gradfilter_impl import filtered_conv2d
 from ._gradfilter_trace import LayerCost, ModelTrace, layer_costs, trace_model
 
@@ -37,9 +36,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 torch.fx.wrap("filtered_conv2d")  # symbolic tracing records it as one call instead of tracing into it
-
-_AUTO_RADII = (2, 4)
-
 
 @dataclass(frozen=True)
 class GradFilter:
@@ -315,57 +311,25 @@ def remove_grad_filter(model: nn.Module) -> tuple[str, ...]:
 
 def auto_grad_filter(model: nn.Module, example_input: torch.Tensor,
                      target_speedup: float | None = None,
-                     target_saved_bytes: int | str | None = None) -> GradFilter:
-    """Choose the layers (a suffix of the trainable convs) and radius that meet a target.
-
-    The baseline is exact backprop of ``model`` as it is now (nothing extra is frozen; the returned
-    config has ``freeze_earlier=False``, so freeze a backbone yourself first to fine-tune only a head
-    part). For every radius ``r`` in (2, 4) and suffix length ``n`` the estimate is
-
-    * speed-up = ``B / (B - sum_i (exact_i - filtered_i))``, where ``B`` is the backward FLOPs of every
-      Conv2d and Linear of the model on ``example_input`` (elementwise layers are not counted);
-    * saved bytes = the measured saved-activation bytes of one step, minus the conv inputs that only
-      filtered convs save, plus the pooled inputs.
-
-    Rule: the fewest filtered layers that meet every given target; among equal counts, the smaller
-    radius.
+                     target_saved_bytes: int | str | None = None, timing: str = "measured") -> GradFilter:
+    """Choose the convs and radius that meet a target (see :func:`plan_grad_filter` for the rule).
 
     Args:
         model: the model (not filtered).
         example_input: one input batch of the size you train with.
         target_speedup: wanted backward speed-up (> 1), or None.
         target_saved_bytes: wanted upper bound on saved-activation bytes (int or "300MiB"), or None.
+        timing: ``"measured"`` (time the backward on this machine, the default) or ``"flops"``.
 
     Returns:
-        The chosen :class:`GradFilter`.
+        The chosen :class:`GradFilter` (``freeze_earlier=False``).
 
     Raises:
-        ValueError: when neither target is given, or ``target_speedup`` is not above 1.
-        BudgetError: when even every trainable conv at radius 4 misses a target (the message gives the
-            best reachable value).
+        ValueError: when neither target is given, ``target_speedup`` is not above 1 or ``timing`` is
+            unknown.
+        BudgetError: when no choice meets a target (the message gives the best reachable values).
     """
-    if target_speedup is None and target_saved_bytes is None:
-        raise ValueError("auto_grad_filter needs target_speedup (e.g. 2.0) or target_saved_bytes "
-                         "(e.g. '64MiB')")
-    if target_speedup is not None and not target_speedup > 1.0:
-        raise ValueError(f"target_speedup must be above 1; got {target_speedup!r}")
-    budget = None if target_saved_bytes is None else parse_bytes(target_saved_bytes)
-    trace = trace_model(model, example_input, record_saved=True)
-    order = _select(model, GradFilter(last_n=None), trace)
-    best: tuple[float, int] = (0.0, trace.saved_bytes)
-    for n in range(1, len(order) + 1):
-        for radius in _AUTO_RADII:
-            costs = layer_costs(trace, order[-n:], radius)
-            saved_flops = sum(c.backward_flops_exact - c.backward_flops_filtered for c in costs)
-            speedup = trace.backward_flops / max(trace.backward_flops - saved_flops, 1)
-            saved_bytes = trace.saved_bytes - sum(c.freed_bytes for c in costs)
-            best = (max(best[0], speedup), min(best[1], saved_bytes))
-            if ((target_speedup is None or speedup >= target_speedup)
-                    and (budget is None or saved_bytes <= budget)):
-                logger.info("auto grad filter: last %d convs at r=%d (speed-up %.2fx, saved %s)",
-                            n, radius, speedup, format_bytes(saved_bytes))
-                return GradFilter(radius=radius, last_n=n, freeze_earlier=False)
-    raise BudgetError(
-        f"no suffix of convs meets the target: the best reachable backward speed-up is {best[0]:.2f}x "
-        f"and the smallest saved-activation size {format_bytes(best[1])}; relax the target or freeze "
-        f"more layers first", budget_bytes=budget, min_feasible_bytes=best[1])
+    from ._gradfilter_auto import plan_grad_filter  # it builds on this module
+
+    return plan_grad_filter(model, example_input, target_speedup, target_saved_bytes, timing).config
+
