@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator, TypeVar
 
 __all__ = [
-    "rss_bytes", "peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
+    "rss_bytes", "peak_rss_bytes", "process_peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
     "tune_allocator", "allocator_tuned", "PeakMeter", "measure_peak",
 ]
 
@@ -70,6 +70,20 @@ def peak_rss_bytes() -> int:
     return rss_bytes()
 
 
+_PEAK_BEFORE_RESETS = 0   # the highest VmHWM that reset_peak has wiped from the kernel's counter
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak RSS of this process since it started, across :func:`reset_peak` calls.
+
+    edgetrain resets the kernel's peak (``VmHWM``, which ``resource.getrusage(...).ru_maxrss`` reads too)
+    to measure its own runs: ``prepare`` does, and so does :func:`measure_peak`. After that, those two
+    report the peak since the last reset only. This returns the lifetime peak: the larger of the current
+    ``VmHWM`` and every peak a reset wiped (resets by other code than edgetrain's are not seen).
+    """
+    return max(_PEAK_BEFORE_RESETS, peak_rss_bytes())
+
+
 def can_reset_peak() -> bool:
     """Whether :func:`reset_peak` works here (Linux with a writable ``/proc/self/clear_refs``)."""
     return os.access(_CLEAR_REFS, os.W_OK)
@@ -83,6 +97,8 @@ def reset_peak() -> bool:
     """
     from .runtime import pool
 
+    global _PEAK_BEFORE_RESETS
+    _PEAK_BEFORE_RESETS = max(_PEAK_BEFORE_RESETS, peak_rss_bytes())
     if pool.installed():
         pool.release()
         pool.reset_peak()
