@@ -144,7 +144,8 @@ def measure_filter_timings(model: nn.Module, example_input: torch.Tensor, names:
 
     Each conv runs alone on the input it sees in ``model(example_input)`` (same memory format), with
     the gradients it needs there (its input's only if backward reaches past it). Parameter gradients,
-    running statistics and the RNG are restored afterwards.
+    running statistics and the RNG are restored afterwards. A copy of every timed conv's input is held
+    until that conv is timed (at most about one step's saved activations).
 
     Args:
         model: the model, not filtered.
