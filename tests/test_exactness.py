@@ -188,3 +188,20 @@ def test_two_level_recompute_groups_are_bit_exact(make):
         torch.manual_seed(i)
         assert step(x, y) == lr
     assert_state_close(ours, ref, rtol=0)  # BatchNorm running statistics updated once per real forward
+
+
+@pytest.mark.parametrize("solver", ["recompute_all", "chen_sqrt"])
+def test_channels_last_model_matches_plain(solver):
+    """A model and batches in channels-last layout (oneDNN's fast CPU layout) train exactly as plainly."""
+    cl = torch.channels_last
+    ref, opt_r, ours, opt_o = twins(lambda: convnet().to(memory_format=cl), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(20, 3, 16, 16).contiguous(memory_format=cl), torch.randint(0, 5, (20,))
+    step = edgetrain.prepare(ours, opt_o, loss_fn, (x, y), solver=solver)
+    for i in range(3):
+        xb, yb = torch.randn(20, 3, 16, 16).contiguous(memory_format=cl), torch.randint(0, 5, (20,))
+        lr = plain_step(ref, opt_r, loss_fn, xb, yb, i)
+        torch.manual_seed(i)
+        assert step(xb, yb) == pytest.approx(lr, rel=1e-6)
+    assert_state_close(ours, ref, rtol=1e-6, atol=1e-7)
+    assert all(p.is_contiguous(memory_format=cl) for p in ours.parameters() if p.dim() == 4)
