@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import importlib
 import inspect
 import itertools
@@ -45,10 +44,8 @@ from torch import nn  # noqa: E402
 
 from edgetrain.adapt.elastic import ElasticConfig, ElasticSelector  # noqa: E402
 from edgetrain.adapt.elastic_measure import batch_loss  # noqa: E402
+from elastic_task import FT_EPOCHS, cnn_task, make_opt, make_opt_all  # noqa: E402  (bench/ is on the path)
 
-PRETRAIN_EPOCHS = 40                                                        # CNN backbone pretraining
-FT_EPOCHS = 8   # every CNN method alike; full fine-tuning converges by then (RESULTS_ELASTIC.md, findings)
-AUGMENT = dict(max_rotation_deg=12.0, max_scale=0.1, max_shift=3 / 32)     # up to 12 degrees, 10%, 3 px
 
 
 @dataclass
@@ -171,23 +168,6 @@ def closed_loop(r: Run, full: Run) -> str:   # per selection, its steps vs the f
 
 
 # --------------------------------------------------------------------------------------------- CNN
-def recalibrate_batchnorm(model: nn.Module, batches: Iterable[Any]) -> None:
-    """Re-estimate BatchNorm running statistics with the final weights (one no-grad pass): after a
-    short pretraining at a high learning rate the running averages lag the weights so far that eval
-    mode scores chance. Done once, before fine-tuning, so every method starts from the same model."""
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    saved = [m.momentum for m in bns]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None                          # cumulative average over the pass
-    model.train()
-    with torch.no_grad():
-        for x, _ in batches:
-            model(x)
-    for m, mom in zip(bns, saved):
-        m.momentum = mom
-
-
 def seed_spread(fresh_for_seed: Callable[[int], nn.Module], make_opt: Callable, make_opt_all: Callable,
                 batches_for_seed: Callable[[int], Callable[[int], Iterable[Any]]], evaluate: Callable,
                 epochs: int, decay: int, cfg: dict, seeds: list[int], first: dict[str, float]) -> dict[str, float]:
@@ -222,83 +202,12 @@ def seed_spread(fresh_for_seed: Callable[[int], nn.Module], make_opt: Callable, 
             "cnn_elastic 2x_mean_acc": statistics.mean(acc["elastic 2x"])}
 
 
-def pretrain_backbone(pre: Any, epochs: int, size: int, bs: int) -> tuple[nn.Module, float]:
-    """MobileNetV2-0.5 trained from scratch on ``pre`` (one-cycle Adam, every batch randomly rotated,
-    scaled and shifted by :func:`edgetrain.data.random_affine`), BatchNorm recalibrated on plain
-    batches. Returns the model and its accuracy on ``pre``'s test split."""
-    from edgetrain.data import random_affine
-    from edgetrain.models import mobilenet_v2
-
-    torch.manual_seed(0)
-    base = mobilenet_v2(num_classes=pre.num_classes, in_channels=1, width_mult=0.5)
-    opt = torch.optim.Adam(base.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, pct_start=0.2,
-                                                total_steps=epochs * pre.num_batches("train", bs))
-    gen = torch.Generator().manual_seed(0)
-    for e in range(epochs):
-        for x, y in pre.batches("train", bs, image_size=size, seed=100 + e):
-            opt.zero_grad()
-            nn.functional.cross_entropy(base(random_affine(x, gen, **AUGMENT)), y).backward()
-            opt.step()
-            sched.step()
-    recalibrate_batchnorm(base, pre.batches("train", bs, image_size=size, seed=99))
-    base.eval()
-    xp, yp = pre.tensors("test", image_size=size)
-    with torch.no_grad():
-        return base, (base(xp).argmax(1) == yp).float().mean().item()
-
-
 def cnn_bench(quick: bool, seeds: int = 1, backbone_cache: str | None = None) -> dict[str, float]:
-    from edgetrain.data import load_mnist
-
-    size, bs = 32, 64
-    # Pretrain on 90% of the real 0-4 digits (10% held out to check it); fine-tune and test on 5-9.
-    pre = load_mnist(seed=0, test_fraction=0.1).subset((0, 1, 2, 3, 4))
-    ft = dataclasses.replace(load_mnist(seed=0).subset((5, 6, 7, 8, 9)), mean=pre.mean, std=pre.std)
-    pre_epochs, ft_epochs = (2, 1) if quick else (PRETRAIN_EPOCHS, FT_EPOCHS)
-    ft_train_n = 640 if quick else None
-
-    def batches(data, epoch, limit=None):
-        return itertools.islice(data.batches("train", bs, image_size=size, seed=epoch),
-                                None if limit is None else limit // bs)
-
-    xt, yt = ft.tensors("test", image_size=size, channels=1)
-
-    def evaluate(model: nn.Module) -> float:
-        with torch.no_grad():
-            acc = (model.eval()(xt).argmax(1) == yt).float().mean().item()
-        model.train()
-        return acc
-
-    t0 = time.perf_counter()
-    cache = f"{backbone_cache}.{'quick' if quick else 'full'}.pt" if backbone_cache else ""
-    loaded = os.path.exists(cache)                   # saved by this same (deterministic) pretraining
-    base, pre_acc = torch.load(cache, weights_only=False) if loaded else pretrain_backbone(pre, pre_epochs, size, bs)
-    if cache and not loaded:
-        torch.save((base, pre_acc), cache)
-    how = f"loaded from {cache}" if loaded else f"{time.perf_counter() - t0:.0f}s"
-    print(f"CNN: MobileNetV2-0.5 pretrained on digits 0-4 ({pre.num_samples()} images, {pre_epochs} epochs "
-          f"one-cycle Adam, random rotations/scalings/shifts, BN recalibration, {how}): test acc "
-          f"{100 * pre_acc:.1f}% on {pre.num_samples('test')} held-out 0-4 images; fine-tune on digits 5-9 "
-          f"({ft_train_n or ft.num_samples()} train / {len(yt)} test images)")
-
-    def fresh(seed: int = 1) -> nn.Module:
-        """The pretrained backbone with a new 5-way head drawn from ``seed``, in train mode."""
-        torch.manual_seed(seed)
-        m = copy.deepcopy(base)
-        m.classifier[1] = nn.Linear(base.classifier[1].in_features, 5)
-        return m.train()
-
-    def make_opt(m: nn.Module) -> torch.optim.Optimizer:   # the trainable tensors (full, baselines)
-        return torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-3)
-
-    def make_opt_all(m: nn.Module) -> torch.optim.Optimizer:   # every tensor (elastic selects them)
-        return torch.optim.Adam(m.parameters(), lr=1e-3)
-
-    def ft_batches(epoch: int) -> Iterable[Any]:
-        return batches(ft, epoch, ft_train_n)
-
-    steps_per_epoch = (ft_train_n or ft.num_samples()) // bs
+    task, line = cnn_task(quick, backbone_cache)
+    print(line)
+    ft_epochs = 1 if quick else FT_EPOCHS
+    base, fresh, evaluate, ft_batches = task.base, task.fresh, task.evaluate, task.batches
+    steps_per_epoch = task.steps_per_epoch
     cfg = dict(interval_steps=steps_per_epoch, probe_batch_size=32, timing_repeats=2 if quick else 3,
                timing_cut_repeats=2 if quick else 3, timing_max_cuts=10 if quick else 24)
     head_names = ["classifier.1.weight", "classifier.1.bias"]
@@ -321,11 +230,11 @@ def cnn_bench(quick: bool, seeds: int = 1, backbone_cache: str | None = None) ->
         out[f"cnn_{r.name}_measured"], out[f"cnn_{r.name}_acc"] = meas, r.epochs[-1][1]
     out["cnn_last_acc"], out["cnn_bias_acc"] = runs[4].epochs[-1][1], runs[5].epochs[-1][1]
     if seeds > 1:
-        print(f"CNN over seeds (head init and data order; {len(yt)} test images, so one seed's accuracy "
-              f"has a binomial sd of about {100 * math.sqrt(0.93 * 0.07 / len(yt)):.1f} points):")
+        print(f"CNN over seeds (head init and data order; {len(task.yt)} test images, so one seed's accuracy "
+              f"has a binomial sd of about {100 * math.sqrt(0.93 * 0.07 / len(task.yt)):.1f} points):")
 
         def batches_for_seed(seed: int) -> Callable[[int], Iterable[Any]]:
-            return lambda epoch: batches(ft, epoch + 1000 * seed, ft_train_n)
+            return lambda epoch: task.batches(epoch + 1000 * seed)
 
         first = {"full": out["cnn_full_acc"], "elastic 2x": runs[2].epochs[-1][1],
                  "interleaved": out["cnn_elastic 2x_measured"]}

@@ -13,23 +13,19 @@ Prints the gap to full fine-tuning per speed-up: the accuracy cost curve of the 
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_elastic as B  # noqa: E402
 from edgetrain.adapt.elastic import ElasticConfig  # noqa: E402
-from edgetrain.data import load_mnist  # noqa: E402
+from elastic_task import FT_EPOCHS, cnn_task, make_opt, make_opt_all  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,55 +38,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     speeds = [float(s) for s in args.speedups.split(",")]
-    size, bs = 32, 64                                   # as bench_elastic.cnn_bench
-    pre = load_mnist(seed=0, test_fraction=0.1).subset((0, 1, 2, 3, 4))
-    ft = dataclasses.replace(load_mnist(seed=0).subset((5, 6, 7, 8, 9)), mean=pre.mean, std=pre.std)
-    cache = f"{args.backbone_cache}.full.pt" if args.backbone_cache else ""
-    if cache and os.path.exists(cache):
-        base, _ = torch.load(cache, weights_only=False)
-    else:
-        base, _ = B.pretrain_backbone(pre, B.PRETRAIN_EPOCHS, size, bs)
-        if cache:
-            torch.save((base, _), cache)
-    xt, yt = ft.tensors("test", image_size=size, channels=1)
-
-    def evaluate(model: nn.Module) -> float:
-        with torch.no_grad():
-            acc = (model.eval()(xt).argmax(1) == yt).float().mean().item()
-        model.train()
-        return acc
-
-    def fresh(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        m = copy.deepcopy(base)
-        m.classifier[1] = nn.Linear(base.classifier[1].in_features, 5)
-        return m.train()
-
-    def make_opt(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-3)
-
-    def make_opt_all(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.Adam(m.parameters(), lr=1e-3)
-
-    steps = ft.num_samples() // bs
-    cfg = dict(interval_steps=steps, probe_batch_size=32, timing_repeats=3, timing_cut_repeats=3,
+    task, line = cnn_task(False, args.backbone_cache)
+    print(line)
+    cfg = dict(interval_steps=task.steps_per_epoch, probe_batch_size=32, timing_repeats=3, timing_cut_repeats=3,
                timing_max_cuts=24)
-    decay = B.FT_EPOCHS * steps
+    decay = FT_EPOCHS * task.steps_per_epoch
     print(f"bench_elastic_sweep: torch {torch.__version__}, {torch.get_num_threads()} threads; speed-ups "
-          f"{speeds}, seeds 1-{args.seeds}, {B.FT_EPOCHS} epochs")
+          f"{speeds}, seeds 1-{args.seeds}, {FT_EPOCHS} epochs")
     acc: dict[str, list[float]] = {}
     for seed in range(1, args.seeds + 1):
         offset = 0 if seed == 1 else 1000 * seed         # bench_elastic's data order per seed
 
         def batches(epoch: int, offset: int = offset):
-            return ft.batches("train", bs, image_size=size, seed=epoch + offset)
+            return task.batches(epoch + offset)
 
         t0 = time.perf_counter()
-        full = B.train("full", fresh(seed), make_opt, batches, evaluate, B.FT_EPOCHS, decay_steps=decay)
+        full = B.train("full", task.fresh(seed), make_opt, batches, task.evaluate, FT_EPOCHS, decay_steps=decay)
         acc.setdefault("full", []).append(full.epochs[-1][1])
         line = f"seed {seed}: full {100 * full.epochs[-1][1]:.1f}%"
         for s in speeds:
-            el = B.train(f"elastic {s}x", fresh(seed), make_opt_all, batches, evaluate, B.FT_EPOCHS,
+            el = B.train(f"elastic {s}x", task.fresh(seed), make_opt_all, batches, task.evaluate, FT_EPOCHS,
                          decay_steps=decay, elastic=ElasticConfig(speedup=s, **cfg))
             acc.setdefault(f"{s}", []).append(el.epochs[-1][1])
             measured = statistics.median(full.step_s) / statistics.median(el.step_s)
