@@ -99,8 +99,11 @@ def _median_backward(runs: list[Callable[[], tuple[torch.Tensor, torch.Tensor]]]
         order = list(enumerate(runs))
         for i, run in (order if rep % 2 == 0 else order[::-1]):
             out, grad = run()
+            sync = torch.cuda.synchronize if out.is_cuda else (lambda: None)   # GPU work is asynchronous
+            sync()
             t0 = time.perf_counter()
             out.backward(grad)
+            sync()
             if rep >= 2:
                 samples[i].append(time.perf_counter() - t0)
     return [statistics.median(s) for s in samples]
