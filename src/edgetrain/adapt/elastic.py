@@ -92,8 +92,8 @@ class ElasticConfig:
         feedback_min_steps: a re-selection corrects only when at least this many steps of the selection
             in force were timed.
         track_drift: compare steps against the full step as the machine runs *now*: the attach-time
-            full step is scaled by how much slower or faster the importance probe (a forward and
-            backward of every tensor on the probe batch, made at each re-selection anyway) has become
+            full step is scaled by how much slower or faster the importance probe's forward and
+            backward (every tensor, on the probe batch, made at each re-selection anyway) has become
             since attach: thermal throttling or a busy neighbour slows both (median of the last 3
             probes, factor clamped to [0.5, 2]; off when the attach probe took under 5 ms).
     """
@@ -369,10 +369,11 @@ class ElasticSelector:
         """
         timing, model = self._require()
         probe = slice_batch(batch, self.config.probe_batch_size)
-        t0 = self._probe_clock()
-        imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names)
-        if not self._probe_s or _samples(probe) == self._probe_samples:   # like for like (a short batch: not)
-            self._probe_s.append(self._probe_clock() - t0)
+        probe_s: list[float] = []                 # its forward and backward: the drift reference
+        imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names,
+                                clock=self._probe_clock, times=probe_s)
+        if probe_s and (not self._probe_s or _samples(probe) == self._probe_samples):   # like for like
+            self._probe_s.append(probe_s[0])
             self._probe_samples = _samples(probe)
         self.importance = dict(zip(timing.names, imp))
         if self.plan is not None and max(imp) <= 0.0:

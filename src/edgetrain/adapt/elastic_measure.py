@@ -339,7 +339,8 @@ def measure_speedup(model: nn.Module, optimizer: torch.optim.Optimizer | None, b
 
 
 def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                      loss_fn: Callable[[Any, Any], torch.Tensor], names: Sequence[str]) -> list[float]:
+                      loss_fn: Callable[[Any, Any], torch.Tensor], names: Sequence[str],
+                      clock: Callable[[], float] | None = None, times: list[float] | None = None) -> list[float]:
     """First-order loss decrease ``-sum(g * delta_w)`` of each named tensor over one probe step.
 
     ``g`` is the gradient on ``batch`` and ``delta_w`` the update the optimizer makes from it (all named
@@ -353,6 +354,10 @@ def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch:
         batch: the probe batch ``(inputs, target)``.
         loss_fn: ``loss_fn(output, target) -> scalar``.
         names: parameter names (as in ``model.named_parameters()``) to score.
+        clock: with ``times``, the clock that times the probe's forward and backward.
+        times: when given, the seconds of the forward and backward are appended (a fixed piece of
+            work: the snapshot and the optimizer step, whose cost grows with the optimizer state, are
+            not in it).
 
     Returns:
         One importance per name (0 for tensors the loss does not reach).
@@ -364,7 +369,11 @@ def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch:
             p.grad = None
         for p in tensors:
             p.requires_grad_(True)
+        clock = clock or time.perf_counter
+        t0 = clock()
         batch_loss(model, batch, loss_fn).backward()
+        if times is not None:
+            times.append(clock() - t0)
         grads = [None if p.grad is None else p.grad.detach().clone() for p in tensors]
         before = [p.detach().clone() for p in tensors]
         optimizer.step()
