@@ -12,8 +12,8 @@ Later selections reach other depths, where the timing model can be off by anothe
 selector keeps closing the loop on the user's own training steps, at no extra cost (closed-loop
 control, :mod:`.elastic_feedback`): it learns the real step time of the selection in force, and at
 each re-selection corrects the planner's target by the ratio of the speed-up those steps delivered
-(the real full step measured at attach, scaled by how much slower or faster the machine runs since
-then, over their median step time) to the requested one, damped and clamped. Step times reach it in one of two ways:
+(the real full step measured at attach over their median step time) to the requested one, damped and
+clamped. Step times reach it in one of two ways:
 
 * automatically: :meth:`ElasticSelector.maybe_reselect`, called once per step as below, records the wall
   time between consecutive calls (consecutive step indices only; the interval after a re-selection
@@ -47,19 +47,19 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import EdgetrainError, InputError
-from .elastic_feedback import Correction, correct_target, drift_factor
-from .elastic_measure import batch_size, measure_speedup, slice_batch, tensor_importance
+from .elastic_feedback import Correction, correct_target
+from .elastic_measure import batch_loss, batch_size, measure_speedup, slice_batch
 from .elastic_select import SpeedupPlan, plan_for_speedup
 from .elastic_state import TrainingSnapshot
 from .elastic_timing import TensorTiming, measure_timing
 
-__all__ = ["ElasticConfig", "ElasticSelector", "tensor_importance"]   # tensor_importance: .elastic_measure
+__all__ = ["ElasticConfig", "ElasticSelector", "tensor_importance"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +91,6 @@ class ElasticConfig:
             ``1 + feedback_max_change`` either way.
         feedback_min_steps: a re-selection corrects only when at least this many steps of the selection
             in force were timed.
-        track_drift: compare steps against the full step as the machine runs *now*: the attach-time
-            full step is scaled by how much slower or faster the importance probe's forward and
-            backward (every tensor, on the probe batch, made at each re-selection anyway) has become
-            since attach: thermal throttling or a busy neighbour slows both (median of the last 3
-            probes, factor clamped to [0.5, 2]; off when the attach probe took under 5 ms).
     """
 
     speedup: float = 2.0
@@ -112,7 +107,6 @@ class ElasticConfig:
     feedback_gain: float = 0.5
     feedback_max_change: float = 0.2
     feedback_min_steps: int = 5
-    track_drift: bool = True
 
     def __post_init__(self) -> None:
         if not self.speedup >= 1.0:
@@ -129,6 +123,40 @@ class ElasticConfig:
             raise InputError(f"feedback_gain must be in [0, 1] (0: off), got {self.feedback_gain}")
         if not self.feedback_max_change > 0.0:
             raise InputError(f"feedback_max_change must be > 0, got {self.feedback_max_change}")
+
+
+def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                      loss_fn: Callable[[Any, Any], torch.Tensor], names: Sequence[str]) -> list[float]:
+    """First-order loss decrease ``-sum(g * delta_w)`` of each named tensor over one probe step.
+
+    ``g`` is the gradient on ``batch`` and ``delta_w`` the update the optimizer makes from it (all named
+    tensors trainable for the probe). A positive value means the update lowers the loss. Everything
+    the probe touches (parameters, gradients, flags, buffers, optimizer state, RNG) is restored
+    bit-exactly afterwards.
+
+    Args:
+        model: the model.
+        optimizer: its optimizer (the probe takes one real step with it).
+        batch: the probe batch ``(inputs, target)``.
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        names: parameter names (as in ``model.named_parameters()``) to score.
+
+    Returns:
+        One importance per name (0 for tensors the loss does not reach).
+    """
+    by_name = dict(model.named_parameters())
+    tensors = [by_name[n] for n in names]
+    with TrainingSnapshot(model, optimizer):
+        for p in model.parameters():
+            p.grad = None
+        for p in tensors:
+            p.requires_grad_(True)
+        batch_loss(model, batch, loss_fn).backward()
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in tensors]
+        before = [p.detach().clone() for p in tensors]
+        optimizer.step()
+        return [0.0 if g is None else -float((g.double() * (p.detach().double() - b.double())).sum())
+                for p, g, b in zip(tensors, grads, before)]
 
 
 class ElasticSelector:
@@ -178,9 +206,6 @@ class ElasticSelector:
         self._explicit = False                   # record_step_time was called: no automatic timing
         self._paused = False                     # released (full fine-tuning): steps are not timed
         self._last_call: tuple[float, int, int | None] | None = None   # (clock, step, samples)
-        self._probe_clock = time.perf_counter
-        self._probe_s: list[float] = []          # importance probe seconds, attach first (drift reference)
-        self._probe_samples: int | None = None
 
     # ----------------------------------------------------------------------------------- lifecycle
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
@@ -336,8 +361,7 @@ class ElasticSelector:
                 or math.isinf(self.target_speedup) or not self.full_step_s > 0.0):
             return
         want = min(cfg.speedup, plan.reachable_speedup)
-        drift = drift_factor(self._probe_s[0], self._probe_s[-3:]) if cfg.track_drift and self._probe_s else 1.0
-        c = correct_target(self.target_speedup, want, self.full_step_s * drift, times, gain=cfg.feedback_gain,
+        c = correct_target(self.target_speedup, want, self.full_step_s, times, gain=cfg.feedback_gain,
                            max_change=cfg.feedback_max_change, min_steps=cfg.feedback_min_steps,
                            max_target=plan.reachable_speedup, step=step_idx)
         if c is None:
@@ -369,12 +393,7 @@ class ElasticSelector:
         """
         timing, model = self._require()
         probe = slice_batch(batch, self.config.probe_batch_size)
-        probe_s: list[float] = []                 # its forward and backward: the drift reference
-        imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names,
-                                clock=self._probe_clock, times=probe_s)
-        if probe_s and (not self._probe_s or _samples(probe) == self._probe_samples):   # like for like
-            self._probe_s.append(probe_s[0])
-            self._probe_samples = _samples(probe)
+        imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names)
         self.importance = dict(zip(timing.names, imp))
         if self.plan is not None and max(imp) <= 0.0:
             # no update lowers the loss (e.g. a learning rate decayed to 0): nothing to rank by

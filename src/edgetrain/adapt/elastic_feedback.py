@@ -19,11 +19,6 @@ changes nothing, and the clamp keeps the target from winding up while the reques
 selection that ran faster than needed raises the budget (the next one goes deeper), a slower one lowers
 it. With a steady model error the remaining error shrinks by the power ``gain`` per re-selection.
 
-The full step is timed once, at attach; a machine that later runs slower or faster (thermal throttling,
-a busy neighbour) would make every selection look slower or faster than it is. :func:`drift_factor`
-scales it by the ratio of the importance probe's recent times to its time at attach: the probe is a
-forward and backward of every tensor on the same probe batch size, made at every re-selection anyway.
-
 The medians are over steps of one selection only, so warm-up steps after a change (new optimizer state)
 and rare slow steps (an evaluation, a load burst) do not count as long as they are a minority.
 """
@@ -37,7 +32,7 @@ from typing import Sequence
 
 from ..errors import InputError
 
-__all__ = ["Correction", "correct_target", "drift_factor"]
+__all__ = ["Correction", "correct_target"]
 
 
 @dataclass(frozen=True)
@@ -104,22 +99,3 @@ def correct_target(target: float, wanted: float, full_step_s: float, step_times_
     new = min(max(target * factor, 1.0), max(max_target, 1.0))
     return Correction(step, len(times), step_s, float(full_step_s), delivered, float(wanted), float(target),
                       new)
-
-
-def drift_factor(reference_s: float, recent_s: Sequence[float], *, min_reference_s: float = 0.005,
-                 bounds: tuple[float, float] = (0.5, 2.0)) -> float:
-    """How much slower (> 1) or faster (< 1) the machine runs now than when ``reference_s`` was timed.
-
-    Args:
-        reference_s: seconds a fixed piece of work (the importance probe) took at attach.
-        recent_s: seconds the same work took recently (their median is used).
-        min_reference_s: a reference shorter than this is too noisy to compare: the factor is 1.
-        bounds: the factor is clamped to ``[low, high]``.
-
-    Returns:
-        ``median(recent_s) / reference_s`` clamped to ``bounds``; 1 when there is nothing to compare.
-    """
-    times = [float(t) for t in recent_s if math.isfinite(t) and t > 0.0]
-    if not times or not reference_s >= min_reference_s:
-        return 1.0
-    return min(max(statistics.median(times) / reference_s, bounds[0]), bounds[1])

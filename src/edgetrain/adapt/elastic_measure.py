@@ -12,13 +12,12 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from ..errors import InputError
-from .elastic_state import TrainingSnapshot
 
 __all__ = ["batch_loss", "slice_batch", "batch_size", "Layer", "capture_layers", "time_layers",
            "layer_flops", "time_model", "time_updates", "measure_speedup"]
@@ -336,46 +335,3 @@ def measure_speedup(model: nn.Module, optimizer: torch.optim.Optimizer | None, b
         fulls.append(full)
         ratios.append(full / max(step(chosen), 1e-12))
     return statistics.median(ratios), fulls
-
-
-def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                      loss_fn: Callable[[Any, Any], torch.Tensor], names: Sequence[str],
-                      clock: Callable[[], float] | None = None, times: list[float] | None = None) -> list[float]:
-    """First-order loss decrease ``-sum(g * delta_w)`` of each named tensor over one probe step.
-
-    ``g`` is the gradient on ``batch`` and ``delta_w`` the update the optimizer makes from it (all named
-    tensors trainable for the probe). A positive value means the update lowers the loss. Everything
-    the probe touches (parameters, gradients, flags, buffers, optimizer state, RNG) is restored
-    bit-exactly afterwards.
-
-    Args:
-        model: the model.
-        optimizer: its optimizer (the probe takes one real step with it).
-        batch: the probe batch ``(inputs, target)``.
-        loss_fn: ``loss_fn(output, target) -> scalar``.
-        names: parameter names (as in ``model.named_parameters()``) to score.
-        clock: with ``times``, the clock that times the probe's forward and backward.
-        times: when given, the seconds of the forward and backward are appended (a fixed piece of
-            work: the snapshot and the optimizer step, whose cost grows with the optimizer state, are
-            not in it).
-
-    Returns:
-        One importance per name (0 for tensors the loss does not reach).
-    """
-    by_name = dict(model.named_parameters())
-    tensors = [by_name[n] for n in names]
-    with TrainingSnapshot(model, optimizer):
-        for p in model.parameters():
-            p.grad = None
-        for p in tensors:
-            p.requires_grad_(True)
-        clock = clock or time.perf_counter
-        t0 = clock()
-        batch_loss(model, batch, loss_fn).backward()
-        if times is not None:
-            times.append(clock() - t0)
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in tensors]
-        before = [p.detach().clone() for p in tensors]
-        optimizer.step()
-        return [0.0 if g is None else -float((g.double() * (p.detach().double() - b.double())).sum())
-                for p, g, b in zip(tensors, grads, before)]
