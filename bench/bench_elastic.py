@@ -233,12 +233,9 @@ def cnn_bench(quick: bool, seeds: int = 1, backbone_cache: str | None = None) ->
         print(f"CNN over seeds (head init and data order; {len(task.yt)} test images, so one seed's accuracy "
               f"has a binomial sd of about {100 * math.sqrt(0.93 * 0.07 / len(task.yt)):.1f} points):")
 
-        def batches_for_seed(seed: int) -> Callable[[int], Iterable[Any]]:
-            return lambda epoch: task.batches(epoch + 1000 * seed)
-
         first = {"full": out["cnn_full_acc"], "elastic 2x": runs[2].epochs[-1][1],
                  "interleaved": out["cnn_elastic 2x_measured"]}
-        out.update(seed_spread(fresh, make_opt, make_opt_all, batches_for_seed, evaluate, ft_epochs, decay, cfg,
+        out.update(seed_spread(fresh, make_opt, make_opt_all, task.batches_for_seed, evaluate, ft_epochs, decay, cfg,
                                list(range(2, seeds + 1)), first))
     return out
 

@@ -47,11 +47,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{speeds}, seeds 1-{args.seeds}, {FT_EPOCHS} epochs")
     acc: dict[str, list[float]] = {}
     for seed in range(1, args.seeds + 1):
-        offset = 0 if seed == 1 else 1000 * seed         # bench_elastic's data order per seed
-
-        def batches(epoch: int, offset: int = offset):
-            return task.batches(epoch + offset)
-
+        batches = task.batches_for_seed(seed)             # bench_elastic's data order per seed
         t0 = time.perf_counter()
         full = B.train("full", task.fresh(seed), make_opt, batches, task.evaluate, FT_EPOCHS, decay_steps=decay)
         acc.setdefault("full", []).append(full.epochs[-1][1])

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from edgetrain.adapt import GradFilter, apply_grad_filter, plan_grad_filter, remove_grad_filter  # noqa: E402
 from edgetrain.errors import BudgetError  # noqa: E402
+from edgetrain.adapt._gradfilter_auto import median_backward  # noqa: E402  (the planner's timer)
 from edgetrain.adapt._gradfilter_trace import trace_model  # noqa: E402  (whole-step FLOPs)
 from edgetrain.units import format_bytes  # noqa: E402
 
@@ -83,21 +84,8 @@ CLOCK = time.perf_counter
 
 
 def time_backward(fns, reps: int) -> list[float]:
-    """Median backward seconds of each ``fn() -> (output, grad_output)``, runs interleaved.
-
-    The order alternates from one repetition to the next, so no variant always runs right after
-    another one's backward (whose writes evict the caches and whose frees shape the allocator's cache).
-    """
-    samples: list[list[float]] = [[] for _ in fns]
-    for rep in range(reps + 2):
-        order = list(enumerate(fns))
-        for i, fn in (order if rep % 2 == 0 else order[::-1]):
-            out, grad = fn()
-            t0 = CLOCK()
-            out.backward(grad)
-            if rep >= 2:  # two warm-ups: oneDNN builds its kernels on first use
-                samples[i].append(CLOCK() - t0)
-    return [statistics.median(s) for s in samples]
+    """Median backward seconds of each ``fn() -> (output, grad_output)``, interleaved, on ``CLOCK``."""
+    return median_backward(fns, reps, CLOCK)
 
 
 def per_layer(exact: nn.Module, filtered: dict[int, nn.Module], reports, x: torch.Tensor,

@@ -12,7 +12,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -85,6 +85,12 @@ class CnnTask:
         """One epoch of training batches, shuffled by ``epoch`` (bench seeds add ``1000 * seed``)."""
         return itertools.islice(self.ft.batches("train", self.bs, image_size=self.size, seed=epoch),
                                 None if self.train_n is None else self.train_n // self.bs)
+
+    def batches_for_seed(self, seed: int) -> Callable[[int], Iterable[Any]]:
+        """The epochs of seed ``seed``'s run: seed 1 is the bench's first run (orders 0, 1, ...), seed s > 1
+        draws orders 1000 s, 1000 s + 1, ..."""
+        offset = 0 if seed == 1 else 1000 * seed
+        return lambda epoch: self.batches(epoch + offset)
 
     def evaluate(self, model: nn.Module) -> float:
         with torch.no_grad():

@@ -51,7 +51,7 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
                  chain: Any, costs: CostChain, plan: Plan, *, budget_bytes: int | None, margin_bytes: int,
-                 signature: tuple[Any, ...], solver: str, pager: Any = None) -> None:
+                 margin_share: float, signature: tuple[Any, ...], solver: str, pager: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -59,8 +59,7 @@ class TrainStep:
         self.costs = costs
         self.budget_bytes = budget_bytes
         self.margin_bytes = margin_bytes
-        # prepare's safety_margin: a new budget holds back the same share, with the same floor
-        self.margin_share = margin_bytes / budget_bytes if budget_bytes else 0.0
+        self.margin_share = margin_share  # prepare's safety_margin: a new budget holds back the same share
         self.solver = solver
         self._signature = signature
         self._bn = FullBatchStats(model)
@@ -461,11 +460,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         pager.close()
         pager = None
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
+                     margin_share=0.0 if budget is None else safety_margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
     step._fixed_micro = micro_batch_size is not None
     step._micro_sizes = outcome.sizes
     if budget is not None:
-        step.margin_share = safety_margin
         step._validate = analysis.validator(chain)
         step._seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
         step._first_run_bytes = outcome.first_run_bytes

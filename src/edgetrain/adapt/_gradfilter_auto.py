@@ -24,7 +24,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -87,12 +87,13 @@ class GradFilterPlan:
     measured_speedup: float | None = None
 
 
-def _median_backward(runs: list[Callable[[], tuple[torch.Tensor, torch.Tensor]]], repeats: int,
-                     ) -> list[float]:
+def median_backward(runs: list[Callable[[], tuple[torch.Tensor, torch.Tensor | None]]], repeats: int,
+                    clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Median seconds of ``out.backward(grad)`` for each ``run() -> (out, grad)``, interleaved.
 
-    The order alternates from one repetition to the next; two warm-up rounds (oneDNN builds its
-    kernels on first use) are not counted.
+    The order alternates from one repetition to the next, so no variant always runs right after another
+    one's backward (whose writes evict the caches and whose frees shape the allocator's cache); two
+    warm-up rounds (oneDNN builds its kernels on first use) are not counted.
     """
     samples: list[list[float]] = [[] for _ in runs]
     for rep in range(repeats + 2):
@@ -101,11 +102,11 @@ def _median_backward(runs: list[Callable[[], tuple[torch.Tensor, torch.Tensor]]]
             out, grad = run()
             sync = torch.cuda.synchronize if out.is_cuda else (lambda: None)   # GPU work is asynchronous
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             out.backward(grad)
             sync()
             if rep >= 2:
-                samples[i].append(time.perf_counter() - t0)
+                samples[i].append(clock() - t0)
     return [statistics.median(s) for s in samples]
 
 
@@ -182,7 +183,7 @@ def measure_filter_timings(model: nn.Module, example_input: torch.Tensor, names:
                 p.grad = None
             return model(example_input), g_out
 
-        backward_s = _median_backward([step], repeats)[0]
+        backward_s = median_backward([step], repeats)[0]
         exact_s: dict[str, float] = {}
         filtered_s: dict[str, dict[int, float]] = {}
         for k, name in enumerate(names):
@@ -202,7 +203,7 @@ def measure_filter_timings(model: nn.Module, example_input: torch.Tensor, names:
                 return module(inp), gy
 
             variants = [conv] + [_filtered_twin(conv, r) for r in radii]
-            times = _median_backward([lambda m=m: run(m) for m in variants], repeats)
+            times = median_backward([lambda m=m: run(m) for m in variants], repeats)
             exact_s[name] = times[0]
             filtered_s[name] = dict(zip(radii, times[1:]))
             logger.info("grad filter timing %d/%d %s: exact %.3f ms, %s", k + 1, len(names), name,
@@ -233,7 +234,7 @@ def _measure_speedup(model: nn.Module, x: torch.Tensor, config: GradFilter, repe
 
         try:
             quiet.setLevel(logging.WARNING)  # one apply per run: no log line each
-            exact, filtered = _median_backward([lambda: step(False), lambda: step(True)], repeats)
+            exact, filtered = median_backward([lambda: step(False), lambda: step(True)], repeats)
         finally:
             remove_grad_filter(model)
             quiet.setLevel(level)
@@ -333,8 +334,22 @@ def plan_grad_filter(model: nn.Module, example_input: torch.Tensor, target_speed
     return plan
 
 
-def _candidates(trace: ModelTrace, order: list[str], timings: FilterTimings | None, speed: bool) -> list:
-    """``(count, radius, not whole suffix, chosen, suffix, saving, saved bytes)`` per candidate set."""
+class _Candidate(NamedTuple):
+    """One set of convs to filter at one radius, with its relative backward saving and saved bytes."""
+
+    radius: int
+    chosen: list[str]              # the convs filtered, in forward order
+    suffix: list[str]              # the suffix of trainable convs it was taken from (itself, or a subset)
+    saving: float                  # fraction of the exact backward it saves (time or FLOPs)
+    saved_bytes: int               # saved-activation bytes of one step with it
+
+    def order(self) -> tuple[int, int, bool]:   # fewest convs, then smaller radius, then the whole suffix
+        return len(self.chosen), self.radius, len(self.chosen) < len(self.suffix)
+
+
+def _candidates(trace: ModelTrace, order: list[str], timings: FilterTimings | None, speed: bool,
+                ) -> list[_Candidate]:
+    """Every suffix at every radius, and (``speed`` with ``timings``) the suffix without its slower convs."""
     out = []
     for n in range(1, len(order) + 1):
         suffix = order[-n:]
@@ -347,38 +362,36 @@ def _candidates(trace: ModelTrace, order: list[str], timings: FilterTimings | No
             for chosen in sets:
                 costs = layer_costs(trace, chosen, radius)
                 if timings is None:
-                    base = trace.backward_flops
-                    saving = sum(c.backward_flops_exact - c.backward_flops_filtered for c in costs) / max(base, 1)
+                    saving = (sum(c.backward_flops_exact - c.backward_flops_filtered for c in costs)
+                              / max(trace.backward_flops, 1))
                 else:
                     saving = sum(timings.saving_s(name, radius) for name in chosen) / timings.backward_s
                 saved_bytes = trace.saved_bytes - sum(c.freed_bytes for c in costs)
-                out.append((len(chosen), radius, chosen is not suffix, chosen, suffix, saving, saved_bytes))
-    out.sort(key=lambda c: c[:3])
-    return out
+                out.append(_Candidate(radius, chosen, suffix, saving, saved_bytes))
+    return sorted(out, key=_Candidate.order)
 
 
-def _choose(candidates: list, scale: float, target_speedup: float | None, budget: int | None, timing: str,
-            timings: FilterTimings | None) -> GradFilterPlan:
+def _choose(candidates: list[_Candidate], scale: float, target_speedup: float | None, budget: int | None,
+            timing: str, timings: FilterTimings | None) -> GradFilterPlan:
     """The first candidate (fewest convs, smaller radius) whose speed-up (saving x ``scale``) and bytes fit."""
     def speedup(saving: float) -> float:
         left = 1 - scale * saving
         return 1 / left if left > 0 else math.inf
 
-    for count, radius, _, chosen, suffix, saving, saved_bytes in candidates:
-        speed = speedup(saving)
-        if (target_speedup is None or speed >= target_speedup) and (budget is None or saved_bytes <= budget):
-            whole = len(chosen) == len(suffix)
-            config = (GradFilter(radius=radius, last_n=count, freeze_earlier=False) if whole else
-                      GradFilter(radius=radius, layers=tuple(chosen), freeze_earlier=False))
-            left = tuple(n for n in suffix if n not in chosen)
+    for c in candidates:
+        speed = speedup(c.saving)
+        if (target_speedup is None or speed >= target_speedup) and (budget is None or c.saved_bytes <= budget):
+            config = (GradFilter(radius=c.radius, last_n=len(c.chosen), freeze_earlier=False)
+                      if len(c.chosen) == len(c.suffix) else
+                      GradFilter(radius=c.radius, layers=tuple(c.chosen), freeze_earlier=False))
+            left = tuple(n for n in c.suffix if n not in c.chosen)
             logger.info("auto grad filter (%s): %s at r=%d, predicted backward speed-up %.2fx, saved %s%s",
-                        timing, ", ".join(chosen), radius, speed, format_bytes(saved_bytes),
+                        timing, ", ".join(c.chosen), c.radius, speed, format_bytes(c.saved_bytes),
                         f"; left exact (slower filtered): {', '.join(left)}" if left else "")
-            return GradFilterPlan(config, tuple(chosen), speed, saved_bytes, timing, left, timings)
-    best_speed = max(speedup(c[5]) for c in candidates)
-    best_bytes = min(c[6] for c in candidates)
+            return GradFilterPlan(config, tuple(c.chosen), speed, c.saved_bytes, timing, left, timings)
+    best_speed = max(speedup(c.saving) for c in candidates)
+    best_bytes = min(c.saved_bytes for c in candidates)
     raise BudgetError(
         f"no choice of convs meets the target: the best reachable backward speed-up is {best_speed:.2f}x "
         f"({timing}) and the smallest saved-activation size {format_bytes(best_bytes)}; relax the target "
-        f"or freeze more layers first", budget_bytes=None if budget is None else budget,
-        min_feasible_bytes=best_bytes)
+        f"or freeze more layers first", budget_bytes=budget, min_feasible_bytes=best_bytes)
