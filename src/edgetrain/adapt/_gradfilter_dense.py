@@ -1,28 +1,31 @@
-"""The small-map backward of gradient filtering: GEMMs on the coarse maps, pooling and unpooling included.
+"""The small-map backward of gradient filtering: pooling, GEMMs on the coarse maps, unpooling.
 
 Coarse maps of a few dozen positions (the last layers of a CNN) leave convolution kernels with little to
 vectorise, so here every step is a matrix product on contiguous or plainly strided operands (MKL reads
-transposed and batch-strided matrices in place, so no step copies an operand):
+transposed and batch-strided matrices in place, so no step copies an operand), or one of the native
+kernels of :mod:`._gradfilter_native`:
 
-* pooling is a product with the patch-mean matrix ``M`` (``[L, H W]``), unpooling a product with its
-  transpose; for a conv whose tap matrix is ``s`` times the identity (1x1 stride-1 on whole patches) the
-  output gradient is pooled with ``s M`` (patch *sums*), which folds that scale in for free;
+* pooling and unpooling run natively (one pass each) where the kernels are available; otherwise pooling
+  is a product with the patch-mean matrix ``M`` (``[L, H W]``) and unpooling a product with its
+  transpose. For a conv whose tap matrix is ``s`` times the identity (1x1 stride-1 on whole patches) the
+  output gradient is pooled with scale ``s`` (patch *sums*), which folds that scale in for free;
 * the tap matrix ``T`` (:func:`tap_matrix`, built from the ``A`` tables of
   :func:`~edgetrain.adapt._gradfilter_impl.coarse_geometry`) gathers, per kernel tap, the patch means
-  each tap reads; where unpooling follows it, the two are one matrix ``T M``.
+  each tap reads.
 
 Three shapes of conv, each with the operand layouts that make its GEMMs single calls:
 
-* 1x1 convs (:func:`_pointwise_backward`): the pooled maps are stored patch-major, ``G[K, O]`` and
-  ``X[L_in N, C]`` with ``K = (I, n)``, so the taps gather is one GEMM ``Z = T X`` (none when ``T`` is
-  ``s`` times the identity), ``dW = G^T Z`` another, and ``dX = (G W)^T T M`` one batched GEMM that
-  writes the input gradient in the input's layout.
+* 1x1 convs (:func:`_pointwise_backward`): the pooled maps are stored sample-major, ``G[K, O]`` and
+  ``X[K_in, C]`` with ``K = (n, I)``, so the taps gather is one batched GEMM ``Z = T X`` (none when
+  ``T`` is ``s`` times the identity), ``dW = G^T Z`` one GEMM, and ``dX = unpool(T^T (G W))``.
 * Other dense convs (:func:`_taps_backward`): ``Z[K, C kH kW]`` holds the patch means every tap reads
   (``K = (I, n)``), ``dW = G^T Z``, ``dZ = G W`` and ``dX = sum_I dZ[I] T[I]``.
-* Depthwise convs (:func:`_depthwise_backward`): per channel ``R[c] = G[c] X[c]^T``, ``dW[c] = T . R[c]``
-  and ``dX[c] = (W[c] . T)^T G[c]``, unpooled into the input gradient.
+* Depthwise convs: natively (:func:`_depthwise_native`) the pooled maps are stored channels-innermost and
+  both gradients are sums over the coarse kernel taps, vectorised over blocks of channels; otherwise
+  (:func:`_depthwise_backward`) per channel ``R[c] = G[c] X[c]^T``, ``dW[c] = T . R[c]`` and
+  ``dX[c] = (W[c] . T)^T G[c]``. Both unpool into the input gradient.
 
-Memory: the full-size input gradient is allocated first and, until the last GEMM writes it, holds the
+Memory: the full-size input gradient is allocated first and, until the last step writes it, holds the
 pooled ``dL/dy`` (and the depthwise ``R`` and folded kernels) as scratch, so the backward takes no more
 fresh memory than exact backward does; a caching allocator (edgetrain's pool) then serves it without
 page faults. What remains is bound by memory traffic on these shapes: the full-size ``dL/dy`` is read
@@ -35,6 +38,8 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+
+from . import _gradfilter_native as native
 
 if TYPE_CHECKING:
     from ._gradfilter_impl import _Axis
@@ -138,15 +143,6 @@ def tap_matrix(ah: _Axis, aw: _Axis, kh: int, kw: int, dtype: torch.dtype, devic
 
 
 @functools.lru_cache(maxsize=1024)
-def _tap_unpool(ah: _Axis, aw: _Axis, kh: int, kw: int, h: int, w: int, radius: int,
-                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``T M``: ``[kH kW L_out, h w]``, tap reads scattered back to the fine input grid (``/ n_U``)."""
-    tap = tap_matrix(ah, aw, kh, kw, torch.float64, torch.device("cpu"))
-    return (tap @ patch_matrix(h, w, radius, torch.float64, torch.device("cpu"))).to(dtype=dtype,
-                                                                                      device=device)
-
-
-@functools.lru_cache(maxsize=1024)
 def identity_scale(ah: _Axis, aw: _Axis, kh: int, kw: int) -> float | None:
     """``s`` when the tap matrix is ``s`` times the identity (1x1 stride-1 convs on whole patches).
 
@@ -168,33 +164,43 @@ def identity_scale(ah: _Axis, aw: _Axis, kh: int, kw: int) -> float | None:
 
 def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0,
              scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Patch means of a small map, by one (batched) GEMM with :func:`patch_matrix`, read in place.
+    """Patch means of a small map: one native pass, or one (batched) GEMM with :func:`patch_matrix`.
 
     Args:
         x: ``[N, C, H, W]``, stored NCHW or channels-last (anything else is made contiguous).
         radius: patch side.
-        layout: ``"spatial"`` (``[L, N, C]``: patch, sample, channel) or ``"channel"`` (``[N, C, L]``).
+        layout: ``"sample"`` (``[N, L, C]``: sample, patch, channel), ``"channel"`` (``[N, C, L]``) or
+            ``"spatial"`` (``[L, N, C]``).
         scale: factor on every mean.
-        scratch: memory to write the result into when ``x`` is stored NCHW (a contiguous tensor of at
-            least ``N C L`` elements), else None.
+        scratch: memory to write the result into (a contiguous tensor of at least ``N C L`` elements),
+            else None.
 
     Returns:
         The pooled map, contiguous in the order named.
     """
     n, c, h, w = x.shape
+    lc = -(-h // radius) * -(-w // radius)
+    shape = {"sample": (n, lc, c), "channel": (n, c, lc), "spatial": (lc, n, c)}[layout]
+    out = None if scratch is None else scratch.view(-1)[:n * c * lc].view(shape)
+    if layout != "spatial" and native.available(x):
+        out = torch.empty(shape, dtype=x.dtype) if out is None else out
+        native.pool(x, radius, out.transpose(1, 2) if layout == "sample" else out, scale)
+        return out
     m = patch_matrix(h, w, radius, x.dtype, x.device, scale)  # [L, HW]
-    lc, hw = m.shape
+    hw = h * w
     if is_channels_last(x):
         flat = x.permute(0, 2, 3, 1).reshape(n, hw, c)  # a view: memory order N, H, W, C
+        if layout == "sample":
+            return torch.bmm(m.expand(n, lc, hw), flat, out=out)
         if layout == "spatial":  # the transposing copy is of the small pooled map
             return torch.bmm(m.expand(n, lc, hw), flat).transpose(0, 1).contiguous()
         return torch.bmm(flat.transpose(1, 2), m.T.expand(n, hw, lc))
     flat = x.contiguous().view(n * c, hw)
+    if layout == "sample":
+        return torch.bmm(m.expand(n, lc, hw), flat.view(n, c, hw).transpose(1, 2), out=out)
     if layout == "spatial":
-        out = None if scratch is None else scratch.view(-1)[:lc * n * c].view(lc, n * c)
-        return torch.mm(m, flat.T, out=out).view(lc, n, c)
-    out = None if scratch is None else scratch.view(-1)[:n * c * lc].view(n * c, lc)
-    return torch.mm(flat, m.T, out=out).view(n, c, lc)
+        return torch.mm(m, flat.T, out=None if out is None else out.view(lc, n * c)).view(lc, n, c)
+    return torch.mm(flat, m.T, out=None if out is None else out.view(n * c, lc)).view(n, c, lc)
 
 
 def _scratch(gx: torch.Tensor | None, numel: int, offset: int = 0) -> torch.Tensor | None:
@@ -206,14 +212,13 @@ def _scratch(gx: torch.Tensor | None, numel: int, offset: int = 0) -> torch.Tens
 
 def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torch.Tensor | None,
                    x_shape: tuple[int, ...], w_shape: tuple[int, ...], ah: _Axis, aw: _Axis, groups: int,
-                   radius: int, needs: tuple[bool, bool, bool], x_channels_last: bool,
+                   radius: int, needs: tuple[bool, bool, bool], x_channels_last: bool, layout: str,
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dW, dbias)`` of a dense or depthwise conv on a small map (see the module docstring).
 
     Args:
         gy: ``dL/dy``, ``[N, O, H_o, W_o]`` (NCHW or channels-last).
-        x_pooled: the input pooled by :func:`pool_map` with :func:`saved_layout`'s layout (None when
-            ``dW`` is not needed).
+        x_pooled: the input pooled by :func:`pool_map` in ``layout`` (None when ``dW`` is not needed).
         weight: the weight (None when ``dx`` is not needed).
         x_shape: input shape.
         w_shape: weight shape.
@@ -223,6 +228,7 @@ def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torc
         radius: patch side.
         needs: whether ``dx``, ``dW`` and ``dbias`` are needed.
         x_channels_last: whether the input was stored channels-last (``dx`` is stored the same way).
+        layout: the layout :func:`saved_layout` chose in the forward.
 
     Returns:
         The three gradients, None where not needed.
@@ -232,7 +238,8 @@ def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torc
         gx = torch.empty(x_shape, dtype=gy.dtype, device=gy.device,
                          memory_format=torch.channels_last if x_channels_last else torch.contiguous_format)
     if groups > 1:
-        backward = _depthwise_backward
+        native_ok = native.available(gy) and (x_pooled is None or layout == "sample")
+        backward = _depthwise_native if native_ok else _depthwise_backward
     elif w_shape[2] == w_shape[3] == 1:
         backward = _pointwise_backward
     else:
@@ -241,44 +248,44 @@ def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torc
     return gx, gw, gb
 
 
-def saved_layout(w_shape: tuple[int, ...], groups: int) -> str:
+def saved_layout(x: torch.Tensor, w_shape: tuple[int, ...], groups: int) -> str:
     """The :func:`pool_map` layout :func:`dense_backward` reads the pooled input in.
 
     Args:
+        x: the input.
         w_shape: weight shape.
         groups: 1 or the channel count (depthwise).
 
     Returns:
-        ``"spatial"`` for dense 1x1 convs, else ``"channel"``.
+        ``"sample"`` for dense 1x1 convs and, where the native kernels run, depthwise convs; else
+        ``"channel"``.
     """
-    return "spatial" if groups == 1 and w_shape[2] == w_shape[3] == 1 else "channel"
+    if groups == 1:
+        return "sample" if w_shape[2] == w_shape[3] == 1 else "channel"
+    return "sample" if native.available(x) else "channel"
 
 
 def _pointwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs):
-    """1x1 convs: ``dW = G^T Z`` with ``Z = T X`` and ``dX = (G W)^T T M``, ``K = (I, n)``."""
+    """1x1 convs: ``dW = G^T Z`` with ``Z = T X`` and ``dX = unpool(T^T (G W))``, ``K = (n, I)``."""
     _, need_w, need_b = needs
     n, o = gy.shape[:2]
     c = w_shape[1]
     l_out = ah.n_out_c * aw.n_out_c
     scale = identity_scale(ah, aw, 1, 1)
-    g = pool_map(gy, radius, "spatial", scale or 1.0, _scratch(gx, l_out * n * o)).view(l_out * n, o)  # [K, O]
+    g = pool_map(gy, radius, "sample", scale or 1.0, _scratch(gx, n * l_out * o))  # [N, L_out, O]
     gb = gw = None
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I] (G holds patch sums when scaled)
         count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
-        gb = g.sum(0) if scale else count.repeat_interleave(n) @ g
+        gb = g.sum((0, 1)) if scale else count @ g.sum(0)
     tap = None if scale else tap_matrix(ah, aw, 1, 1, gy.dtype, gy.device)  # [L_out, L_in]
-    if need_w:  # Z = T X: what each coarse output reads, [K, C]
-        z = x_pooled.view(-1, c) if tap is None else (tap @ x_pooled.view(tap.shape[1], n * c)).view(-1, c)
-        gw = (g.T @ z).view(w_shape)
+    if need_w:  # Z = T X: what each coarse output reads, [N, L_out, C]
+        z = x_pooled if tap is None else torch.matmul(tap, x_pooled)
+        gw = (g.view(-1, o).T @ z.reshape(-1, c)).view(w_shape)
     if gx is not None:
-        h, w = gx.shape[2:]
-        unpool = patch_matrix(h, w, radius, gy.dtype, gy.device) if tap is None else \
-            _tap_unpool(ah, aw, 1, 1, h, w, radius, gy.dtype, gy.device)  # [L_out, HW]
-        d = (g @ weight.view(o, c)).view(l_out, n, c)  # G W
-        if is_channels_last(gx):  # [N, HW, C] = (T M)^T [HW, L_out] @ d[:, n] [L_out, C]
-            torch.bmm(unpool.T.expand(n, h * w, l_out), d.transpose(0, 1), out=_nhwc(gx))
-        else:  # [N C, HW] = d^T [N C, L_out] @ T M [L_out, HW]: one GEMM over samples and channels
-            torch.mm(d.view(l_out, n * c).T, unpool, out=gx.view(n * c, h * w))
+        d = (g.view(-1, o) @ weight.view(o, c)).view(n, l_out, c)  # G W
+        if tap is not None:  # back to the coarse input grid
+            d = torch.matmul(tap.T, d)  # [N, L_in, C]
+        unpool_map(d.transpose(1, 2), radius, gx)
     return gw, gb
 
 
@@ -332,6 +339,26 @@ def _depthwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs
     return gw, gb
 
 
+def _depthwise_native(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs):
+    """Depthwise convs with the native kernels: pool, sums over coarse taps by blocks of channels, unpool."""
+    _, need_w, need_b = needs
+    c, _, kh, kw = w_shape
+    n = gy.shape[0]
+    l_out, l_in = ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
+    entries = native.depthwise_entries(ah, aw, kh, kw)
+    fold = entries[0]  # [S, kH kW]
+    g = pool_map(gy, radius, "sample", scratch=_scratch(gx, n * l_out * c))  # [N, L_out, C]
+    gb = None
+    if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
+        gb = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out) @ g.sum(0)
+    w_coarse = (fold @ weight.reshape(c, kh * kw).T).contiguous() if gx is not None else None  # [S, C]
+    sums, dxc = native.depthwise_sums(g, x_pooled if need_w else None, w_coarse, entries, l_in)
+    gw = (sums.T @ fold).view(w_shape) if need_w else None
+    if gx is not None:
+        unpool_map(dxc.transpose(1, 2), radius, gx)
+    return gw, gb
+
+
 def _nhwc(t: torch.Tensor) -> torch.Tensor:
     """``[N, H W, C]`` view of a channels-last ``[N, C, H, W]`` tensor."""
     n, c, h, w = t.shape
@@ -346,6 +373,9 @@ def unpool_map(t: torch.Tensor, radius: int, out: torch.Tensor) -> None:
         radius: patch side.
         out: ``[N, C, H, W]``, stored NCHW or channels-last.
     """
+    if native.available(t, out):
+        native.unpool(t, radius, out)
+        return
     n, c, lc = t.shape
     h, w = out.shape[2:]
     m = patch_matrix(h, w, radius, t.dtype, t.device)  # [L, HW]

@@ -42,12 +42,14 @@ change ``A`` for the last one or two patch rows/columns, which therefore get the
 result is exactly the formula above, with no cropping.
 
 Implementation. Coarse maps of at most ``_DENSE_MAX_COARSE`` positions (the last layers of a CNN)
-run the whole backward as GEMMs (:mod:`._gradfilter_dense`): pooling and unpooling are products with a
-small patch-mean matrix that read NCHW or channels-last tensors in place, and a tap matrix ``T``
-(``kH kW H_o' W_o' x H' W'``, built from the ``A`` tables) gathers, per kernel tap, the patch means each
-tap reads; 1x1, other dense and depthwise convs each get the operand layouts that make ``dW`` and ``dx``
-single (batched) GEMMs. The input gradient keeps the input's memory format. Larger maps run the coarse
-convolutions through ``aten.convolution_backward``, one call per block of equal ``A``.
+run the whole backward as GEMMs and native kernels (:mod:`._gradfilter_dense`): pooling and unpooling
+are single passes in C (:mod:`._gradfilter_native`; without a C compiler, products with a small
+patch-mean matrix), a tap matrix ``T`` (``kH kW H_o' W_o' x H' W'``, built from the ``A`` tables)
+gathers, per kernel tap, the patch means each tap reads, and 1x1, other dense and depthwise convs each
+get the operand layouts that make ``dW`` and ``dx`` single (batched) GEMMs or, for depthwise, vectorised
+sums over channels. The input gradient keeps the input's memory format. Larger maps pool and unpool
+natively too (else ``avg_pool2d`` and an expanded copy) and run the coarse convolutions through
+``aten.convolution_backward``, one call per block of equal ``A``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
 
+from . import _gradfilter_native as native
 from ._gradfilter_dense import dense_backward, is_channels_last, patch_counts, pool_map, saved_layout
 
 __all__ = ["filtered_conv2d", "coarse_geometry"]
@@ -124,20 +127,40 @@ def coarse_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape:
 _DENSE_MAX_COARSE = 64
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[N, C, H W]`` view of a ``[N, C, H, W]`` tensor stored NCHW or channels-last."""
+    n, c, h, w = t.shape
+    if t.stride(2) != t.stride(3) * w:
+        raise ValueError("rows of this tensor are not evenly spaced")
+    return t.as_strided((n, c, h * w), (t.stride(0), t.stride(1), t.stride(3)))
+
+
 def _mean_pool(t: torch.Tensor, radius: int) -> torch.Tensor:
-    """Patch means ``[N, C, ceil(H/r), ceil(W/r)]`` of a large map; ``t`` itself when ``radius == 1``."""
+    """Patch means ``[N, C, ceil(H/r), ceil(W/r)]`` of a large map (same memory format); ``t`` at ``r = 1``."""
     if radius == 1:
         return t
+    if native.available(t) and t.stride(2) == t.stride(3) * t.shape[3]:
+        n, c, h, w = t.shape
+        out = torch.empty((n, c, -(-h // radius), -(-w // radius)), dtype=t.dtype, memory_format=(
+            torch.channels_last if is_channels_last(t) else torch.contiguous_format))
+        native.pool(t, radius, _flat(out))
+        return out
     return F.avg_pool2d(t, radius, radius, ceil_mode=True)  # ceil mode divides by the real positions
 
 
-def _mean_unpool(t: torch.Tensor, h: int, w: int, radius: int) -> torch.Tensor:
+def _mean_unpool(t: torch.Tensor, h: int, w: int, radius: int, channels_last: bool) -> torch.Tensor:
     """Adjoint of :func:`_mean_pool`: ``out[u] = t[U] / n_U`` over the real ``h x w`` positions."""
-    t = t.contiguous()
     if radius == 1:
-        return t
+        return t.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     n, c, hc, wc = t.shape
-    t = t / patch_counts(h, w, radius, t.dtype, t.device)
+    if native.available(t):
+        if t.stride(2) != t.stride(3) * wc:
+            t = t.contiguous()
+        out = torch.empty((n, c, h, w), dtype=t.dtype, memory_format=(
+            torch.channels_last if channels_last else torch.contiguous_format))
+        native.unpool(_flat(t), radius, out)
+        return out
+    t = t.contiguous() / patch_counts(h, w, radius, t.dtype, t.device)
     up = t[:, :, :, None, :, None].expand(-1, -1, -1, radius, -1, radius)
     up = up.reshape(n, c, hc * radius, wc * radius)
     return up if up.shape[2:] == (h, w) else up[:, :, :h, :w].contiguous()
@@ -153,15 +176,17 @@ class _FilteredConv2dFn(torch.autograd.Function):
         geometry = (tuple(x.shape), tuple(weight.shape), tuple(y.shape), stride, padding, dilation,
                     groups, radius)
         dense = _uses_taps(geometry)
-        x_pooled = None
+        x_pooled, layout = None, None
         if need_w:  # only what backward needs: the pooled input for dW, the weight (a parameter) for dx
             if dense:
-                x_pooled = pool_map(x, radius, saved_layout(tuple(weight.shape), groups))
+                layout = saved_layout(x, tuple(weight.shape), groups)
+                x_pooled = pool_map(x, radius, layout)
             else:
                 x_pooled = _mean_pool(x, radius)
         ctx.save_for_backward(x_pooled, weight if ctx.needs_input_grad[0] else None)
         ctx.geometry = geometry
         ctx.dense = dense
+        ctx.layout = layout
         ctx.x_channels_last = is_channels_last(x)
         return y
 
@@ -174,7 +199,7 @@ class _FilteredConv2dFn(torch.autograd.Function):
         ah, aw = coarse_geometry(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
         if ctx.dense:
             gx, gw, gb = dense_backward(gy, x_pooled, weight, x_shape, w_shape, ah, aw, groups, radius,
-                                        (need_x, need_w, need_b), ctx.x_channels_last)
+                                        (need_x, need_w, need_b), ctx.x_channels_last, ctx.layout)
             return gx, gw, gb, None, None, None, None, None
         g = _mean_pool(gy, radius)
         gb = None
@@ -185,7 +210,7 @@ class _FilteredConv2dFn(torch.autograd.Function):
             return None, None, gb, None, None, None, None, None
         gxc, gw = _coarse_backward(g, x_pooled, weight, x_shape, w_shape, ah, aw, groups, need_x,
                                    need_w)
-        gx = _mean_unpool(gxc, x_shape[2], x_shape[3], radius) if need_x else None
+        gx = _mean_unpool(gxc, x_shape[2], x_shape[3], radius, ctx.x_channels_last) if need_x else None
         return gx, gw, gb, None, None, None, None, None
 
 

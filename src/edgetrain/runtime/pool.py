@@ -23,15 +23,16 @@ turn the pool off.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .._native import build_library
 
 __all__ = ["PoolStats", "available", "huge_pages", "install", "installed", "stats", "set_cap", "release", "reset_peak"]
 
@@ -68,27 +69,16 @@ class PoolStats:
     split_bytes: int
 
 
-def _build_dir() -> Path:
-    return Path(os.environ.get("EDGETRAIN_CACHE_DIR", Path.home() / ".cache" / "edgetrain")) / "pool"
-
-
-def _compile(torch_dir: Path, target: Path) -> None:
+def _command(torch_dir: Path) -> Callable[[Path], list[str]]:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     import torch
 
     abi = int(torch.compiled_with_cxx11_abi())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               f"-I{torch_dir / 'include'}", str(_SOURCE), f"-L{torch_dir / 'lib'}", "-lc10",
-               f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"compiling the pool failed: {proc.stderr.strip()[-500:]}")
-        os.replace(out, target)  # atomic: concurrent processes never load a half-written library
+    return lambda out: [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                        f"-I{torch_dir / 'include'}", str(_SOURCE), f"-L{torch_dir / 'lib'}", "-lc10",
+                        f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out)]
 
 
 def _load() -> ctypes.CDLL | None:
@@ -102,17 +92,8 @@ def _load() -> ctypes.CDLL | None:
         import torch
 
         torch_dir = Path(torch.__file__).resolve().parent
-        key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + str(torch_dir).encode())
-        name = f"libedgetrain_pool-{key.hexdigest()[:16]}.so"
-        target = _build_dir() / name
-        if not target.exists():
-            log.info("compiling edgetrain's CPU tensor pool (once per torch install)")
-            try:
-                _compile(torch_dir, target)
-            except PermissionError:  # a read-only home: build in the temp directory instead
-                target = Path(tempfile.gettempdir()) / f"edgetrain-pool-{os.getuid()}" / name
-                if not target.exists():
-                    _compile(torch_dir, target)
+        target = build_library(_SOURCE, "pool", "libedgetrain_pool", torch.__version__.encode()
+                               + str(torch_dir).encode(), _command(torch_dir), "edgetrain's CPU tensor pool")
         lib = ctypes.CDLL(str(target))
         lib.et_pool_install.argtypes = [ctypes.c_int64, ctypes.c_int]
         lib.et_pool_install.restype = ctypes.c_int

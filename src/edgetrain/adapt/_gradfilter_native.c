@@ -1,0 +1,325 @@
+/* Gradient filtering's memory-bound steps, fused into single passes (see _gradfilter_native.py).
+ *
+ * Plain C99, float32, any strides. Compiled on first use with the system's C compiler (-O3, OpenMP when
+ * available); the Python side falls back to the GEMM formulation when no compiler is found.
+ *
+ *   et_pool     dst[n, c, l] = scale / count(l) * sum of src[n, c, h, w] over the r x r patch l
+ *   et_unpool   dst[n, c, h, w] = scale / count(l) * src[n, c, l] where (h, w) lies in patch l
+ *   et_dw_core  the depthwise backward on the pooled maps, vectorised over channels
+ *
+ * Patches are taken in ceil mode: a last partial patch row or column averages its real positions.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+/* Fixed-width vectors (GCC >= 12 and Clang lower them to the machine's SIMD: SSE/AVX, NEON, or scalars). */
+typedef float v8 __attribute__((vector_size(32)));
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+typedef float v16 __attribute__((vector_size(64)));
+static inline v16 ld16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v8 pairs8(v8 a, v8 b) { /* sums of neighbouring pairs of a then b */
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+static inline void st8s(float *p, i64 stride, v8 v) {
+    if (stride == 1) st8(p, v);
+    else for (int k = 0; k < 8; k++) p[k * stride] = v[k];
+}
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define CHUNK 256 /* channels one step of a channels-innermost loop works on (stack buffers) */
+
+static i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }
+
+static void inv_counts(float *inv, i64 h, i64 w, i64 r, float scale) {
+    i64 hc = cdiv(h, r), wc = cdiv(w, r);
+    for (i64 i = 0; i < hc; i++)
+        for (i64 j = 0; j < wc; j++)
+            inv[i * wc + j] = scale / (float)(MIN(r, h - r * i) * MIN(r, w - r * j));
+}
+
+/* Map widths and radii the plane loops are specialised for (constant trip counts unroll and vectorise);
+ * any other pair runs the same loops with run-time bounds. */
+#define FOR_SHAPES(X) X(4, 2) X(7, 2) X(8, 2) X(14, 2) X(16, 2) X(28, 2) X(32, 2) X(56, 2) \
+    X(8, 4) X(7, 4) X(14, 4) X(16, 4) X(28, 4) X(32, 4) X(56, 4)
+
+/* One plane whose rows are contiguous (sw == 1): row sums of each patch row, then patch sums. */
+static inline __attribute__((always_inline)) void pool_plane(const float *restrict s, float *restrict d, i64 H, i64 W, i64 r, i64 sh,
+                       i64 dl, const float *restrict inv, float *restrict acc) {
+    i64 wc = cdiv(W, r);
+    if (r == 2 && W % 16 == 0 && H % 2 == 0) { /* 16 inputs of a row pair -> 8 patch sums */
+        v8 f = (v8){0} + inv[0];
+        for (i64 i = 0; i < H / 2; i++) {
+            const float *a = s + 2 * i * sh, *b = a + sh;
+            for (i64 w = 0; w < W; w += 16)
+                st8s(d + (i * wc + w / 2) * dl, dl, pairs8(ld8(a + w) + ld8(b + w), ld8(a + w + 8) + ld8(b + w + 8)) * f);
+        }
+        return;
+    }
+    if (r == 2 && W == 8 && H % 4 == 0) { /* two row pairs -> two patch rows of 4 */
+        v8 f = (v8){0} + inv[0];
+        for (i64 i = 0; i < H / 2; i += 2) {
+            const float *a = s + 2 * i * sh;
+            v8 top = ld8(a) + ld8(a + sh), bottom = ld8(a + 2 * sh) + ld8(a + 3 * sh);
+            st8s(d + i * 4 * dl, dl, pairs8(top, bottom) * f);
+        }
+        return;
+    }
+    for (i64 i = 0, h0 = 0; h0 < H; i++, h0 += r) {
+        i64 h1 = MIN(H, h0 + r);
+        const float *row = s + h0 * sh;
+        for (i64 w = 0; w < W; w++) acc[w] = row[w];
+        for (i64 h = h0 + 1; h < h1; h++) {
+            row = s + h * sh;
+            for (i64 w = 0; w < W; w++) acc[w] += row[w];
+        }
+        if (r == 2 && W % 2 == 0) {
+            for (i64 j = 0; j < wc; j++) d[(i * wc + j) * dl] = (acc[2 * j] + acc[2 * j + 1]) * inv[i * wc + j];
+        } else {
+            for (i64 j = 0, w0 = 0; j < wc; j++, w0 += r) {
+                float t = 0.0f;
+                for (i64 w = w0; w < MIN(W, w0 + r); w++) t += acc[w];
+                d[(i * wc + j) * dl] = t * inv[i * wc + j];
+            }
+        }
+    }
+}
+
+int et_pool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
+            i64 sn, i64 sc, i64 sh, i64 sw, i64 dn, i64 dc, i64 dl, int threads) {
+    i64 hc = cdiv(H, r), wc = cdiv(W, r), L = hc * wc;
+    float *inv = malloc(sizeof(float) * L);
+    if (!inv) return 1;
+    inv_counts(inv, H, W, r, scale);
+    int fail = 0;
+    if (sw == 1 && sc != 1) { /* planes with contiguous rows (NCHW): one plane at a time */
+#pragma omp parallel num_threads(threads) reduction(| : fail)
+        {
+            float *acc = malloc(sizeof(float) * W);
+            if (!acc) fail = 1;
+            else {
+#define POOL_LOOP(WW, RR)                                                                          \
+    _Pragma("omp for schedule(static)") for (i64 p = 0; p < N * C; p++) {                             \
+        i64 n = p / C, c = p % C;                                                                      \
+        pool_plane(src + n * sn + c * sc, dst + n * dn + c * dc, H, WW, RR, sh, dl, inv, acc);        \
+    }
+#define POOL_CASE(WW, RR) if (W == WW && r == RR) { POOL_LOOP(WW, RR) } else
+                FOR_SHAPES(POOL_CASE) { POOL_LOOP(W, r) }
+                free(acc);
+            }
+        }
+    } else { /* channels innermost (channels-last) or anything else: vectors over channels */
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+        for (i64 n = 0; n < N; n++) {
+            for (i64 l = 0; l < L; l++) {
+                i64 i = l / wc, j = l % wc;
+                float acc[CHUNK];
+                for (i64 c0 = 0; c0 < C; c0 += CHUNK) {
+                    i64 nc = MIN(CHUNK, C - c0);
+                    for (i64 c = 0; c < nc; c++) acc[c] = 0.0f;
+                    for (i64 h = i * r; h < MIN(H, i * r + r); h++)
+                        for (i64 w = j * r; w < MIN(W, j * r + r); w++) {
+                            const float *s = src + n * sn + c0 * sc + h * sh + w * sw;
+                            if (sc == 1)
+                                for (i64 c = 0; c < nc; c++) acc[c] += s[c];
+                            else
+                                for (i64 c = 0; c < nc; c++) acc[c] += s[c * sc];
+                        }
+                    float *d = dst + n * dn + c0 * dc + l * dl;
+                    if (dc == 1)
+                        for (i64 c = 0; c < nc; c++) d[c] = acc[c] * inv[l];
+                    else
+                        for (i64 c = 0; c < nc; c++) d[c * dc] = acc[c] * inv[l];
+                }
+            }
+        }
+    }
+    free(inv);
+    return fail;
+}
+
+/* One plane of the output with contiguous rows: each coarse row is expanded once and copied r times. */
+static inline __attribute__((always_inline)) void unpool_plane(const float *restrict s, float *restrict d, i64 H, i64 W, i64 r, i64 sl,
+                         i64 dh, const float *restrict inv, float *restrict row) {
+    i64 wc = cdiv(W, r);
+    if (r == 2 && W % 16 == 0 && H % 2 == 0) { /* 8 patch values -> 16 outputs on two rows */
+        v8 f = (v8){0} + inv[0];
+        for (i64 i = 0; i < H / 2; i++) {
+            float *a = d + 2 * i * dh;
+            for (i64 w = 0; w < W; w += 16) {
+                v8 v;
+                if (sl == 1) v = ld8(s + i * wc + w / 2);
+                else for (int k = 0; k < 8; k++) v[k] = s[(i * wc + w / 2 + k) * sl];
+                v *= f;
+                v8 lo = __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3);
+                v8 hi = __builtin_shufflevector(v, v, 4, 4, 5, 5, 6, 6, 7, 7);
+                st8(a + w, lo); st8(a + w + 8, hi); st8(a + dh + w, lo); st8(a + dh + w + 8, hi);
+            }
+        }
+        return;
+    }
+    if (r == 2 && W == 8 && H % 4 == 0) { /* two patch rows of 4 -> four rows of 8 */
+        v8 f = (v8){0} + inv[0];
+        for (i64 i = 0; i < H / 2; i += 2) {
+            v8 v;
+            if (sl == 1) v = ld8(s + i * 4);
+            else for (int k = 0; k < 8; k++) v[k] = s[(i * 4 + k) * sl];
+            v *= f;
+            v8 lo = __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3);
+            v8 hi = __builtin_shufflevector(v, v, 4, 4, 5, 5, 6, 6, 7, 7);
+            float *a = d + 2 * i * dh;
+            st8(a, lo); st8(a + dh, lo); st8(a + 2 * dh, hi); st8(a + 3 * dh, hi);
+        }
+        return;
+    }
+    for (i64 i = 0, h0 = 0; h0 < H; i++, h0 += r) {
+        if (r == 2 && W % 2 == 0) {
+            for (i64 j = 0; j < wc; j++) {
+                float v = s[(i * wc + j) * sl] * inv[i * wc + j];
+                row[2 * j] = v;
+                row[2 * j + 1] = v;
+            }
+        } else {
+            for (i64 j = 0, w0 = 0; j < wc; j++, w0 += r) {
+                float v = s[(i * wc + j) * sl] * inv[i * wc + j];
+                for (i64 w = w0; w < MIN(W, w0 + r); w++) row[w] = v;
+            }
+        }
+        for (i64 h = h0; h < MIN(H, h0 + r); h++) memcpy(d + h * dh, row, sizeof(float) * W);
+    }
+}
+
+int et_unpool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
+              i64 sn, i64 sc, i64 sl, i64 dn, i64 dc, i64 dh, i64 dw, int threads) {
+    i64 hc = cdiv(H, r), wc = cdiv(W, r), L = hc * wc;
+    float *inv = malloc(sizeof(float) * L);
+    if (!inv) return 1;
+    inv_counts(inv, H, W, r, scale);
+    int fail = 0;
+    if (dw == 1 && dc != 1) {
+#pragma omp parallel num_threads(threads) reduction(| : fail)
+        {
+            float *row = malloc(sizeof(float) * W);
+            if (!row) fail = 1;
+            else {
+#define UNPOOL_LOOP(WW, RR)                                                                        \
+    _Pragma("omp for schedule(static)") for (i64 p = 0; p < N * C; p++) {                             \
+        i64 n = p / C, c = p % C;                                                                      \
+        unpool_plane(src + n * sn + c * sc, dst + n * dn + c * dc, H, WW, RR, sl, dh, inv, row);      \
+    }
+#define UNPOOL_CASE(WW, RR) if (W == WW && r == RR) { UNPOOL_LOOP(WW, RR) } else
+                FOR_SHAPES(UNPOOL_CASE) { UNPOOL_LOOP(W, r) }
+                free(row);
+            }
+        }
+    } else {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+        for (i64 n = 0; n < N; n++) {
+            for (i64 h = 0; h < H; h++) {
+                for (i64 w = 0; w < W; w++) {
+                    i64 l = (h / r) * wc + w / r;
+                    const float *s = src + n * sn + l * sl;
+                    float *d = dst + n * dn + h * dh + w * dw;
+                    float f = inv[l];
+                    if (sc == 1 && dc == 1)
+                        for (i64 c = 0; c < C; c++) d[c] = s[c] * f;
+                    else
+                        for (i64 c = 0; c < C; c++) d[c * dc] = s[c * sc] * f;
+                }
+            }
+        }
+    }
+    free(inv);
+    return fail;
+}
+
+/* Depthwise backward on pooled maps, channels innermost. G: [N, Lo, C], X: [N, Li, C], both contiguous.
+ * An entry (slot, out, in) says: coarse output position `out` reads coarse input position `in` through
+ * `slot` (one coarse kernel tap of one kind of patch row and column). Two orderings of the same entries:
+ *   by slot (wo, wi; slot s owns [woff[s], woff[s+1]) ):
+ *     dws[s, c] = sum_n sum_{e of s} G[n, wo e, c] X[n, wi e, c]                 (when dws != NULL)
+ *   by input position (xs, xo; position i owns [xoff[i], xoff[i+1]) ):
+ *     dx[n, i, c] = sum_{e of i} wc[xs e, c] G[n, xo e, c]                         (when dx != NULL)
+ * wc: [S, C] coarse kernels; dws: [S, C] and dx: [N, Li, C] are written whole. */
+#define MAXV 4 /* 16-wide vectors per block of channels: 64 channels, the sums held in registers */
+
+static inline __attribute__((always_inline)) void dw_block(
+    const float *G, const float *X, const float *wc, float *dws, float *dx, i64 N, i64 C, i64 Lo, i64 Li,
+    i64 S, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs, const i64 *xo, const i64 *xoff,
+    i64 c0, const int nv) {
+    v16 a[MAXV];
+    if (dws) { /* sample by sample (its rows stay in L1), each slot's sum carried in dws itself */
+        for (i64 s = 0; s < S; s++)
+            for (int k = 0; k < nv; k++) st16(dws + s * C + c0 + 16 * k, (v16){0});
+        for (i64 n = 0; n < N; n++) {
+            const float *g = G + n * Lo * C + c0, *x = X + n * Li * C + c0;
+            for (i64 s = 0; s < S; s++) {
+                float *o = dws + s * C + c0;
+                for (int k = 0; k < nv; k++) a[k] = ld16(o + 16 * k);
+                for (i64 e = woff[s]; e < woff[s + 1]; e++) {
+                    const float *ge = g + wo[e] * C, *xe = x + wi[e] * C;
+                    for (int k = 0; k < nv; k++) a[k] += ld16(ge + 16 * k) * ld16(xe + 16 * k);
+                }
+                for (int k = 0; k < nv; k++) st16(o + 16 * k, a[k]);
+            }
+        }
+    }
+    if (dx) {
+        for (i64 n = 0; n < N; n++) {
+            const float *g = G + n * Lo * C + c0;
+            for (i64 i = 0; i < Li; i++) {
+                for (int k = 0; k < nv; k++) a[k] = (v16){0};
+                for (i64 e = xoff[i]; e < xoff[i + 1]; e++) {
+                    const float *ge = g + xo[e] * C, *we = wc + xs[e] * C + c0;
+                    for (int k = 0; k < nv; k++) a[k] += ld16(we + 16 * k) * ld16(ge + 16 * k);
+                }
+                float *o = dx + (n * Li + i) * C + c0;
+                for (int k = 0; k < nv; k++) st16(o + 16 * k, a[k]);
+            }
+        }
+    }
+}
+
+/* The last channels (fewer than 16): the same sums, one channel at a time. */
+static void dw_tail_block(const float *G, const float *X, const float *wc, float *dws, float *dx, i64 N, i64 C,
+                          i64 Lo, i64 Li, i64 S, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs,
+                          const i64 *xo, const i64 *xoff, i64 c0) {
+    for (i64 c = c0; c < C; c++) {
+        if (dws)
+            for (i64 s = 0; s < S; s++) {
+                float a = 0.0f;
+                for (i64 n = 0; n < N; n++)
+                    for (i64 e = woff[s]; e < woff[s + 1]; e++)
+                        a += G[(n * Lo + wo[e]) * C + c] * X[(n * Li + wi[e]) * C + c];
+                dws[s * C + c] = a;
+            }
+        if (dx)
+            for (i64 n = 0; n < N; n++)
+                for (i64 i = 0; i < Li; i++) {
+                    float a = 0.0f;
+                    for (i64 e = xoff[i]; e < xoff[i + 1]; e++) a += wc[xs[e] * C + c] * G[(n * Lo + xo[e]) * C + c];
+                    dx[(n * Li + i) * C + c] = a;
+                }
+    }
+}
+
+int et_dw_core(const float *G, const float *X, const float *wc, float *dws, float *dx, i64 N, i64 C,
+               i64 Lo, i64 Li, i64 S, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs,
+               const i64 *xo, const i64 *xoff, int threads) {
+    i64 wide = C / (16 * MAXV), narrow = (C % (16 * MAXV)) / 16, c_tail = wide * 16 * MAXV + narrow * 16;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (i64 b = 0; b < wide + narrow + (c_tail < C); b++) {
+        if (b < wide)
+            dw_block(G, X, wc, dws, dx, N, C, Lo, Li, S, wo, wi, woff, xs, xo, xoff, b * 16 * MAXV, MAXV);
+        else if (b < wide + narrow)
+            dw_block(G, X, wc, dws, dx, N, C, Lo, Li, S, wo, wi, woff, xs, xo, xoff,
+                     wide * 16 * MAXV + (b - wide) * 16, 1);
+        else
+            dw_tail_block(G, X, wc, dws, dx, N, C, Lo, Li, S, wo, wi, woff, xs, xo, xoff, c_tail);
+    }
+    return 0;
+}
