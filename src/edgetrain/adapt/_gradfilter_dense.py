@@ -346,17 +346,22 @@ def _depthwise_native(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs):
     n = gy.shape[0]
     l_out, l_in = ah.n_out_c * aw.n_out_c, ah.n_in_c * aw.n_in_c
     entries = native.depthwise_entries(ah, aw, kh, kw)
-    fold = entries[0]  # [S, kH kW]
+    w = weight if gx is not None else None
+    fused = native.plane_rows(gy) and (gx is None or native.plane_rows(gx))
+    if fused or not (need_w or gx is not None):  # one pass: pool, sums, unpool
+        gb = gy.sum((0, 2, 3)) if need_b else None  # exact; the fused pass keeps no pooled copy to sum
+        if not (need_w or gx is not None):
+            return None, gb
+        gw = native.depthwise_fused(gy, x_pooled if need_w else None, w, entries, gx, radius)
+        return (gw.view(w_shape) if need_w else None), gb
     g = pool_map(gy, radius, "sample", scratch=_scratch(gx, n * l_out * c))  # [N, L_out, C]
     gb = None
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I]: exact, read from the small map
         gb = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out) @ g.sum(0)
-    w_coarse = (fold @ weight.reshape(c, kh * kw).T).contiguous() if gx is not None else None  # [S, C]
-    sums, dxc = native.depthwise_sums(g, x_pooled if need_w else None, w_coarse, entries, l_in)
-    gw = (sums.T @ fold).view(w_shape) if need_w else None
+    gw, dxc = native.depthwise_sums(g, x_pooled if need_w else None, w, entries, l_in)
     if gx is not None:
         unpool_map(dxc.transpose(1, 2), radius, gx)
-    return gw, gb
+    return (gw.view(w_shape) if need_w else None), gb
 
 
 def _nhwc(t: torch.Tensor) -> torch.Tensor:

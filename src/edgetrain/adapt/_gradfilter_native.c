@@ -89,59 +89,6 @@ static inline __attribute__((always_inline)) void pool_plane(const float *restri
     }
 }
 
-int et_pool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
-            i64 sn, i64 sc, i64 sh, i64 sw, i64 dn, i64 dc, i64 dl, int threads) {
-    i64 hc = cdiv(H, r), wc = cdiv(W, r), L = hc * wc;
-    float *inv = malloc(sizeof(float) * L);
-    if (!inv) return 1;
-    inv_counts(inv, H, W, r, scale);
-    int fail = 0;
-    if (sw == 1 && sc != 1) { /* planes with contiguous rows (NCHW): one plane at a time */
-#pragma omp parallel num_threads(threads) reduction(| : fail)
-        {
-            float *acc = malloc(sizeof(float) * W);
-            if (!acc) fail = 1;
-            else {
-#define POOL_LOOP(WW, RR)                                                                          \
-    _Pragma("omp for schedule(static)") for (i64 p = 0; p < N * C; p++) {                             \
-        i64 n = p / C, c = p % C;                                                                      \
-        pool_plane(src + n * sn + c * sc, dst + n * dn + c * dc, H, WW, RR, sh, dl, inv, acc);        \
-    }
-#define POOL_CASE(WW, RR) if (W == WW && r == RR) { POOL_LOOP(WW, RR) } else
-                FOR_SHAPES(POOL_CASE) { POOL_LOOP(W, r) }
-                free(acc);
-            }
-        }
-    } else { /* channels innermost (channels-last) or anything else: vectors over channels */
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-        for (i64 n = 0; n < N; n++) {
-            for (i64 l = 0; l < L; l++) {
-                i64 i = l / wc, j = l % wc;
-                float acc[CHUNK];
-                for (i64 c0 = 0; c0 < C; c0 += CHUNK) {
-                    i64 nc = MIN(CHUNK, C - c0);
-                    for (i64 c = 0; c < nc; c++) acc[c] = 0.0f;
-                    for (i64 h = i * r; h < MIN(H, i * r + r); h++)
-                        for (i64 w = j * r; w < MIN(W, j * r + r); w++) {
-                            const float *s = src + n * sn + c0 * sc + h * sh + w * sw;
-                            if (sc == 1)
-                                for (i64 c = 0; c < nc; c++) acc[c] += s[c];
-                            else
-                                for (i64 c = 0; c < nc; c++) acc[c] += s[c * sc];
-                        }
-                    float *d = dst + n * dn + c0 * dc + l * dl;
-                    if (dc == 1)
-                        for (i64 c = 0; c < nc; c++) d[c] = acc[c] * inv[l];
-                    else
-                        for (i64 c = 0; c < nc; c++) d[c * dc] = acc[c] * inv[l];
-                }
-            }
-        }
-    }
-    free(inv);
-    return fail;
-}
-
 /* One plane of the output with contiguous rows: each coarse row is expanded once and copied r times. */
 static inline __attribute__((always_inline)) void unpool_plane(const float *restrict s, float *restrict d, i64 H, i64 W, i64 r, i64 sl,
                          i64 dh, const float *restrict inv, float *restrict row) {
@@ -193,6 +140,72 @@ static inline __attribute__((always_inline)) void unpool_plane(const float *rest
     }
 }
 
+/* The plane loops above, specialised for the common (width, radius) pairs, chosen per plane. */
+static void pool_plane_any(const float *s, float *d, i64 H, i64 W, i64 r, i64 sh, i64 dl, const float *inv,
+                           float *acc) {
+#define POOL_CASE(WW, RR) if (W == WW && r == RR) { pool_plane(s, d, H, WW, RR, sh, dl, inv, acc); return; }
+    FOR_SHAPES(POOL_CASE)
+    pool_plane(s, d, H, W, r, sh, dl, inv, acc);
+}
+
+static void unpool_plane_any(const float *s, float *d, i64 H, i64 W, i64 r, i64 sl, i64 dh, const float *inv,
+                             float *row) {
+#define UNPOOL_CASE(WW, RR) if (W == WW && r == RR) { unpool_plane(s, d, H, WW, RR, sl, dh, inv, row); return; }
+    FOR_SHAPES(UNPOOL_CASE)
+    unpool_plane(s, d, H, W, r, sl, dh, inv, row);
+}
+
+int et_pool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
+            i64 sn, i64 sc, i64 sh, i64 sw, i64 dn, i64 dc, i64 dl, int threads) {
+    i64 hc = cdiv(H, r), wc = cdiv(W, r), L = hc * wc;
+    float *inv = malloc(sizeof(float) * L);
+    if (!inv) return 1;
+    inv_counts(inv, H, W, r, scale);
+    int fail = 0;
+    if (sw == 1 && sc != 1) { /* planes with contiguous rows (NCHW): one plane at a time */
+#pragma omp parallel num_threads(threads) reduction(| : fail)
+        {
+            float *acc = malloc(sizeof(float) * W);
+            if (!acc) fail = 1;
+            else {
+#pragma omp for schedule(static)
+                for (i64 p = 0; p < N * C; p++) {
+                    i64 n = p / C, c = p % C;
+                    pool_plane_any(src + n * sn + c * sc, dst + n * dn + c * dc, H, W, r, sh, dl, inv, acc);
+                }
+                free(acc);
+            }
+        }
+    } else { /* channels innermost (channels-last) or anything else: vectors over channels */
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+        for (i64 n = 0; n < N; n++) {
+            for (i64 l = 0; l < L; l++) {
+                i64 i = l / wc, j = l % wc;
+                float acc[CHUNK];
+                for (i64 c0 = 0; c0 < C; c0 += CHUNK) {
+                    i64 nc = MIN(CHUNK, C - c0);
+                    for (i64 c = 0; c < nc; c++) acc[c] = 0.0f;
+                    for (i64 h = i * r; h < MIN(H, i * r + r); h++)
+                        for (i64 w = j * r; w < MIN(W, j * r + r); w++) {
+                            const float *s = src + n * sn + c0 * sc + h * sh + w * sw;
+                            if (sc == 1)
+                                for (i64 c = 0; c < nc; c++) acc[c] += s[c];
+                            else
+                                for (i64 c = 0; c < nc; c++) acc[c] += s[c * sc];
+                        }
+                    float *d = dst + n * dn + c0 * dc + l * dl;
+                    if (dc == 1)
+                        for (i64 c = 0; c < nc; c++) d[c] = acc[c] * inv[l];
+                    else
+                        for (i64 c = 0; c < nc; c++) d[c * dc] = acc[c] * inv[l];
+                }
+            }
+        }
+    }
+    free(inv);
+    return fail;
+}
+
 int et_unpool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
               i64 sn, i64 sc, i64 sl, i64 dn, i64 dc, i64 dh, i64 dw, int threads) {
     i64 hc = cdiv(H, r), wc = cdiv(W, r), L = hc * wc;
@@ -206,13 +219,11 @@ int et_unpool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, f
             float *row = malloc(sizeof(float) * W);
             if (!row) fail = 1;
             else {
-#define UNPOOL_LOOP(WW, RR)                                                                        \
-    _Pragma("omp for schedule(static)") for (i64 p = 0; p < N * C; p++) {                             \
-        i64 n = p / C, c = p % C;                                                                      \
-        unpool_plane(src + n * sn + c * sc, dst + n * dn + c * dc, H, WW, RR, sl, dh, inv, row);      \
-    }
-#define UNPOOL_CASE(WW, RR) if (W == WW && r == RR) { UNPOOL_LOOP(WW, RR) } else
-                FOR_SHAPES(UNPOOL_CASE) { UNPOOL_LOOP(W, r) }
+#pragma omp for schedule(static)
+                for (i64 p = 0; p < N * C; p++) {
+                    i64 n = p / C, c = p % C;
+                    unpool_plane_any(src + n * sn + c * sc, dst + n * dn + c * dc, H, W, r, sl, dh, inv, row);
+                }
                 free(row);
             }
         }
@@ -237,89 +248,199 @@ int et_unpool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, f
     return fail;
 }
 
-/* Depthwise backward on pooled maps, channels innermost. G: [N, Lo, C], X: [N, Li, C], both contiguous.
- * An entry (slot, out, in) says: coarse output position `out` reads coarse input position `in` through
- * `slot` (one coarse kernel tap of one kind of patch row and column). Two orderings of the same entries:
- *   by slot (wo, wi; slot s owns [woff[s], woff[s+1]) ):
- *     dws[s, c] = sum_n sum_{e of s} G[n, wo e, c] X[n, wi e, c]                 (when dws != NULL)
- *   by input position (xs, xo; position i owns [xoff[i], xoff[i+1]) ):
- *     dx[n, i, c] = sum_{e of i} wc[xs e, c] G[n, xo e, c]                         (when dx != NULL)
- * wc: [S, C] coarse kernels; dws: [S, C] and dx: [N, Li, C] are written whole. */
 #define MAXV 4 /* 16-wide vectors per block of channels: 64 channels, the sums held in registers */
 
-static inline __attribute__((always_inline)) void dw_block(
-    const float *G, const float *X, const float *wc, float *dws, float *dx, i64 N, i64 C, i64 Lo, i64 Li,
-    i64 S, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs, const i64 *xo, const i64 *xoff,
-    i64 c0, const int nv) {
+/* One sample, one block of 16 nv channels: the slots' sums of products added into dws (row stride ws),
+ * and the coarse input gradient written to dx (row stride ds; skipped when dx == NULL). g, x, wc, dws, dx
+ * point at the block's first channel; gs, xst, wst are the row strides of G, X and the coarse kernels. */
+static inline __attribute__((always_inline)) void dw_sample(
+    const float *g, i64 gs, const float *x, i64 xst, const float *wc, i64 wst, float *dws, i64 ws, float *dx,
+    i64 ds, i64 S, i64 Li, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs, const i64 *xo,
+    const i64 *xoff, const int nv) {
     v16 a[MAXV];
-    if (dws) { /* sample by sample (its rows stay in L1), each slot's sum carried in dws itself */
-        for (i64 s = 0; s < S; s++)
-            for (int k = 0; k < nv; k++) st16(dws + s * C + c0 + 16 * k, (v16){0});
-        for (i64 n = 0; n < N; n++) {
-            const float *g = G + n * Lo * C + c0, *x = X + n * Li * C + c0;
-            for (i64 s = 0; s < S; s++) {
-                float *o = dws + s * C + c0;
-                for (int k = 0; k < nv; k++) a[k] = ld16(o + 16 * k);
-                for (i64 e = woff[s]; e < woff[s + 1]; e++) {
-                    const float *ge = g + wo[e] * C, *xe = x + wi[e] * C;
-                    for (int k = 0; k < nv; k++) a[k] += ld16(ge + 16 * k) * ld16(xe + 16 * k);
-                }
-                for (int k = 0; k < nv; k++) st16(o + 16 * k, a[k]);
+    if (dws) {
+        for (i64 s = 0; s < S; s++) {
+            float *o = dws + s * ws;
+            for (int k = 0; k < nv; k++) a[k] = ld16(o + 16 * k);
+            for (i64 e = woff[s]; e < woff[s + 1]; e++) {
+                const float *ge = g + wo[e] * gs, *xe = x + wi[e] * xst;
+                for (int k = 0; k < nv; k++) a[k] += ld16(ge + 16 * k) * ld16(xe + 16 * k);
             }
+            for (int k = 0; k < nv; k++) st16(o + 16 * k, a[k]);
         }
     }
     if (dx) {
-        for (i64 n = 0; n < N; n++) {
-            const float *g = G + n * Lo * C + c0;
-            for (i64 i = 0; i < Li; i++) {
-                for (int k = 0; k < nv; k++) a[k] = (v16){0};
-                for (i64 e = xoff[i]; e < xoff[i + 1]; e++) {
-                    const float *ge = g + xo[e] * C, *we = wc + xs[e] * C + c0;
-                    for (int k = 0; k < nv; k++) a[k] += ld16(we + 16 * k) * ld16(ge + 16 * k);
-                }
-                float *o = dx + (n * Li + i) * C + c0;
-                for (int k = 0; k < nv; k++) st16(o + 16 * k, a[k]);
+        for (i64 i = 0; i < Li; i++) {
+            for (int k = 0; k < nv; k++) a[k] = (v16){0};
+            for (i64 e = xoff[i]; e < xoff[i + 1]; e++) {
+                const float *ge = g + xo[e] * gs, *we = wc + xs[e] * wst;
+                for (int k = 0; k < nv; k++) a[k] += ld16(we + 16 * k) * ld16(ge + 16 * k);
             }
+            for (int k = 0; k < nv; k++) st16(dx + i * ds + 16 * k, a[k]);
         }
     }
 }
 
-/* The last channels (fewer than 16): the same sums, one channel at a time. */
-static void dw_tail_block(const float *G, const float *X, const float *wc, float *dws, float *dx, i64 N, i64 C,
-                          i64 Lo, i64 Li, i64 S, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs,
-                          const i64 *xo, const i64 *xoff, i64 c0) {
-    for (i64 c = c0; c < C; c++) {
-        if (dws)
-            for (i64 s = 0; s < S; s++) {
-                float a = 0.0f;
-                for (i64 n = 0; n < N; n++)
-                    for (i64 e = woff[s]; e < woff[s + 1]; e++)
-                        a += G[(n * Lo + wo[e]) * C + c] * X[(n * Li + wi[e]) * C + c];
-                dws[s * C + c] = a;
+#define DW_SAMPLE_NV(NV_EXPR, ...)                                  \
+    switch (NV_EXPR) {                                              \
+    case 1: dw_sample(__VA_ARGS__, 1); break;                       \
+    case 2: dw_sample(__VA_ARGS__, 2); break;                       \
+    case 3: dw_sample(__VA_ARGS__, 3); break;                       \
+    default: dw_sample(__VA_ARGS__, MAXV); break;                   \
+    }
+
+/* Blocks of channels: 64 at a time, then one block of the rest rounded up to 16 lanes. A block whose lanes
+ * pass C works on zero-padded copies (its extra lanes compute zeros that are never written out). */
+static i64 n_blocks(i64 C) { return C / (16 * MAXV) + (C % (16 * MAXV) != 0); }
+
+/* A block's coarse kernels wc[s, c] = sum_t fold[s, t] Wt[t, c] and its slot sums, both [S, lanes] in buf;
+ * lanes past C hold zeros. Wt: [T, C], the weights transposed (NULL when dx is not needed); fold: [S, T]. */
+typedef struct { float *wc, *dws; i64 lanes, nb; } block_view;
+
+static block_view block_setup(i64 b, i64 C, i64 S, i64 T, const float *Wt, const float *fold, int need_w,
+                              float *buf) {
+    block_view v;
+    i64 c0 = b * 16 * MAXV;
+    v.nb = MIN(16 * MAXV, C - c0);
+    v.lanes = 16 * cdiv(v.nb, 16);
+    memset(buf, 0, sizeof(float) * 2 * S * v.lanes);
+    v.wc = Wt ? buf : NULL;
+    v.dws = need_w ? buf + S * v.lanes : NULL;
+    if (Wt)
+        for (i64 s = 0; s < S; s++)
+            for (i64 t = 0; t < T; t++) {
+                float f = fold[s * T + t], *o = v.wc + s * v.lanes;
+                const float *w = Wt + t * C + c0;
+                if (f != 0.0f)
+                    for (i64 c = 0; c < v.nb; c++) o[c] += f * w[c];
             }
-        if (dx)
-            for (i64 n = 0; n < N; n++)
-                for (i64 i = 0; i < Li; i++) {
-                    float a = 0.0f;
-                    for (i64 e = xoff[i]; e < xoff[i + 1]; e++) a += wc[xs[e] * C + c] * G[(n * Lo + xo[e]) * C + c];
-                    dx[(n * Li + i) * C + c] = a;
-                }
+    return v;
+}
+
+/* The weight gradient of the block's channels: gw[c, t] = sum_s fold[s, t] dws[s, c]; acc: lanes floats. */
+static void block_finish(const block_view *v, i64 b, i64 S, i64 T, const float *fold, float *gw, float *acc) {
+    if (!gw) return;
+    i64 c0 = b * 16 * MAXV;
+    for (i64 t = 0; t < T; t++) {
+        memset(acc, 0, sizeof(float) * v->lanes);
+        for (i64 s = 0; s < S; s++) {
+            float f = fold[s * T + t];
+            const float *d = v->dws + s * v->lanes;
+            if (f != 0.0f)
+                for (i64 c = 0; c < v->lanes; c++) acc[c] += f * d[c];
+        }
+        for (i64 c = 0; c < v->nb; c++) gw[(c0 + c) * T + t] = acc[c];
     }
 }
 
-int et_dw_core(const float *G, const float *X, const float *wc, float *dws, float *dx, i64 N, i64 C,
-               i64 Lo, i64 Li, i64 S, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs,
-               const i64 *xo, const i64 *xoff, int threads) {
-    i64 wide = C / (16 * MAXV), narrow = (C % (16 * MAXV)) / 16, c_tail = wide * 16 * MAXV + narrow * 16;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (i64 b = 0; b < wide + narrow + (c_tail < C); b++) {
-        if (b < wide)
-            dw_block(G, X, wc, dws, dx, N, C, Lo, Li, S, wo, wi, woff, xs, xo, xoff, b * 16 * MAXV, MAXV);
-        else if (b < wide + narrow)
-            dw_block(G, X, wc, dws, dx, N, C, Lo, Li, S, wo, wi, woff, xs, xo, xoff,
-                     wide * 16 * MAXV + (b - wide) * 16, 1);
-        else
-            dw_tail_block(G, X, wc, dws, dx, N, C, Lo, Li, S, wo, wi, woff, xs, xo, xoff, c_tail);
+/* X rows of sample n for block b: the tensor itself, or a zero-padded copy in xbuf. */
+static const float *block_x(const block_view *v, const float *X, i64 n, i64 b, i64 C, i64 Li, float *xbuf,
+                            i64 *xst) {
+    const float *x = X + n * Li * C + b * 16 * MAXV;
+    if (v->nb % 16 == 0) { *xst = C; return x; }
+    for (i64 i = 0; i < Li; i++) {
+        memcpy(xbuf + i * v->lanes, x + i * C, sizeof(float) * v->nb);
+        memset(xbuf + i * v->lanes + v->nb, 0, sizeof(float) * (v->lanes - v->nb));
     }
-    return 0;
+    *xst = v->lanes;
+    return xbuf;
+}
+
+/* Depthwise backward on pooled maps, channels innermost. G: [N, Lo, C], X: [N, Li, C], both contiguous.
+ * An entry (slot, out, in) says: coarse output position `out` reads coarse input position `in` through
+ * `slot` (one coarse kernel tap of one kind of patch row and column); fold[s, t] says how much kernel tap
+ * t counts in slot s. Two orderings of the same entries:
+ *   by slot (wo, wi; slot s owns [woff[s], woff[s+1]) ):
+ *     gw[c, t] = sum_s fold[s, t] sum_n sum_{e of s} G[n, wo e, c] X[n, wi e, c]       (when gw != NULL)
+ *   by input position (xs, xo; position i owns [xoff[i], xoff[i+1]) ):
+ *     dx[n, i, c] = sum_{e of i} wc[xs e, c] G[n, xo e, c], wc = fold W^T             (when dx != NULL)
+ * Wt: [T, C] weights, transposed (NULL when dx is not needed); gw: [C, T] and dx: [N, Li, C] are written
+ * whole. */
+int et_dw_core(const float *G, const float *X, const float *Wt, const float *fold, float *gw, float *dx, i64 N,
+               i64 C, i64 Lo, i64 Li, i64 S, i64 T, const i64 *wo, const i64 *wi, const i64 *woff,
+               const i64 *xs, const i64 *xo, const i64 *xoff, int threads) {
+    int fail = 0;
+#pragma omp parallel num_threads(threads) reduction(| : fail)
+    {
+        i64 lanes = 16 * MAXV;
+        float *buf = malloc(sizeof(float) * (2 * S + Lo + 2 * Li + 1) * lanes);
+        if (!buf) fail = 1;
+        else {
+#pragma omp for schedule(static)
+            for (i64 b = 0; b < n_blocks(C); b++) {
+                block_view v = block_setup(b, C, S, T, dx ? Wt : NULL, fold, gw != NULL, buf);
+                float *gbuf = buf + 2 * S * lanes, *xbuf = gbuf + Lo * lanes, *dbuf = xbuf + Li * lanes;
+                for (i64 n = 0; n < N; n++) {
+                    const float *g = G + n * Lo * C + b * lanes;
+                    i64 gs = C, xst = 0;
+                    if (v.nb % 16) { /* padded copy of this sample's rows */
+                        for (i64 l = 0; l < Lo; l++) {
+                            memcpy(gbuf + l * v.lanes, g + l * C, sizeof(float) * v.nb);
+                            memset(gbuf + l * v.lanes + v.nb, 0, sizeof(float) * (v.lanes - v.nb));
+                        }
+                        g = gbuf; gs = v.lanes;
+                    }
+                    const float *x = gw ? block_x(&v, X, n, b, C, Li, xbuf, &xst) : NULL;
+                    float *d = dx ? (v.nb % 16 ? dbuf : dx + n * Li * C + b * lanes) : NULL;
+                    i64 ds = v.nb % 16 ? v.lanes : C;
+                    DW_SAMPLE_NV(v.lanes / 16, g, gs, x, xst, v.wc, v.lanes, v.dws, v.lanes, d, ds, S, Li, wo, wi,
+                                 woff, xs, xo, xoff)
+                    if (dx && v.nb % 16)
+                        for (i64 i = 0; i < Li; i++)
+                            memcpy(dx + (n * Li + i) * C + b * lanes, dbuf + i * v.lanes, sizeof(float) * v.nb);
+                }
+                block_finish(&v, b, S, T, fold, gw, dbuf + Li * lanes);
+            }
+            free(buf);
+        }
+    }
+    return fail;
+}
+
+/* The same backward fused with pooling dL/dy and unpooling dL/dx, for planes with contiguous rows (NCHW):
+ * one pass over each block of channels, sample by sample, with the pooled maps in L1-sized buffers.
+ * gy: [N, C, Ho, Wo] (strides gsn, gsc, gsh, 1); gx: [N, C, H, W] (strides xsn, xsc, xsh, 1) or NULL. */
+int et_dw_fused(const float *gy, const float *X, const float *Wt, const float *fold, float *gw, float *gx, i64 N,
+                i64 C, i64 Ho, i64 Wo, i64 H, i64 Wd, i64 r, i64 gsn, i64 gsc, i64 gsh, i64 xsn, i64 xsc,
+                i64 xsh, i64 S, i64 T, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs,
+                const i64 *xo, const i64 *xoff, int threads) {
+    i64 Lo = cdiv(Ho, r) * cdiv(Wo, r), Li = cdiv(H, r) * cdiv(Wd, r);
+    float *inv_o = malloc(sizeof(float) * Lo), *inv_i = malloc(sizeof(float) * Li);
+    if (!inv_o || !inv_i) { free(inv_o); free(inv_i); return 1; }
+    inv_counts(inv_o, Ho, Wo, r, 1.0f);
+    inv_counts(inv_i, H, Wd, r, 1.0f);
+    int fail = 0;
+#pragma omp parallel num_threads(threads) reduction(| : fail)
+    {
+        i64 lanes = 16 * MAXV;
+        float *buf = malloc(sizeof(float) * ((2 * S + Lo + 2 * Li + 1) * lanes + Wo + Wd));
+        if (!buf) fail = 1;
+        else {
+#pragma omp for schedule(static)
+            for (i64 b = 0; b < n_blocks(C); b++) {
+                block_view v = block_setup(b, C, S, T, gx ? Wt : NULL, fold, gw != NULL, buf);
+                float *gbuf = buf + 2 * S * lanes, *xbuf = gbuf + Lo * lanes, *dbuf = xbuf + Li * lanes;
+                float *fin = dbuf + Li * lanes, *acc = fin + lanes, *row = acc + Wo;
+                i64 c0 = b * lanes;
+                if (v.nb % 16) memset(gbuf, 0, sizeof(float) * Lo * v.lanes);
+                for (i64 n = 0; n < N; n++) {
+                    for (i64 c = 0; c < v.nb; c++)
+                        pool_plane_any(gy + n * gsn + (c0 + c) * gsc, gbuf + c, Ho, Wo, r, gsh, v.lanes, inv_o, acc);
+                    i64 xst = 0;
+                    const float *x = gw ? block_x(&v, X, n, b, C, Li, xbuf, &xst) : NULL;
+                    DW_SAMPLE_NV(v.lanes / 16, gbuf, v.lanes, x, xst, v.wc, v.lanes, v.dws, v.lanes,
+                                 gx ? dbuf : NULL, v.lanes, S, Li, wo, wi, woff, xs, xo, xoff)
+                    if (gx)
+                        for (i64 c = 0; c < v.nb; c++)
+                            unpool_plane_any(dbuf + c, gx + n * xsn + (c0 + c) * xsc, H, Wd, r, v.lanes, xsh, inv_i,
+                                             row);
+                }
+                block_finish(&v, b, S, T, fold, gw, fin);
+            }
+            free(buf);
+        }
+    }
+    free(inv_o);
+    free(inv_i);
+    return fail;
 }

@@ -36,7 +36,7 @@ from .._native import build_library
 if TYPE_CHECKING:
     from ._gradfilter_impl import _Axis
 
-__all__ = ["available", "pool", "unpool", "depthwise_sums", "depthwise_entries"]
+__all__ = ["available", "pool", "unpool", "depthwise_sums", "depthwise_fused", "depthwise_entries", "plane_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ def _load() -> ctypes.CDLL | None:
             continue
         lib.et_pool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
         lib.et_unpool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
-        lib.et_dw_core.argtypes = [_PTR] * 5 + [_I64] * 5 + [_PTR] * 6 + [_INT]
-        for f in (lib.et_pool, lib.et_unpool, lib.et_dw_core):
+        lib.et_dw_core.argtypes = [_PTR] * 6 + [_I64] * 6 + [_PTR] * 6 + [_INT]
+        lib.et_dw_fused.argtypes = [_PTR] * 6 + [_I64] * 15 + [_PTR] * 6 + [_INT]
+        for f in (lib.et_pool, lib.et_unpool, lib.et_dw_core, lib.et_dw_fused):
             f.restype = _INT
         _LIB = lib
         return _LIB
@@ -213,7 +214,7 @@ def depthwise_entries(ah: _Axis, aw: _Axis, kh: int, kw: int) -> tuple[torch.Ten
             by_in[:, 0].contiguous(), by_in[:, 1].contiguous(), xoff)
 
 
-def depthwise_sums(g: torch.Tensor, x: torch.Tensor | None, w_coarse: torch.Tensor | None,
+def depthwise_sums(g: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
                    entries: tuple[torch.Tensor, ...], n_in: int,
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The depthwise backward on pooled maps, channels innermost.
@@ -221,18 +222,56 @@ def depthwise_sums(g: torch.Tensor, x: torch.Tensor | None, w_coarse: torch.Tens
     Args:
         g: pooled ``dL/dy``, ``[N, L_out, C]`` contiguous.
         x: pooled input, ``[N, L_in, C]`` contiguous (None when ``dW`` is not needed).
-        w_coarse: coarse kernels ``fold @ W^T``, ``[S, C]`` contiguous (None when ``dx`` is not needed).
+        weight: the weight, ``[C, 1, kH, kW]`` (None when ``dx`` is not needed).
         entries: :func:`depthwise_entries` of the conv.
         n_in: ``L_in``.
 
     Returns:
-        ``(slot sums [S, C] or None, coarse dL/dX [N, L_in, C] or None)``.
+        ``(dW [C, kH kW] or None, coarse dL/dX [N, L_in, C] or None)``.
     """
     fold, wo, wi, woff, xs, xo, xoff = entries
     n, l_out, c = g.shape
-    sums = torch.empty(fold.shape[0], c) if x is not None else None
-    dxc = torch.empty(n, n_in, c) if w_coarse is not None else None
-    _LIB.et_dw_core(g.data_ptr(), _ptr(x), _ptr(w_coarse), _ptr(sums), _ptr(dxc), n, c, l_out, n_in,
-                    fold.shape[0], wo.data_ptr(), wi.data_ptr(), woff.data_ptr(), xs.data_ptr(),
-                    xo.data_ptr(), xoff.data_ptr(), torch.get_num_threads())
-    return sums, dxc
+    taps = fold.shape[1]
+    gw = torch.empty(c, taps) if x is not None else None
+    dxc = torch.empty(n, n_in, c) if weight is not None else None
+    w = None if weight is None else weight.reshape(c, taps).T.contiguous()  # [kH kW, C]
+    _check(_LIB.et_dw_core(g.data_ptr(), _ptr(x), _ptr(w), fold.data_ptr(), _ptr(gw), _ptr(dxc), n, c, l_out,
+                           n_in, fold.shape[0], taps, wo.data_ptr(), wi.data_ptr(), woff.data_ptr(),
+                           xs.data_ptr(), xo.data_ptr(), xoff.data_ptr(), torch.get_num_threads()),
+           "depthwise backward")
+    return gw, dxc
+
+
+def plane_rows(t: torch.Tensor) -> bool:
+    """Whether each ``[H, W]`` plane of ``t`` has contiguous rows (NCHW-like, not channels-last)."""
+    return t.stride(3) == 1 and t.stride(1) != 1 and min(t.stride()) >= 0
+
+
+def depthwise_fused(gy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+                    entries: tuple[torch.Tensor, ...], gx: torch.Tensor | None, radius: int,
+                    ) -> torch.Tensor | None:
+    """:func:`pool`, :func:`depthwise_sums` and :func:`unpool` in one pass over blocks of channels.
+
+    Args:
+        gy: ``dL/dy``, ``[N, C, H_o, W_o]`` with :func:`plane_rows`.
+        x: pooled input, ``[N, L_in, C]`` contiguous (None when ``dW`` is not needed).
+        weight: the weight, ``[C, 1, kH, kW]`` (None when ``dx`` is not needed).
+        entries: :func:`depthwise_entries` of the conv.
+        gx: the input gradient to write, ``[N, C, H, W]`` with :func:`plane_rows` (None when not needed).
+        radius: patch side.
+
+    Returns:
+        ``dW`` as ``[C, kH kW]``, or None when ``x`` is None.
+    """
+    fold, wo, wi, woff, xs, xo, xoff = entries
+    n, c, ho, wo_ = gy.shape
+    taps = fold.shape[1]
+    h, w = (gx.shape[2:] if gx is not None else (0, 0))
+    gw = torch.empty(c, taps) if x is not None else None
+    wt = None if weight is None else weight.reshape(c, taps).T.contiguous()  # [kH kW, C]
+    gx_strides = gx.stride()[:3] if gx is not None else (0, 0, 0)
+    _check(_LIB.et_dw_fused(gy.data_ptr(), _ptr(x), _ptr(wt), fold.data_ptr(), _ptr(gw), _ptr(gx), n, c, ho,
+                            wo_, h, w, radius, *gy.stride()[:3], *gx_strides, fold.shape[0], taps,
+                            wo.data_ptr(), wi.data_ptr(), woff.data_ptr(), xs.data_ptr(), xo.data_ptr(),
+                            xoff.data_ptr(), torch.get_num_threads()), "depthwise backward")
+    return gw
