@@ -15,9 +15,9 @@ kernels of :mod:`._gradfilter_native`:
 
 Three shapes of conv, each with the operand layouts that make its GEMMs single calls:
 
-* 1x1 convs (:func:`_pointwise_backward`): the pooled maps are stored sample-major, ``G[K, O]`` and
-  ``X[K_in, C]`` with ``K = (n, I)``, so the taps gather is one batched GEMM ``Z = T X`` (none when
-  ``T`` is ``s`` times the identity), ``dW = G^T Z`` one GEMM, and ``dX = unpool(T^T (G W))``.
+* 1x1 convs (:func:`_pointwise_backward`): the pooled maps are stored ``G[O, K]`` and ``X[K_in, C]``
+  with ``K = (n, I)``, so the taps gather is one batched GEMM ``Z = T X`` (none when ``T`` is ``s``
+  times the identity), ``dW = G Z`` one GEMM, and ``dX = unpool(T^T (G^T W))``.
 * Other dense convs (:func:`_taps_backward`): ``Z[K, C kH kW]`` holds the patch means every tap reads
   (``K = (I, n)``), ``dW = G^T Z``, ``dZ = G W`` and ``dX = sum_I dZ[I] T[I]``.
 * Depthwise convs: natively (:func:`_depthwise_native`) the pooled maps are stored channels-innermost and
@@ -169,8 +169,8 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0,
     Args:
         x: ``[N, C, H, W]``, stored NCHW or channels-last (anything else is made contiguous).
         radius: patch side.
-        layout: ``"sample"`` (``[N, L, C]``: sample, patch, channel), ``"channel"`` (``[N, C, L]``) or
-            ``"spatial"`` (``[L, N, C]``).
+        layout: ``"sample"`` (``[N, L, C]``: sample, patch, channel), ``"channel"`` (``[N, C, L]``),
+            ``"major"`` (``[C, N, L]``) or ``"spatial"`` (``[L, N, C]``).
         scale: factor on every mean.
         scratch: memory to write the result into (a contiguous tensor of at least ``N C L`` elements),
             else None.
@@ -180,12 +180,16 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0,
     """
     n, c, h, w = x.shape
     lc = -(-h // radius) * -(-w // radius)
-    shape = {"sample": (n, lc, c), "channel": (n, c, lc), "spatial": (lc, n, c)}[layout]
+    shape = {"sample": (n, lc, c), "channel": (n, c, lc), "spatial": (lc, n, c), "major": (c, n, lc)}[layout]
     out = None if scratch is None else scratch.view(-1)[:n * c * lc].view(shape)
     if layout != "spatial" and native.available(x):
         out = torch.empty(shape, dtype=x.dtype) if out is None else out
-        native.pool(x, radius, out.transpose(1, 2) if layout == "sample" else out, scale)
+        view = {"sample": lambda: out.transpose(1, 2), "major": lambda: out.transpose(0, 1)}.get(layout)
+        native.pool(x, radius, out if view is None else view(), scale)
         return out
+    if layout == "major":
+        pooled = pool_map(x, radius, "channel", scale)
+        return pooled.transpose(0, 1).contiguous() if out is None else out.copy_(pooled.transpose(0, 1))
     m = patch_matrix(h, w, radius, x.dtype, x.device, scale)  # [L, HW]
     hw = h * w
     if is_channels_last(x):
@@ -266,23 +270,23 @@ def saved_layout(x: torch.Tensor, w_shape: tuple[int, ...], groups: int) -> str:
 
 
 def _pointwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs):
-    """1x1 convs: ``dW = G^T Z`` with ``Z = T X`` and ``dX = unpool(T^T (G W))``, ``K = (n, I)``."""
+    """1x1 convs: ``dW = G Z`` with ``Z = T X`` and ``dX = unpool(T^T (G^T W))``, ``K = (n, I)``."""
     _, need_w, need_b = needs
     n, o = gy.shape[:2]
     c = w_shape[1]
     l_out = ah.n_out_c * aw.n_out_c
     scale = identity_scale(ah, aw, 1, 1)
-    g = pool_map(gy, radius, "sample", scale or 1.0, _scratch(gx, n * l_out * o))  # [N, L_out, O]
+    g = pool_map(gy, radius, "major", scale or 1.0, _scratch(gx, n * l_out * o)).view(o, n * l_out)  # [O, K]
     gb = gw = None
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I] (G holds patch sums when scaled)
         count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
-        gb = g.sum((0, 1)) if scale else count @ g.sum(0)
+        gb = g.sum(1) if scale else g.view(o, n, l_out).sum(1) @ count
     tap = None if scale else tap_matrix(ah, aw, 1, 1, gy.dtype, gy.device)  # [L_out, L_in]
     if need_w:  # Z = T X: what each coarse output reads, [N, L_out, C]
         z = x_pooled if tap is None else torch.matmul(tap, x_pooled)
-        gw = (g.view(-1, o).T @ z.reshape(-1, c)).view(w_shape)
+        gw = (g @ z.reshape(-1, c)).view(w_shape)
     if gx is not None:
-        d = (g.view(-1, o) @ weight.view(o, c)).view(n, l_out, c)  # G W
+        d = (g.T @ weight.view(o, c)).view(n, l_out, c)  # G^T W
         if tap is not None:  # back to the coarse input grid
             d = torch.matmul(tap.T, d)  # [N, L_in, C]
         unpool_map(d.transpose(1, 2), radius, gx)
