@@ -15,9 +15,10 @@ kernels of :mod:`._gradfilter_native`:
 
 Three shapes of conv, each with the operand layouts that make its GEMMs single calls:
 
-* 1x1 convs (:func:`_pointwise_backward`): the pooled maps are stored ``G[O, K]`` and ``X[K_in, C]``
-  with ``K = (n, I)``, so the taps gather is one batched GEMM ``Z = T X`` (none when ``T`` is ``s``
-  times the identity), ``dW = G Z`` one GEMM, and ``dX = unpool(T^T (G^T W))``.
+* 1x1 convs (:func:`_pointwise_backward`): the pooled maps are stored ``G[O, K]`` and ``Z[K, C]`` with
+  ``K = (n, I)``, where ``Z = T X`` is what each coarse output reads (the forward saves ``Z``, which has
+  a quarter of ``X``'s positions on a stride-2 shortcut; ``X`` itself when ``T`` is ``s`` times the
+  identity), so ``dW = G Z`` is one GEMM and ``dX = unpool(T^T (G^T W))``.
 * Other dense convs (:func:`_taps_backward`): ``Z[K, C kH kW]`` holds the patch means every tap reads
   (``K = (I, n)``), ``dW = G^T Z``, ``dZ = G W`` and ``dX = sum_I dZ[I] T[I]``.
 * Depthwise convs: natively (:func:`_depthwise_native`) the pooled maps are stored channels-innermost and
@@ -222,7 +223,8 @@ def dense_backward(gy: torch.Tensor, x_pooled: torch.Tensor | None, weight: torc
 
     Args:
         gy: ``dL/dy``, ``[N, O, H_o, W_o]`` (NCHW or channels-last).
-        x_pooled: the input pooled by :func:`pool_map` in ``layout`` (None when ``dW`` is not needed).
+        x_pooled: the input pooled by :func:`pool_map` in ``layout`` (None when ``dW`` is not needed); for
+            1x1 convs whose tap matrix is not ``s I``, ``T X`` (``[N, L_out, C]``).
         weight: the weight (None when ``dx`` is not needed).
         x_shape: input shape.
         w_shape: weight shape.
@@ -281,14 +283,12 @@ def _pointwise_backward(gy, x_pooled, weight, gx, w_shape, ah, aw, radius, needs
     if need_b:  # sum of dL/dy = sum over patches of n_I * G[I] (G holds patch sums when scaled)
         count = patch_counts(gy.shape[2], gy.shape[3], radius, gy.dtype, gy.device).view(l_out)
         gb = g.sum(1) if scale else g.view(o, n, l_out).sum(1) @ count
-    tap = None if scale else tap_matrix(ah, aw, 1, 1, gy.dtype, gy.device)  # [L_out, L_in]
-    if need_w:  # Z = T X: what each coarse output reads, [N, L_out, C]
-        z = x_pooled if tap is None else torch.matmul(tap, x_pooled)
-        gw = (g @ z.reshape(-1, c)).view(w_shape)
+    if need_w:  # the forward saved Z = T X, what each coarse output reads (X itself when T = s I)
+        gw = (g @ x_pooled.reshape(-1, c)).view(w_shape)
     if gx is not None:
         d = (g.T @ weight.view(o, c)).view(n, l_out, c)  # G^T W
-        if tap is not None:  # back to the coarse input grid
-            d = torch.matmul(tap.T, d)  # [N, L_in, C]
+        if not scale:  # back to the coarse input grid
+            d = torch.matmul(tap_matrix(ah, aw, 1, 1, gy.dtype, gy.device).T, d)  # [N, L_in, C]
         unpool_map(d.transpose(1, 2), radius, gx)
     return gw, gb
 

@@ -63,9 +63,10 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
 
 from . import _gradfilter_native as native
-from ._gradfilter_dense import dense_backward, is_channels_last, patch_counts, pool_map, saved_layout
+from ._gradfilter_dense import (dense_backward, identity_scale, is_channels_last, patch_counts, pool_map,
+                               saved_layout, tap_matrix)
 
-__all__ = ["filtered_conv2d", "coarse_geometry"]
+__all__ = ["filtered_conv2d", "coarse_geometry", "saved_numel"]
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,9 @@ class _FilteredConv2dFn(torch.autograd.Function):
             if dense:
                 layout = saved_layout(x, tuple(weight.shape), groups)
                 x_pooled = pool_map(x, radius, layout)
+                if _reads_taps(geometry):  # 1x1: keep what each coarse output reads, Z = T X
+                    ah, aw = coarse_geometry(*geometry[:6], radius)
+                    x_pooled = torch.matmul(tap_matrix(ah, aw, 1, 1, x.dtype, x.device), x_pooled)
             else:
                 x_pooled = _mean_pool(x, radius)
         ctx.save_for_backward(x_pooled, weight if ctx.needs_input_grad[0] else None)
@@ -226,6 +230,45 @@ def _fold_matrix(table_h: tuple[tuple[int, ...], ...], table_w: tuple[tuple[int,
 def _fold(flat: torch.Tensor, fold: torch.Tensor) -> torch.Tensor:
     """``flat @ fold`` for ``[rows, k]`` by ``[k, k']``; a scalar product when both are 1 (1x1 convs)."""
     return flat * fold[0, 0] if fold.shape == (1, 1) else flat @ fold
+
+
+def _reads_taps(geometry: tuple) -> bool:
+    """Whether a filtered conv saves ``Z = T X`` (what each coarse output reads) instead of ``X``.
+
+    For a dense 1x1 conv on a small map, ``dW = G^T Z`` needs nothing else of the input, and ``Z`` has
+    ``H_o' W_o'`` positions: a quarter of ``X``'s for a stride-2 shortcut. Stride-1 convs on whole
+    patches have ``T = s I``; they keep ``X`` (the scale is folded into the pooled gradient instead).
+    """
+    x_shape, w_shape, y_shape, stride, padding, dilation, groups, radius = geometry
+    if not (_uses_taps(geometry) and groups == 1 and w_shape[2] == w_shape[3] == 1):
+        return False
+    ah, aw = coarse_geometry(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
+    return identity_scale(ah, aw, 1, 1) is None
+
+
+def saved_numel(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
+                stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], groups: int,
+                radius: int) -> int:
+    """Elements a filtered conv saves for its weight gradient: its pooled input, or ``T X`` (1x1 convs).
+
+    Args:
+        x_shape: input shape.
+        w_shape: weight shape.
+        y_shape: output shape.
+        stride: the conv's stride pair.
+        padding: the conv's numeric padding pair.
+        dilation: the conv's dilation pair.
+        groups: the conv's groups.
+        radius: patch side.
+
+    Returns:
+        The element count.
+    """
+    geometry = (tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding, dilation, groups, radius)
+    if radius > 1 and _reads_taps(geometry):
+        ah, aw = coarse_geometry(*geometry[:6], radius)
+        return x_shape[0] * x_shape[1] * ah.n_out_c * aw.n_out_c
+    return x_shape[0] * x_shape[1] * -(-x_shape[2] // radius) * -(-x_shape[3] // radius)
 
 
 def _uses_taps(geometry: tuple) -> bool:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
-from ._gradfilter_impl import coarse_geometry
+from ._gradfilter_impl import coarse_geometry, saved_numel
 
 __all__ = [
     "LayerCost", "ModelTrace", "ConvCall", "trace_model", "layer_costs", "conv2d_backward_flops",
@@ -83,8 +83,8 @@ class LayerCost:
         needs_input_grad: whether backward computes the input gradient (False for the first trained
             conv when everything before it is frozen).
         saved_bytes_exact: bytes of the input storage exact backprop keeps for this conv.
-        saved_bytes_filtered: bytes of the pooled input the filtered conv keeps (0 if its weight is
-            frozen: then it needs only the weight).
+        saved_bytes_filtered: bytes the filtered conv keeps of its input, pooled (``T X`` for 1x1 convs on
+            small maps; 0 if its weight is frozen: then it needs only the weight).
         input_freed: whether filtering frees the input storage (False when another operation, e.g. the
             ReLU that produced it, saves the same storage, or an earlier filtered conv got the credit).
         backward_flops_exact: FLOPs of the exact conv backward (a multiply-add counts 2).
@@ -280,9 +280,9 @@ def layer_costs(trace: ModelTrace, chosen: list[str], radius: int) -> tuple[Laye
         for d in call.input_shape:
             numel *= d
         exact_bytes = trace.storage_bytes.get(call.input_key, numel * call.itemsize)
-        pooled = 1
-        for d in pooled_shape(call.input_shape, radius):
-            pooled *= d
+        pooled = saved_numel(tuple(call.input_shape), tuple(call.weight_shape), tuple(call.output_shape),
+                             call.stride, call.padding, call.dilation,
+                             call.input_shape[1] // call.weight_shape[1], radius)
         # freed only if every module saving the storage is a chosen conv (and once per storage)
         savers = trace.savers.get(call.input_key, {name})
         freed = savers <= chosen_set and call.input_key not in credited
