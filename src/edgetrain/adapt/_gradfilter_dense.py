@@ -185,8 +185,8 @@ def pool_map(x: torch.Tensor, radius: int, layout: str, scale: float = 1.0,
     out = None if scratch is None else scratch.view(-1)[:n * c * lc].view(shape)
     if layout != "spatial" and native.available(x):
         out = torch.empty(shape, dtype=x.dtype) if out is None else out
-        view = {"sample": lambda: out.transpose(1, 2), "major": lambda: out.transpose(0, 1)}.get(layout)
-        native.pool(x, radius, out if view is None else view(), scale)
+        strides = {"sample": (lc * c, 1, c), "channel": (c * lc, lc, 1), "major": (lc, n * lc, 1)}[layout]
+        native.pool_into(x, radius, out, strides, scale)  # strides of (n, c, l) in out
         return out
     if layout == "major":
         pooled = pool_map(x, radius, "channel", scale)
