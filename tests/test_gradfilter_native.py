@@ -88,7 +88,9 @@ def _filtered_grads(x, weight, b, kw, radius, gy_fn, x_grad=True):
     weight = weight.detach().clone().requires_grad_()
     b = None if b is None else b.detach().clone().requires_grad_()
     y = filtered_conv2d(x, weight, b, radius=radius, **kw)
-    gy_fn(y).backward()
+    out = gy_fn(y)
+    if out is not y:  # a scalar to backpropagate from (else gy_fn has run the backward itself)
+        out.backward()
     return [t.grad for t in (x, weight, b) if t is not None and t.requires_grad]
 
 
@@ -106,12 +108,15 @@ def test_native_backward_matches_reference_and_fallback(cfg, radius, channels_la
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     gy = torch.randn(F.conv2d(x, weight, b, **kw).shape)
-    got = _filtered_grads(x, weight, b, kw, radius, lambda y: y.mul(gy).sum())
     ref = _reference(x.double(), weight.double(), None if b is None else b.double(), gy.double(), radius, kw)
-    for a, r in zip(got, [t for t in ref if t is not None]):
-        torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-4)
-    if channels_last and got[0].dim() == 4:
-        assert got[0].is_contiguous(memory_format=torch.channels_last)  # dx keeps the input's layout
+    ref = [t for t in ref if t is not None]
+    for gy_layout in (torch.contiguous_format, torch.channels_last):  # dL/dy as NCHW and channels-last
+        gy_l = gy.contiguous(memory_format=gy_layout)
+        got = _filtered_grads(x, weight, b, kw, radius, lambda y: torch.autograd.backward(y, gy_l) or y)
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-4)
+        if channels_last:
+            assert got[0].is_contiguous(memory_format=torch.channels_last)  # dx keeps the input's layout
     monkeypatch.setenv("EDGETRAIN_NATIVE", "0")
     for a, r in zip(got, _filtered_grads(x, weight, b, kw, radius, lambda y: y.mul(gy).sum())):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)

@@ -261,7 +261,11 @@ def depthwise_sums(g: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor
 
 
 def plane_rows(t: torch.Tensor) -> bool:
-    """Whether each ``[H, W]`` plane of ``t`` has contiguous rows (NCHW-like, not channels-last)."""
+    """Whether each ``[H, W]`` plane of ``t`` has contiguous rows (NCHW-like, not channels-last).
+
+    Channels-last gradients take the three-call path: pooling and unpooling whole channel rows streams
+    better than a fused pass over blocks of 64 channels (0.55 against 0.68 ms on ``[16, 960, 8, 8]``).
+    """
     return t.stride(3) == 1 and t.stride(1) != 1 and min(t.stride()) >= 0
 
 
