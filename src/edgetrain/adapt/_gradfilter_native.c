@@ -293,27 +293,31 @@ static inline __attribute__((always_inline)) void dw_sample(
  * pass C works on zero-padded copies (its extra lanes compute zeros that are never written out). */
 static i64 n_blocks(i64 C) { return C / (16 * MAXV) + (C % (16 * MAXV) != 0); }
 
-/* A block's coarse kernels wc[s, c] = sum_t fold[s, t] Wt[t, c] and its slot sums, both [S, lanes] in buf;
- * lanes past C hold zeros. Wt: [T, C], the weights transposed (NULL when dx is not needed); fold: [S, T]. */
+/* A block's coarse kernels wc[s, c] = sum_t fold[s, t] W[c, t] and its slot sums, both [S, lanes] in buf;
+ * lanes past C hold zeros. W: [C, T] (NULL when dx is not needed); fold: [S, T]; wt: [T, lanes] scratch for
+ * the block's weights, transposed. */
 typedef struct { float *wc, *dws; i64 lanes, nb; } block_view;
 
-static block_view block_setup(i64 b, i64 C, i64 S, i64 T, const float *Wt, const float *fold, int need_w,
-                              float *buf) {
+static block_view block_setup(i64 b, i64 C, i64 S, i64 T, const float *W, const float *fold, int need_w,
+                              float *buf, float *wt) {
     block_view v;
     i64 c0 = b * 16 * MAXV;
     v.nb = MIN(16 * MAXV, C - c0);
     v.lanes = 16 * cdiv(v.nb, 16);
     memset(buf, 0, sizeof(float) * 2 * S * v.lanes);
-    v.wc = Wt ? buf : NULL;
+    v.wc = W ? buf : NULL;
     v.dws = need_w ? buf + S * v.lanes : NULL;
-    if (Wt)
+    if (W) {
+        for (i64 c = 0; c < v.nb; c++)
+            for (i64 t = 0; t < T; t++) wt[t * v.lanes + c] = W[(c0 + c) * T + t];
         for (i64 s = 0; s < S; s++)
             for (i64 t = 0; t < T; t++) {
                 float f = fold[s * T + t], *o = v.wc + s * v.lanes;
-                const float *w = Wt + t * C + c0;
+                const float *w = wt + t * v.lanes;
                 if (f != 0.0f)
                     for (i64 c = 0; c < v.nb; c++) o[c] += f * w[c];
             }
+    }
     return v;
 }
 
@@ -354,21 +358,21 @@ static const float *block_x(const block_view *v, const float *X, i64 n, i64 b, i
  *     gw[c, t] = sum_s fold[s, t] sum_n sum_{e of s} G[n, wo e, c] X[n, wi e, c]       (when gw != NULL)
  *   by input position (xs, xo; position i owns [xoff[i], xoff[i+1]) ):
  *     dx[n, i, c] = sum_{e of i} wc[xs e, c] G[n, xo e, c], wc = fold W^T             (when dx != NULL)
- * Wt: [T, C] weights, transposed (NULL when dx is not needed); gw: [C, T] and dx: [N, Li, C] are written
- * whole. */
-int et_dw_core(const float *G, const float *X, const float *Wt, const float *fold, float *gw, float *dx, i64 N,
+ * W: [C, T] weights (NULL when dx is not needed); gw: [C, T] and dx: [N, Li, C] are written whole. */
+int et_dw_core(const float *G, const float *X, const float *W, const float *fold, float *gw, float *dx, i64 N,
                i64 C, i64 Lo, i64 Li, i64 S, i64 T, const i64 *wo, const i64 *wi, const i64 *woff,
                const i64 *xs, const i64 *xo, const i64 *xoff, int threads) {
     int fail = 0;
 #pragma omp parallel num_threads(threads) reduction(| : fail)
     {
         i64 lanes = 16 * MAXV;
-        float *buf = malloc(sizeof(float) * (2 * S + Lo + 2 * Li + 1) * lanes);
+        float *buf = malloc(sizeof(float) * (2 * S + Lo + 2 * Li + 1 + T) * lanes);
         if (!buf) fail = 1;
         else {
 #pragma omp for schedule(static)
             for (i64 b = 0; b < n_blocks(C); b++) {
-                block_view v = block_setup(b, C, S, T, dx ? Wt : NULL, fold, gw != NULL, buf);
+                block_view v = block_setup(b, C, S, T, dx ? W : NULL, fold, gw != NULL, buf,
+                                           buf + (2 * S + Lo + 2 * Li + 1) * lanes);
                 float *gbuf = buf + 2 * S * lanes, *xbuf = gbuf + Lo * lanes, *dbuf = xbuf + Li * lanes;
                 for (i64 n = 0; n < N; n++) {
                     const float *g = G + n * Lo * C + b * lanes;
@@ -400,7 +404,7 @@ int et_dw_core(const float *G, const float *X, const float *Wt, const float *fol
 /* The same backward fused with pooling dL/dy and unpooling dL/dx, for planes with contiguous rows (NCHW):
  * one pass over each block of channels, sample by sample, with the pooled maps in L1-sized buffers.
  * gy: [N, C, Ho, Wo] (strides gsn, gsc, gsh, 1); gx: [N, C, H, W] (strides xsn, xsc, xsh, 1) or NULL. */
-int et_dw_fused(const float *gy, const float *X, const float *Wt, const float *fold, float *gw, float *gx, i64 N,
+int et_dw_fused(const float *gy, const float *X, const float *W, const float *fold, float *gw, float *gx, i64 N,
                 i64 C, i64 Ho, i64 Wo, i64 H, i64 Wd, i64 r, i64 gsn, i64 gsc, i64 gsh, i64 xsn, i64 xsc,
                 i64 xsh, i64 S, i64 T, const i64 *wo, const i64 *wi, const i64 *woff, const i64 *xs,
                 const i64 *xo, const i64 *xoff, int threads) {
@@ -413,12 +417,13 @@ int et_dw_fused(const float *gy, const float *X, const float *Wt, const float *f
 #pragma omp parallel num_threads(threads) reduction(| : fail)
     {
         i64 lanes = 16 * MAXV;
-        float *buf = malloc(sizeof(float) * ((2 * S + Lo + 2 * Li + 1) * lanes + Wo + Wd));
+        float *buf = malloc(sizeof(float) * ((2 * S + Lo + 2 * Li + 1 + T) * lanes + Wo + Wd));
         if (!buf) fail = 1;
         else {
 #pragma omp for schedule(static)
             for (i64 b = 0; b < n_blocks(C); b++) {
-                block_view v = block_setup(b, C, S, T, gx ? Wt : NULL, fold, gw != NULL, buf);
+                block_view v = block_setup(b, C, S, T, gx ? W : NULL, fold, gw != NULL, buf,
+                                           buf + (2 * S + Lo + 2 * Li + 1) * lanes + Wo + Wd);
                 float *gbuf = buf + 2 * S * lanes, *xbuf = gbuf + Lo * lanes, *dbuf = xbuf + Li * lanes;
                 float *fin = dbuf + Li * lanes, *acc = fin + lanes, *row = acc + Wo;
                 i64 c0 = b * lanes;

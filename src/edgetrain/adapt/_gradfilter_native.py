@@ -252,7 +252,7 @@ def depthwise_sums(g: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor
     taps = fold.shape[1]
     gw = torch.empty(c, taps) if x is not None else None
     dxc = torch.empty(n, n_in, c) if weight is not None else None
-    w = None if weight is None else weight.reshape(c, taps).T.contiguous()  # [kH kW, C]
+    w = None if weight is None else weight.reshape(c, taps).contiguous()
     _check(_LIB.et_dw_core(g.data_ptr(), _ptr(x), _ptr(w), fold.data_ptr(), _ptr(gw), _ptr(dxc), n, c, l_out,
                            n_in, fold.shape[0], taps, wo.data_ptr(), wi.data_ptr(), woff.data_ptr(),
                            xs.data_ptr(), xo.data_ptr(), xoff.data_ptr(), torch.get_num_threads()),
@@ -290,7 +290,7 @@ def depthwise_fused(gy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
     taps = fold.shape[1]
     h, w = (gx.shape[2:] if gx is not None else (0, 0))
     gw = torch.empty(c, taps) if x is not None else None
-    wt = None if weight is None else weight.reshape(c, taps).T.contiguous()  # [kH kW, C]
+    wt = None if weight is None else weight.reshape(c, taps).contiguous()
     gx_strides = gx.stride()[:3] if gx is not None else (0, 0, 0)
     _check(_LIB.et_dw_fused(gy.data_ptr(), _ptr(x), _ptr(wt), fold.data_ptr(), _ptr(gw), _ptr(gx), n, c, ho,
                             wo_, h, w, radius, *gy.stride()[:3], *gx_strides, fold.shape[0], taps,
