@@ -155,95 +155,103 @@ static void unpool_plane_any(const float *s, float *d, i64 H, i64 W, i64 r, i64 
     unpool_plane(s, d, H, W, r, sl, dh, inv, row);
 }
 
-int et_pool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
-            i64 sn, i64 sc, i64 sh, i64 sw, i64 dn, i64 dc, i64 dl, int threads) {
-    i64 hc = cdiv(H, r), wc = cdiv(W, r), L = hc * wc;
-    float *inv = malloc(sizeof(float) * L);
-    if (!inv) return 1;
-    inv_counts(inv, H, W, r, scale);
+/* Every plane of a map whose plane rows are contiguous (NCHW): pooling (src rows sh apart, results dl
+ * apart) or unpooling (src values sl apart, result rows dh apart), split over the threads. */
+static int each_plane(int pooling, const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, i64 sn,
+                      i64 sc, i64 dn, i64 dc, i64 s_step, i64 d_step, const float *inv, int threads) {
     int fail = 0;
-    if (sw == 1 && sc != 1) { /* planes with contiguous rows (NCHW): one plane at a time */
 #pragma omp parallel num_threads(threads) reduction(| : fail)
-        {
-            float *acc = malloc(sizeof(float) * W);
-            if (!acc) fail = 1;
-            else {
+    {
+        float *tmp = malloc(sizeof(float) * W);
+        if (!tmp) fail = 1;
+        else {
 #pragma omp for schedule(static)
-                for (i64 p = 0; p < N * C; p++) {
-                    i64 n = p / C, c = p % C;
-                    pool_plane_any(src + n * sn + c * sc, dst + n * dn + c * dc, H, W, r, sh, dl, inv, acc);
-                }
-                free(acc);
+            for (i64 p = 0; p < N * C; p++) {
+                const float *s = src + (p / C) * sn + (p % C) * sc;
+                float *d = dst + (p / C) * dn + (p % C) * dc;
+                if (pooling) pool_plane_any(s, d, H, W, r, s_step, d_step, inv, tmp);
+                else unpool_plane_any(s, d, H, W, r, s_step, d_step, inv, tmp);
             }
+            free(tmp);
         }
-    } else { /* channels innermost (channels-last) or anything else: vectors over channels */
+    }
+    return fail;
+}
+
+/* Pooling with channels innermost (channels-last) or any other strides: vectors over channels. */
+static int pool_channels(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, i64 sn, i64 sc, i64 sh,
+                         i64 sw, i64 dn, i64 dc, i64 dl, const float *inv, int threads) {
+    i64 wc = cdiv(W, r), L = cdiv(H, r) * wc;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-        for (i64 n = 0; n < N; n++) {
-            for (i64 l = 0; l < L; l++) {
-                i64 i = l / wc, j = l % wc;
-                float acc[CHUNK];
-                for (i64 c0 = 0; c0 < C; c0 += CHUNK) {
-                    i64 nc = MIN(CHUNK, C - c0);
-                    for (i64 c = 0; c < nc; c++) acc[c] = 0.0f;
-                    for (i64 h = i * r; h < MIN(H, i * r + r); h++)
-                        for (i64 w = j * r; w < MIN(W, j * r + r); w++) {
-                            const float *s = src + n * sn + c0 * sc + h * sh + w * sw;
-                            if (sc == 1)
-                                for (i64 c = 0; c < nc; c++) acc[c] += s[c];
-                            else
-                                for (i64 c = 0; c < nc; c++) acc[c] += s[c * sc];
-                        }
-                    float *d = dst + n * dn + c0 * dc + l * dl;
-                    if (dc == 1)
-                        for (i64 c = 0; c < nc; c++) d[c] = acc[c] * inv[l];
-                    else
-                        for (i64 c = 0; c < nc; c++) d[c * dc] = acc[c] * inv[l];
-                }
+    for (i64 n = 0; n < N; n++) {
+        for (i64 l = 0; l < L; l++) {
+            i64 i = l / wc, j = l % wc;
+            float acc[CHUNK];
+            for (i64 c0 = 0; c0 < C; c0 += CHUNK) {
+                i64 nc = MIN(CHUNK, C - c0);
+                for (i64 c = 0; c < nc; c++) acc[c] = 0.0f;
+                for (i64 h = i * r; h < MIN(H, i * r + r); h++)
+                    for (i64 w = j * r; w < MIN(W, j * r + r); w++) {
+                        const float *s = src + n * sn + c0 * sc + h * sh + w * sw;
+                        if (sc == 1)
+                            for (i64 c = 0; c < nc; c++) acc[c] += s[c];
+                        else
+                            for (i64 c = 0; c < nc; c++) acc[c] += s[c * sc];
+                    }
+                float *d = dst + n * dn + c0 * dc + l * dl;
+                if (dc == 1)
+                    for (i64 c = 0; c < nc; c++) d[c] = acc[c] * inv[l];
+                else
+                    for (i64 c = 0; c < nc; c++) d[c * dc] = acc[c] * inv[l];
             }
         }
     }
+    return 0;
+}
+
+static float *inv_table(i64 H, i64 W, i64 r, float scale) {
+    float *inv = malloc(sizeof(float) * cdiv(H, r) * cdiv(W, r));
+    if (inv) inv_counts(inv, H, W, r, scale);
+    return inv;
+}
+
+int et_pool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
+            i64 sn, i64 sc, i64 sh, i64 sw, i64 dn, i64 dc, i64 dl, int threads) {
+    float *inv = inv_table(H, W, r, scale);
+    int fail = !inv ? 1 : (sw == 1 && sc != 1) /* plane rows contiguous (NCHW): one plane at a time */
+        ? each_plane(1, src, dst, N, C, H, W, r, sn, sc, dn, dc, sh, dl, inv, threads)
+        : pool_channels(src, dst, N, C, H, W, r, sn, sc, sh, sw, dn, dc, dl, inv, threads);
     free(inv);
     return fail;
 }
 
-int et_unpool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
-              i64 sn, i64 sc, i64 sl, i64 dn, i64 dc, i64 dh, i64 dw, int threads) {
-    i64 hc = cdiv(H, r), wc = cdiv(W, r), L = hc * wc;
-    float *inv = malloc(sizeof(float) * L);
-    if (!inv) return 1;
-    inv_counts(inv, H, W, r, scale);
-    int fail = 0;
-    if (dw == 1 && dc != 1) {
-#pragma omp parallel num_threads(threads) reduction(| : fail)
-        {
-            float *row = malloc(sizeof(float) * W);
-            if (!row) fail = 1;
-            else {
-#pragma omp for schedule(static)
-                for (i64 p = 0; p < N * C; p++) {
-                    i64 n = p / C, c = p % C;
-                    unpool_plane_any(src + n * sn + c * sc, dst + n * dn + c * dc, H, W, r, sl, dh, inv, row);
-                }
-                free(row);
-            }
-        }
-    } else {
+/* Unpooling into a map with channels innermost (channels-last) or any other strides. */
+static int unpool_channels(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, i64 sn, i64 sc,
+                           i64 sl, i64 dn, i64 dc, i64 dh, i64 dw, const float *inv, int threads) {
+    i64 wc = cdiv(W, r);
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-        for (i64 n = 0; n < N; n++) {
-            for (i64 h = 0; h < H; h++) {
-                for (i64 w = 0; w < W; w++) {
-                    i64 l = (h / r) * wc + w / r;
-                    const float *s = src + n * sn + l * sl;
-                    float *d = dst + n * dn + h * dh + w * dw;
-                    float f = inv[l];
-                    if (sc == 1 && dc == 1)
-                        for (i64 c = 0; c < C; c++) d[c] = s[c] * f;
-                    else
-                        for (i64 c = 0; c < C; c++) d[c * dc] = s[c * sc] * f;
-                }
+    for (i64 n = 0; n < N; n++) {
+        for (i64 h = 0; h < H; h++) {
+            for (i64 w = 0; w < W; w++) {
+                i64 l = (h / r) * wc + w / r;
+                const float *s = src + n * sn + l * sl;
+                float *d = dst + n * dn + h * dh + w * dw, f = inv[l];
+                if (sc == 1 && dc == 1)
+                    for (i64 c = 0; c < C; c++) d[c] = s[c] * f;
+                else
+                    for (i64 c = 0; c < C; c++) d[c * dc] = s[c * sc] * f;
             }
         }
     }
+    return 0;
+}
+
+int et_unpool(const float *src, float *dst, i64 N, i64 C, i64 H, i64 W, i64 r, float scale,
+              i64 sn, i64 sc, i64 sl, i64 dn, i64 dc, i64 dh, i64 dw, int threads) {
+    float *inv = inv_table(H, W, r, scale);
+    int fail = !inv ? 1 : (dw == 1 && dc != 1) /* output plane rows contiguous (NCHW) */
+        ? each_plane(0, src, dst, N, C, H, W, r, sn, sc, dn, dc, sl, dh, inv, threads)
+        : unpool_channels(src, dst, N, C, H, W, r, sn, sc, sl, dn, dc, dh, dw, inv, threads);
     free(inv);
     return fail;
 }

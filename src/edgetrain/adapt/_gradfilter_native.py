@@ -186,10 +186,10 @@ def depthwise_entries(ah: _Axis, aw: _Axis, kh: int, kw: int) -> tuple[torch.Ten
     slots' sums into the ``kH x kW`` weight gradient, and the weights into coarse kernels.
 
     Args:
-        ah: coarse geometry of the height axis.
-        aw: coarse geometry of the width axis.
-        kh: kernel height.
-        kw: kernel width.
+        ah: the height axis's coarse geometry (:func:`~._gradfilter_impl.coarse_geometry`).
+        aw: the width axis's.
+        kh: kernel rows.
+        kw: kernel columns.
 
     Returns:
         ``(fold [S, kH kW] float32, wo, wi, woff, xs, xo, xoff)``: the entries sorted by slot (output and
