@@ -2,8 +2,9 @@
 
 Backward FLOPs are a poor guide to backward *time* for some layers. A depthwise conv has almost no
 arithmetic to save, and reading the full-size ``dL/dy`` and writing the full-size ``dL/dx`` remain; in
-channels-last memory format PyTorch's exact depthwise backward is fast enough that the filtered one
-is *slower* (1.76 vs 2.88 ms for a 960-channel 8x8 layer on one x86 core), while FLOPs promise 3.5x.
+channels-last memory format PyTorch's exact depthwise backward is fast enough that filtering gains
+little (0.91 against 0.72 ms for a 960-channel 8x8 layer on one x86 core with the native kernels) or is
+*slower* (1.76 against 2.88 ms without them), while FLOPs promise 3.5x.
 So :func:`plan_grad_filter` times, by default, the model's whole exact backward and each candidate
 conv's exact and filtered backward on this machine, on the input each conv really sees (in its memory
 format), and predicts with those times. ``timing="flops"`` keeps the FLOPs model (no measuring).

@@ -182,9 +182,9 @@ class _FilteredConv2dFn(torch.autograd.Function):
             if dense:
                 layout = saved_layout(x, tuple(weight.shape), groups)
                 x_pooled = pool_map(x, radius, layout)
-                if _reads_taps(geometry):  # 1x1: keep what each coarse output reads, Z = T X
-                    ah, aw = coarse_geometry(*geometry[:6], radius)
-                    x_pooled = torch.matmul(tap_matrix(ah, aw, 1, 1, x.dtype, x.device), x_pooled)
+                axes = _saved_taps(geometry)
+                if axes is not None:  # 1x1: keep what each coarse output reads, Z = T X
+                    x_pooled = torch.matmul(tap_matrix(*axes, 1, 1, x.dtype, x.device), x_pooled)
             else:
                 x_pooled = _mean_pool(x, radius)
         ctx.save_for_backward(x_pooled, weight if ctx.needs_input_grad[0] else None)
@@ -232,18 +232,19 @@ def _fold(flat: torch.Tensor, fold: torch.Tensor) -> torch.Tensor:
     return flat * fold[0, 0] if fold.shape == (1, 1) else flat @ fold
 
 
-def _reads_taps(geometry: tuple) -> bool:
-    """Whether a filtered conv saves ``Z = T X`` (what each coarse output reads) instead of ``X``.
+def _saved_taps(geometry: tuple) -> tuple[_Axis, _Axis] | None:
+    """The coarse axes of a conv that saves ``Z = T X`` (what each coarse output reads) instead of ``X``.
 
     For a dense 1x1 conv on a small map, ``dW = G^T Z`` needs nothing else of the input, and ``Z`` has
     ``H_o' W_o'`` positions: a quarter of ``X``'s for a stride-2 shortcut. Stride-1 convs on whole
     patches have ``T = s I``; they keep ``X`` (the scale is folded into the pooled gradient instead).
+    None for every conv that keeps ``X``.
     """
     x_shape, w_shape, y_shape, stride, padding, dilation, groups, radius = geometry
     if not (_uses_taps(geometry) and groups == 1 and w_shape[2] == w_shape[3] == 1):
-        return False
+        return None
     ah, aw = coarse_geometry(x_shape, w_shape, y_shape, stride, padding, dilation, radius)
-    return identity_scale(ah, aw, 1, 1) is None
+    return None if identity_scale(ah, aw, 1, 1) is not None else (ah, aw)
 
 
 def saved_numel(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tuple[int, ...],
@@ -265,9 +266,9 @@ def saved_numel(x_shape: tuple[int, ...], w_shape: tuple[int, ...], y_shape: tup
         The element count.
     """
     geometry = (tuple(x_shape), tuple(w_shape), tuple(y_shape), stride, padding, dilation, groups, radius)
-    if radius > 1 and _reads_taps(geometry):
-        ah, aw = coarse_geometry(*geometry[:6], radius)
-        return x_shape[0] * x_shape[1] * ah.n_out_c * aw.n_out_c
+    axes = _saved_taps(geometry)
+    if axes is not None:
+        return x_shape[0] * x_shape[1] * axes[0].n_out_c * axes[1].n_out_c
     return x_shape[0] * x_shape[1] * -(-x_shape[2] // radius) * -(-x_shape[3] // radius)
 
 

@@ -247,17 +247,9 @@ def depthwise_sums(g: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor
     Returns:
         ``(dW [C, kH kW] or None, coarse dL/dX [N, L_in, C] or None)``.
     """
-    fold, wo, wi, woff, xs, xo, xoff = entries
     n, l_out, c = g.shape
-    taps = fold.shape[1]
-    gw = torch.empty(c, taps) if x is not None else None
     dxc = torch.empty(n, n_in, c) if weight is not None else None
-    w = None if weight is None else weight.reshape(c, taps).contiguous()
-    _check(_LIB.et_dw_core(g.data_ptr(), _ptr(x), _ptr(w), fold.data_ptr(), _ptr(gw), _ptr(dxc), n, c, l_out,
-                           n_in, fold.shape[0], taps, wo.data_ptr(), wi.data_ptr(), woff.data_ptr(),
-                           xs.data_ptr(), xo.data_ptr(), xoff.data_ptr(), torch.get_num_threads()),
-           "depthwise backward")
-    return gw, dxc
+    return _depthwise_call(_LIB.et_dw_core, g, x, weight, entries, dxc, (n, c, l_out, n_in)), dxc
 
 
 def plane_rows(t: torch.Tensor) -> bool:
@@ -285,15 +277,22 @@ def depthwise_fused(gy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
     Returns:
         ``dW`` as ``[C, kH kW]``, or None when ``x`` is None.
     """
-    fold, wo, wi, woff, xs, xo, xoff = entries
-    n, c, ho, wo_ = gy.shape
-    taps = fold.shape[1]
+    n, c, ho, wo = gy.shape
     h, w = (gx.shape[2:] if gx is not None else (0, 0))
-    gw = torch.empty(c, taps) if x is not None else None
-    wt = None if weight is None else weight.reshape(c, taps).contiguous()
     gx_strides = gx.stride()[:3] if gx is not None else (0, 0, 0)
-    _check(_LIB.et_dw_fused(gy.data_ptr(), _ptr(x), _ptr(wt), fold.data_ptr(), _ptr(gw), _ptr(gx), n, c, ho,
-                            wo_, h, w, radius, *gy.stride()[:3], *gx_strides, fold.shape[0], taps,
-                            wo.data_ptr(), wi.data_ptr(), woff.data_ptr(), xs.data_ptr(), xo.data_ptr(),
-                            xoff.data_ptr(), torch.get_num_threads()), "depthwise backward")
+    return _depthwise_call(_LIB.et_dw_fused, gy, x, weight, entries, gx,
+                           (n, c, ho, wo, h, w, radius, *gy.stride()[:3], *gx_strides))
+
+
+def _depthwise_call(kernel, first: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+                    entries: tuple[torch.Tensor, ...], out: torch.Tensor | None, sizes: tuple[int, ...],
+                    ) -> torch.Tensor | None:
+    """Call ``et_dw_core`` or ``et_dw_fused``: their shared operands around the ``sizes`` that differ."""
+    fold = entries[0]
+    slots, taps = fold.shape
+    c = sizes[1]
+    gw = torch.empty(c, taps) if x is not None else None
+    w = None if weight is None else weight.reshape(c, taps).contiguous()
+    _check(kernel(first.data_ptr(), _ptr(x), _ptr(w), fold.data_ptr(), _ptr(gw), _ptr(out), *sizes, slots, taps,
+                  *(t.data_ptr() for t in entries[1:]), torch.get_num_threads()), "depthwise backward")
     return gw

@@ -332,4 +332,3 @@ def auto_grad_filter(model: nn.Module, example_input: torch.Tensor,
     from ._gradfilter_auto import plan_grad_filter  # it builds on this module
 
     return plan_grad_filter(model, example_input, target_speedup, target_saved_bytes, timing).config
-
