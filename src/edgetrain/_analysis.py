@@ -19,6 +19,7 @@ from ._planning import Measured, Planner
 from ._runs import run_plan, run_steps
 from .batch import slice_batch
 from .capture import capture
+from .errors import BudgetError, InputError
 from .graph import CostChain
 from .plan import Plan
 from .profile import profile_chain
@@ -73,6 +74,7 @@ class Analysis:
     pager: Any = None
     optimizer: Any = None
     margin_share: float | None = None  # prepare's safety_margin
+    whole_batch_reasons: tuple[str, ...] = ()  # why micro-batching would not be exact (loss, buffers)
 
     @property
     def plan_budget(self) -> int | None:
@@ -114,12 +116,40 @@ class Analysis:
         return CostChain(costs.stages, self.batch, costs.input_bytes, self.fixed + overhead, costs.loss_s,
                          costs.step_fixed_s, costs.name)
 
+    def unsplittable(self, chain: Any) -> tuple[str, ...]:
+        """Why this model's step must not be split into micro-batches (empty: it may be)."""
+        reasons = list(self.whole_batch_reasons)
+        mutated = chain.unmanaged_mutations
+        if mutated:
+            shown = ", ".join(mutated[:4]) + (", ..." if len(mutated) > 4 else "")
+            reasons.append(f"the forward writes buffer(s) {shown} in place, once per call, so micro-batches "
+                           "would change them once per micro-batch")
+        return tuple(reasons)
+
     def analyse(self, chain: Any, costs: CostChain | None = None) -> Outcome:
         """Profile (unless ``costs`` are given), plan and validate."""
+        reasons = self.unsplittable(chain)
+        micro = self.micro_batch_size
+        if reasons:
+            if micro is not None and micro < self.batch:
+                raise InputError(f"micro_batch_size={micro} cannot train this model exactly: {'; '.join(reasons)}. "
+                                 "Leave micro_batch_size unset or at the batch size.")
+            micro = self.batch
         if costs is None:
             costs = self.profile(chain, with_overhead=True)
-        planner = Planner(costs, self.budget, self.margin, self.solver, self.micro_batch_size,
+        try:
+            return self._analyse(chain, costs, micro, reasons)
+        except BudgetError as e:
+            if not reasons:
+                raise
+            raise BudgetError(f"{e} Micro-batching is off for this model: {'; '.join(reasons)}.",
+                              budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes) from e
+
+    def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...]) -> Outcome:
+        planner = Planner(costs, self.budget, self.margin, self.solver, micro,
                           self.prefer_full_batch, self.min_micro, self.update_bytes, self.solver_kw)
+        if reasons:
+            planner.whole_batch_only = True
 
         def reprofile(b: int) -> CostChain:
             def work() -> CostChain:
@@ -130,8 +160,15 @@ class Analysis:
         planner.reprofile = reprofile
         planner.margin_share = self.margin_share
         if self.plan_budget is None:
-            return Outcome(planner.plan(None), costs, 0, planner.sizes())
+            plan = planner.plan(None)
+            return Outcome(_noted(plan, reasons), costs, 0, planner.sizes())
         plan, costs = planner.plan_validated(self.validator(chain, isolated=True), self.grads + self.state_bytes,
                                              self.grads)
         floor = planner.floor if planner.floor is not None else costs.fixed_bytes
-        return Outcome(plan, costs, max(0, costs.fixed_bytes - floor), planner.sizes())
+        return Outcome(_noted(plan, reasons), costs, max(0, costs.fixed_bytes - floor), planner.sizes())
+
+
+def _noted(plan: Plan, reasons: tuple[str, ...]) -> Plan:
+    if not reasons:
+        return plan
+    return plan.replace(notes=plan.notes + tuple(f"never micro-batched: {r}" for r in reasons))

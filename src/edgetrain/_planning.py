@@ -97,6 +97,7 @@ class Planner:
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
         self._ran_at: dict[tuple[int, tuple[str, ...]], int] = {}  # plan -> process RSS after its last run
         self._largest_run: tuple[Plan, int, int] | None = None  # _largest_size_run's one run
+        self.whole_batch_only = False  # micro-batching would not be exact for this model (loss, buffers)
 
     def _with_fixed(self, extra: int) -> None:
         self.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes + extra)
@@ -127,6 +128,8 @@ class Planner:
         """Every micro-batch size the model accepts (a budget change may pick any, even when prepare's
         was fixed): none below ``min_micro``, nor one leaving a trailing micro-batch below it."""
         b = self.costs.batch_size
+        if self.whole_batch_only:
+            return [b]
         lo = min(self.min_micro, b)  # BatchNorm in training needs 2 samples where maps are 1x1
         return [m for m in candidate_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
 

@@ -144,8 +144,11 @@ def _replace(gm: fx.GraphModule, node: fx.Node, fn: Callable[..., Any] | str, ar
 
 
 def _mutated_arg(n: fx.Node) -> fx.Node | None:
+    """The tensor an in-place call overwrites, when rewriting it out-of-place keeps the program's meaning:
+    not a view (the write would reach its base) and not a parameter or buffer (``self.calls.add_(1)``,
+    ``F.batch_norm`` on a layer's own statistics: the write is the point, and the model keeps it)."""
     a = n.args[0] if n.args else None
-    return a if isinstance(a, fx.Node) and not _is_view(a) else None
+    return a if isinstance(a, fx.Node) and not _is_view(a) and a.op != "get_attr" else None
 
 
 def _readers_after(a: fx.Node, n: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:

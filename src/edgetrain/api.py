@@ -14,6 +14,7 @@ from torch import nn
 from . import memory
 from ._analysis import Analysis
 from ._fork import analyse_safely
+from ._loss import LossNorm, loss_normalisation
 from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
@@ -36,6 +37,35 @@ def _grad_bytes_missing(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
 
 
+def _model_key(model: nn.Module) -> tuple[Any, ...]:
+    """What a prepared step depends on beyond parameter values: which module objects sit where, their
+    training flags (traced code holds ``self.training`` as a constant) and which parameter objects there are."""
+    return (tuple((name, id(m), m.training) for name, m in model.named_modules()),
+            tuple((name, id(p)) for name, p in model.named_parameters()))
+
+
+def _describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
+    old_mods = {name: (ident, training) for name, ident, training in old[0]}
+    new_mods = {name: (ident, training) for name, ident, training in new[0]}
+    for name, (ident, training) in new_mods.items():
+        label = f"'{name}'" if name else "the model"
+        if name not in old_mods:
+            return f"submodule {label} was added"
+        if old_mods[name][0] != ident:
+            return f"submodule {label} was replaced by another module"
+        if old_mods[name][1] != training:
+            return f"{label} is now in {'training' if training else 'eval'} mode (it was prepared in " \
+                   f"{'training' if old_mods[name][1] else 'eval'} mode)"
+    for name in old_mods:
+        if name not in new_mods:
+            return f"submodule '{name}' was removed"
+    old_p, new_p = dict(old[1]), dict(new[1])
+    for name in set(old_p) | set(new_p):
+        if old_p.get(name) != new_p.get(name):
+            return f"parameter '{name}' was added, removed or replaced by another tensor"
+    return "its modules or parameters changed"
+
+
 def _split_example(example: Any) -> tuple[Any, Any]:
     if not isinstance(example, (tuple, list)) or len(example) != 2:
         raise InputError("example must be a pair (inputs, targets), e.g. example=(x, y), with every tensor "
@@ -51,8 +81,11 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
                  chain: Any, costs: CostChain, plan: Plan, *, budget_bytes: int | None, margin_bytes: int,
-                 margin_share: float, signature: tuple[Any, ...], solver: str, pager: Any = None) -> None:
+                 margin_share: float, signature: tuple[Any, ...], solver: str, pager: Any = None,
+                 loss_norm: LossNorm | None = None) -> None:
         self.model = model
+        self.loss_norm = loss_norm or LossNorm("mean")
+        self._model_key = _model_key(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.chain = chain
@@ -105,6 +138,12 @@ class TrainStep:
                 f"{self._plan.batch_size}, budget={self.budget_bytes})")
 
     def _check(self, inputs: Any, targets: Any) -> int:
+        key = _model_key(self.model)
+        if key != self._model_key:
+            raise InputError(f"the model changed after edgetrain.prepare(): {_describe_change(self._model_key, key)}. "
+                             "The prepared step runs the model as it was captured; put it back as it was "
+                             "(e.g. model.train() before training), or call edgetrain.prepare again for the "
+                             "model as it is now.")
         n = batch_size_of(inputs, targets)
         sig = batch_signature((inputs, targets))
         if sig != self._signature:
@@ -135,21 +174,26 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
         self._bn.begin(accumulate)
-        total = 0.0
+        norm = self.loss_norm
+        total_weight = norm.weight(targets, n) if self._plan.micro_batch_size < n else 1.0
+        losses: list[tuple[float, float]] = []
         start = 0
         try:
             while start < n:
                 size = min(self._plan.micro_batch_size, n - start)
                 env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
+                part = slice_batch(targets, start, start + size)
                 out = self._executor.forward(env)
-                loss = self.loss_fn(out, slice_batch(targets, start, start + size))
+                loss = self.loss_fn(out, part)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise InputError("loss_fn must return a scalar tensor (the mean loss over the batch it is "
                                      f"given), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-                scaled = loss if size == n else loss * (size / n)
-                scaled.backward()
-                total += float(loss.detach()) * size
-                del out, loss, scaled, env
+                weight = total_weight if size == n else norm.weight(part, size)
+                scale = norm.scale(weight, total_weight)
+                if weight or scale:  # a slice whose targets all weigh 0 adds nothing (its mean is 0/0)
+                    (loss if scale == 1.0 else loss * scale).backward()
+                    losses.append((float(loss.detach()), weight))
+                del out, loss, env, part
                 start += size
                 if self._pager is not None:
                     self._pager.reset()  # raises PagingError (e.g. disk full) before the optimizer steps
@@ -167,7 +211,7 @@ class TrainStep:
         if held is not None:  # what this size's first run left behind bounds the next new size's
             self._first_run_bytes = max(self._first_run_bytes, self._held() - held)
         self._seen_micro.update(micro_batch_sizes(n, self._plan.micro_batch_size))
-        return total / n
+        return losses[0][0] if len(losses) == 1 else norm.combine(losses, total_weight)
 
     def set_plan(self, plan: Plan) -> None:
         """Execute ``plan`` from the next micro-batch on (it must be a plan of this step's chain)."""
@@ -428,6 +472,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     fixed = in_use + _grad_bytes_missing(model) + opt_costs.state_bytes
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
+    loss_norm = loss_normalisation(model, env, loss_fn, targets, batch)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1
     solver_kw: dict[str, Any] = {}
@@ -445,7 +490,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     analysis = Analysis(model, inputs, env, targets, loss_fn, batch, fixed, rss_start, budget, margin, solver,
                         solver_kw, micro_batch_size, has_bn and exact_batchnorm, min_micro, opt_costs.update_bytes,
                         opt_costs.state_bytes, _grad_bytes_missing(model), max_stages, use_cache,
-                        name or type(model).__name__, pager, optimizer, safety_margin)
+                        name or type(model).__name__, pager, optimizer, safety_margin,
+                        () if loss_norm.splittable else (
+                            "the loss is neither a mean nor a sum over samples on the example batch (split in "
+                            "two, its parts do not add up to the whole), so micro-batches could not reproduce "
+                            "its gradients",))
     chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
                                     profile=analysis.profile)
     plan, costs = outcome.plan, outcome.costs
@@ -461,7 +510,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         pager = None
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      margin_share=0.0 if budget is None else safety_margin,
-                     signature=batch_signature((inputs, targets)), solver=solver, pager=pager)
+                     signature=batch_signature((inputs, targets)), solver=solver, pager=pager,
+                     loss_norm=loss_norm)
     step._fixed_micro = micro_batch_size is not None
     step._micro_sizes = outcome.sizes
     if budget is not None:

@@ -24,10 +24,33 @@ from ._state import preserved_model_state, rng_state, set_rng_state
 from .errors import CaptureError
 from ._rewrite import MODULE_META, keeps_input, rewrite
 
-__all__ = ["Stage", "Chain", "capture", "bind_inputs"]
+__all__ = ["Stage", "Chain", "capture", "bind_inputs", "managed_buffer"]
 
 log = logging.getLogger(__name__)
 OUTPUT_KEY = "__output__"
+_BN = nn.modules.batchnorm._BatchNorm
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def managed_buffer(model: nn.Module, qualname: str) -> bool:
+    """Whether a buffer changed in forward is a BatchNorm running statistic, which edgetrain keeps exact
+    under recomputation and micro-batching (:mod:`edgetrain.runtime.batchnorm`). Every BatchNorm layer,
+    subclasses with a forward of their own included, runs as a module call (see :class:`_RetryTracer`),
+    so those mechanisms see each of its calls."""
+    owner, _, leaf = qualname.rpartition(".")
+    try:
+        mod = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return isinstance(mod, _BN) and mod.track_running_stats and leaf in _BN_BUFFERS
+
+
+def _mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str, ...], Any]:
+    """Names of the buffers whose version counter ``run()`` advanced (an in-place write), and its result."""
+    bufs = list(model.named_buffers())
+    before = [b._version for _, b in bufs]
+    out = run()
+    return tuple(n for (n, b), v in zip(bufs, before) if b._version != v), out
 
 
 @dataclass
@@ -41,6 +64,8 @@ class Stage:
         inputs: names of the values it reads.
         outputs: names of the values it produces that later stages (or the loss) read.
         modules: the submodules whose code runs inside the stage.
+        mutates: qualified names of the model buffers its forward changes in place (BatchNorm running
+            statistics, counters, power-iteration vectors), as seen on the example batch.
     """
 
     index: int
@@ -49,6 +74,7 @@ class Stage:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     modules: tuple[nn.Module, ...] = ()
+    mutates: tuple[str, ...] = ()
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         return self.fn(*args)
@@ -63,9 +89,18 @@ class Chain:
     method: str
     leaf_modules: tuple[str, ...] = ()
     last_use: dict[str, int] = field(default_factory=dict)
+    model: nn.Module | None = None
 
     def __len__(self) -> int:
         return len(self.stages)
+
+    @property
+    def unmanaged_mutations(self) -> tuple[str, ...]:
+        """Buffers changed in forward that edgetrain's BatchNorm mechanisms do not own (see
+        :func:`managed_buffer`): once per forward, so micro-batching would change them once per micro-batch."""
+        if self.model is None:
+            return ()
+        return tuple(n for st in self.stages for n in st.mutates if not managed_buffer(self.model, n))
 
     def run(self, env: dict[str, Any]) -> Any:
         """Run every stage plainly on an environment of model inputs and return the model output."""
@@ -103,11 +138,16 @@ class _RetryTracer(fx.Tracer):
 
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
+        # Buffers are graph values, not constants of the trace: an in-place write to one (a counter
+        # ``self.calls.add_(1)``) is then a node of the graph instead of a side effect of tracing.
+        self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.failed_at: str | None = None
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+        # A BatchNorm subclass with a forward of its own (timm's BatchNormAct2d: F.batch_norm on its buffers,
+        # then an activation) stays a module call, so that the hooks keeping running statistics exact see it.
+        return qualname in self.leaves or isinstance(m, _BN) or super().is_leaf_module(m, qualname)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         try:
@@ -287,12 +327,21 @@ def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int]) -> 
     return stages, last_use
 
 
-def _single_stage(model: nn.Module, names: tuple[str, ...]) -> Chain:
+def _single_stage(model: nn.Module, names: tuple[str, ...], mutates: tuple[str, ...]) -> Chain:
     def fn(*vals: Any) -> tuple[Any, ...]:
         return (model(**dict(zip(names, vals))),)
 
-    st = Stage(0, type(model).__name__, fn, names, (OUTPUT_KEY,), tuple(model.modules()))
-    return Chain([st], names, "single", (), {k: 0 for k in names})
+    st = Stage(0, type(model).__name__, fn, names, (OUTPUT_KEY,), tuple(model.modules()), mutates)
+    return Chain([st], names, "single", (), {k: 0 for k in names}, model)
+
+
+def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any]) -> None:
+    """Run the stages once on the example (state restored after) and record what each writes in place."""
+    env = dict(env)
+    with preserved_model_state(model), torch.no_grad():
+        for st in stages:
+            st.mutates, outs = _mutated_buffers(model, lambda st=st: st(*(env[k] for k in st.inputs)))
+            env.update(zip(st.outputs, outs))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -329,7 +378,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
     with preserved_model_state(model), torch.no_grad():
         state = rng_state()
         try:
-            reference = model(**env)
+            with preserved_model_state(model):  # the traced graph runs below on the same buffers
+                mutates, reference = _mutated_buffers(model, lambda: model(**env))
         except Exception as e:
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
@@ -341,7 +391,7 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
                 raise
             log.warning("%s; training it as a single stage (micro-batching only). %s", e,
                         "Make the forward fx-traceable to let edgetrain recompute inside it.")
-            return _single_stage(model, names)
+            return _single_stage(model, names, mutates)
         rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
         set_rng_state(state)
         values = _node_values(gm, env)
@@ -354,15 +404,16 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         if strict:
             raise CaptureError(msg)
         log.warning("%s; training it as a single stage", msg)
-        return _single_stage(model, names)
+        return _single_stage(model, names, mutates)
     cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts), nodes, values,
                     max_stages)
     if not cuts and strict:
         raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
                            "it cannot be cut into stages")
     stages, last_use = _build_stages(gm, nodes, cuts)
+    _stage_mutations(stages, model, env)
     for k in names:
         last_use.setdefault(k, -1)
     if leaves:
         log.info("modules kept opaque (not fx-traceable): %s", ", ".join(sorted(leaves)))
-    return Chain(stages, names, "fx", tuple(sorted(leaves)), last_use)
+    return Chain(stages, names, "fx", tuple(sorted(leaves)), last_use, model)

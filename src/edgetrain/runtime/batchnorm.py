@@ -5,7 +5,11 @@ Two problems, two mechanisms:
 * Recomputation re-runs a stage's forward during backward; a training-mode BatchNorm would update its
   running statistics a second time (pytorch#96136). :class:`RecomputeGuard` is the context entered around
   every recomputation: it snapshots the running statistics of the BatchNorm layers inside the recomputed
-  stages and restores them on exit, so each real forward updates them exactly once.
+  stages and restores them on exit, so each real forward updates them exactly once. Any other buffer the
+  stages write in forward (a counter, a power-iteration vector) may also be *read* by them, so the replay
+  must see it as the first forward did: the guard's :meth:`~RecomputeGuard.forward_context`, entered
+  around that forward, keeps a copy of those buffers from before it; the replay runs on that copy and the
+  buffers get their post-forward values back after it.
 * Micro-batching normalises each micro-batch with its own statistics (unavoidable without a second pass),
   and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
   accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
@@ -18,7 +22,8 @@ Two problems, two mechanisms:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,14 +47,35 @@ def _stats_of(mods: Iterable[nn.Module]) -> list[_BN]:
 
 
 class RecomputeGuard:
-    """Context manager (one per recomputed group) that undoes running-statistics updates on exit."""
+    """Context manager (one per recomputed group) that undoes running-statistics updates on exit.
 
-    def __init__(self, modules: Iterable[nn.Module], owner: "FullBatchStats | None" = None) -> None:
+    Args:
+        modules: the modules the recomputed stages run (their BatchNorm layers are guarded).
+        owner: the step's :class:`FullBatchStats`, told that a replay is running.
+        buffers: other buffers the stages write in forward, replayed from their pre-forward values.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], owner: "FullBatchStats | None" = None,
+                 buffers: Iterable[torch.Tensor] = ()) -> None:
         self.bns = _stats_of(modules)
         self.owner = owner
+        self.buffers = list(buffers)
         self._saved: list[tuple[torch.Tensor, ...]] = []
+        self._before: list[torch.Tensor] | None = None
+        self._after: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Entered around the first forward: remembers the written buffers as they were before it."""
+        self._before = [b.detach().clone() for b in self.buffers]
+        yield
 
     def __enter__(self) -> "RecomputeGuard":
+        if self._before is not None:
+            with torch.no_grad():
+                self._after = [b.detach().clone() for b in self.buffers]
+                for b, v in zip(self.buffers, self._before):
+                    b.copy_(v)
         if self.owner is not None:
             self.owner.recomputing += 1
         self._saved = [(b.running_mean.clone() if b.running_mean is not None else None,
@@ -67,6 +93,9 @@ class RecomputeGuard:
                     b.running_var.copy_(var)
                 if nbt is not None:
                     b.num_batches_tracked.copy_(nbt)
+            for b, v in zip(self.buffers, self._after):
+                b.copy_(v)
+        self._after = []
         if self.owner is not None:
             self.owner.recomputing -= 1
 

@@ -34,6 +34,39 @@ class _Group:
     modules: tuple[Any, ...]
 
 
+def _replayed_buffers(chain: Chain) -> list[list[Any]]:
+    """Per stage: the buffers written in some forward (by any stage) that the BatchNorm mechanisms do not
+    own and that the stage reads, as a graph attribute or through one of its modules. A replay of the stage
+    must see them as its first forward did, even when a later stage writes them."""
+    model = chain.model
+    if model is None or not chain.unmanaged_mutations:
+        return [[] for _ in chain.stages]
+    written = {id(b): b for b in (model.get_buffer(n) for n in chain.unmanaged_mutations)}
+    out: list[list[Any]] = []
+    for st in chain.stages:
+        seen: dict[int, Any] = {}
+        graph = getattr(st.fn, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "get_attr":
+                t = st.fn.get_buffer(str(node.target)) if _is_buffer(st.fn, str(node.target)) else None
+                if t is not None and id(t) in written:
+                    seen[id(t)] = t
+        for m in st.modules:
+            for b in m.buffers():
+                if id(b) in written:
+                    seen[id(b)] = b
+        out.append(list(seen.values()))
+    return out
+
+
+def _is_buffer(module: Any, target: str) -> bool:
+    try:
+        module.get_buffer(target)
+    except AttributeError:
+        return False
+    return True
+
+
 class Executor:
     """Runs the forward pass of one micro-batch according to a plan (backward is autograd's)."""
 
@@ -49,6 +82,12 @@ class Executor:
             raise ValueError("the plan pages stages but no pager was given; prepare with paging=True")
         self.async_stages = set(plan.metadata.get("async_stages", ()))
         self.groups = self._make_groups()
+        self._written = _replayed_buffers(chain)
+
+    def _guard(self, first: int, last: int, modules: tuple[Any, ...]) -> tuple[Any, Any]:
+        """``context_fn`` result for a checkpoint of stages ``first..last``."""
+        guard = RecomputeGuard(modules, self.bn, [b for t in range(first, last + 1) for b in self._written[t]])
+        return (guard.forward_context() if guard.buffers else contextlib.nullcontext()), guard
 
     def _make_groups(self) -> list[_Group]:
         groups: list[_Group] = []
@@ -79,7 +118,7 @@ class Executor:
             for st in stages:
                 if two_level:  # checkpoint each stage again: the group's replay keeps only stage outputs
                     def ctx(st: Any = st) -> tuple[Any, Any]:
-                        return contextlib.nullcontext(), RecomputeGuard(st.modules, self.bn)
+                        return self._guard(st.index, st.index, st.modules)
 
                     outs = checkpoint(st, *(env[k] for k in st.inputs), use_reentrant=False,
                                       preserve_rng_state=True, context_fn=ctx)
@@ -98,7 +137,7 @@ class Executor:
             for g in self.groups:
                 if g.policy == RECOMPUTE:
                     def ctx(g: _Group = g) -> tuple[Any, Any]:
-                        return contextlib.nullcontext(), RecomputeGuard(g.modules, self.bn)
+                        return self._guard(g.first, g.last, g.modules)
 
                     outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
                                       preserve_rng_state=True, context_fn=ctx)

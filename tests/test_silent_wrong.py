@@ -1,0 +1,187 @@
+"""Defects that gave silent wrong results on models users bring (issue 15: buffers, changes, losses)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import edgetrain
+from edgetrain.errors import BudgetError, InputError
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's BatchNormAct2d in miniature: a BatchNorm2d subclass whose own forward calls F.batch_norm on its
+    buffers (the counter and the cumulative average included), then an activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                         self.training or not self.track_running_stats, factor, self.eps)
+        return F.relu(x)
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer and reads the count: a replay must see the count of the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * (1 + 0.1 * self.calls)
+        self.calls.add_(1)
+        return y
+
+
+def _cnn(momentum: float | None = 0.1) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), BatchNormAct2d(8, momentum=momentum),
+                         nn.Conv2d(8, 8, 3, padding=1), BatchNormAct2d(8, momentum=momentum),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+
+
+def _mlp(counter: bool = True) -> nn.Module:
+    mid = [Counter()] if counter else []
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), *mid, nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.2),
+                         nn.Linear(32, 4))
+
+
+def _train_both(model, loss_fn, x, y, steps=3, **kw):
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, loss_fn, example=(x, y), **kw)
+    for i in range(steps):
+        torch.manual_seed(i)
+        opt_ref.zero_grad()
+        loss_fn(ref(x), y).backward()
+        opt_ref.step()
+        torch.manual_seed(i)
+        step(x, y)
+    return ref, model, step
+
+
+def _max_state_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
+    worst = (0.0, "")
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        d = (p.double() - q.double()).abs().max().item()
+        worst = max(worst, (d, name))
+    return worst
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
+def test_batchnorm_subclass_with_own_forward_is_exact(momentum, solver):
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+    ref, model, _ = _train_both(_cnn(momentum), nn.CrossEntropyLoss(), x, y, solver=solver)
+    diff, name = _max_state_diff(ref, model)
+    assert diff < 1e-5, name
+    assert int(model[1].num_batches_tracked) == 3
+
+
+def test_batchnorm_subclass_running_stats_full_batch_exact_when_micro_batched():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+    model = _cnn()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # no update: running statistics alone are compared
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y), micro_batch_size=4)
+    step(x, y)
+    ref(x)
+    # the first layer sees the same input either way (later ones see micro-batch-normalised inputs)
+    for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked", "3.num_batches_tracked"):
+        a, b = ref.state_dict()[name].double(), model.state_dict()[name].double()
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all", "chen_sqrt"])
+def test_buffer_counter_in_forward_is_kept_and_replayed(solver):
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 16), torch.randint(0, 4, (12,))
+    ref, model, step = _train_both(_mlp(), nn.CrossEntropyLoss(), x, y, solver=solver)
+    assert step.chain.method == "fx" and len(step.chain) > 1
+    assert float(model[2].calls) == 3.0
+    diff, name = _max_state_diff(ref, model)
+    assert diff == 0.0, name
+
+
+def test_buffer_counter_refuses_micro_batching():
+    x, y = torch.randn(12, 16), torch.randint(0, 4, (12,))
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match="2.calls"):
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y), micro_batch_size=4)
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y))
+    assert step.plan.micro_batch_size == 12
+    assert any("never micro-batched" in n for n in step.plan.notes)
+
+
+@pytest.mark.parametrize("loss_fn,kind", [
+    (nn.CrossEntropyLoss(reduction="sum"), "sum"),
+    (nn.CrossEntropyLoss(), "weighted"),  # a target-weighted mean: exact once an ignore_index appears
+    (lambda out, t: F.mse_loss(out, F.one_hot(t, 4).float()), "mean"),
+    (nn.CrossEntropyLoss(ignore_index=-100), "weighted"),
+    (nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0, 0.5]), ignore_index=-100), "weighted"),
+])
+def test_loss_reduction_is_exact_under_micro_batching(loss_fn, kind):
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 16), torch.randint(0, 4, (10,))
+    y[[1, 2, 7]] = -100 if kind == "weighted" else y[[1, 2, 7]]
+    ref, model, step = _train_both(_mlp(counter=False).eval(), loss_fn, x, y, micro_batch_size=3)
+    assert step.loss_norm.kind == kind
+    assert step.plan.micro_batch_size == 3
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_without_reduction_is_refused_before_training():
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model = _mlp(counter=False)
+    with pytest.raises(InputError, match="scalar"):
+        edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          nn.CrossEntropyLoss(reduction="none"), example=(x, y))
+
+
+def test_opaque_loss_is_never_micro_batched():
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def max_loss(out, t):  # the worst sample: no slice weighting reproduces it
+        return F.cross_entropy(out, t, reduction="none").max()
+
+    model = _mlp(counter=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match="neither a mean nor a sum"):
+        edgetrain.prepare(model, opt, max_loss, example=(x, y), micro_batch_size=2)
+    step = edgetrain.prepare(model, opt, max_loss, example=(x, y))
+    assert step.plan.micro_batch_size == 8
+
+
+def test_changes_after_prepare_are_refused():
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model = _mlp(counter=False)
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                             example=(x, y))
+    step(x, y)
+    model.eval()
+    with pytest.raises(InputError, match="eval mode"):
+        step(x, y)
+    model.train()
+    step(x, y)  # back as prepared
+    model[5] = nn.Linear(32, 4)
+    with pytest.raises(InputError, match="'5' was replaced"):
+        step(x, y)
+    model[5].weight = nn.Parameter(torch.zeros(4, 32))
+    with pytest.raises(InputError, match="replaced"):
+        step(x, y)
