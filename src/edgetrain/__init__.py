@@ -19,8 +19,9 @@ from .api import TrainStep, prepare  # noqa: E402
 from .memory import measure_peak  # noqa: E402
 from .offline import plan  # noqa: E402
 from .adapt import ElasticConfig, GradFilter  # noqa: E402
+from .verify import VerifyReport, verify  # noqa: E402
 
-__all__ += ["TrainStep", "prepare", "measure_peak", "plan", "GradFilter", "ElasticConfig"]
+__all__ += ["TrainStep", "prepare", "measure_peak", "plan", "GradFilter", "ElasticConfig", "verify", "VerifyReport"]
 
 from . import models, planners  # noqa: E402,F401  (imported now so their import is not charged to a budget)
 

@@ -25,7 +25,7 @@ from .plan import Plan
 from .profile import profile_chain
 from .runtime import pool
 
-__all__ = ["Analysis", "Outcome"]
+__all__ = ["Analysis", "Outcome", "block_solver_options"]
 
 
 @dataclass
@@ -147,7 +147,8 @@ class Analysis:
 
     def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...]) -> Outcome:
         planner = Planner(costs, self.budget, self.margin, self.solver, micro,
-                          self.prefer_full_batch, self.min_micro, self.update_bytes, self.solver_kw)
+                          self.prefer_full_batch, self.min_micro, self.update_bytes,
+                          {**self.solver_kw, **block_solver_options(chain, self.solver)})
         if reasons:
             planner.whole_batch_only = True
 
@@ -166,6 +167,24 @@ class Analysis:
                                              self.grads)
         floor = planner.floor if planner.floor is not None else costs.fixed_bytes
         return Outcome(_noted(plan, reasons), costs, max(0, costs.fixed_bytes - floor), planner.sizes())
+
+
+def block_solver_options(chain: Any, solver: str) -> dict[str, Any]:
+    """Planner options a chain of module-tree blocks needs: blocks are recomputed one at a time (the model's
+    own code between them cannot be re-run on its own), so only planners that can plan that way take it.
+
+    Raises:
+        InputError: the planner cannot plan such a chain.
+    """
+    if chain.method != "modules":
+        return {}
+    if solver == "dp":
+        return {"allow_segments": False}
+    if solver in ("no_saving", "recompute_all"):
+        return {}
+    raise InputError(f"solver {solver!r} (or paging) needs a model torch.fx can trace; "
+                     f"{type(chain.model).__name__} runs as {len(chain)} blocks of its module tree, which "
+                     "solver='dp', 'no_saving' and 'recompute_all' plan")
 
 
 def _noted(plan: Plan, reasons: tuple[str, ...]) -> Plan:

@@ -15,7 +15,7 @@ from .batch import slice_batch
 from .graph import micro_batch_sizes
 from .plan import Plan
 from .runtime import pool
-from .runtime.executor import Executor
+from .runtime.executor import make_executor
 
 __all__ = ["run_plan", "run_steps"]
 
@@ -37,7 +37,7 @@ def _micro_batches(executor: Executor, plan: Plan, env_full: dict[str, Any], tar
 def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
               loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
     """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
-    executor = Executor(chain, plan, pager=pager if "page" in plan.policies else None)
+    executor = make_executor(chain, plan, pager=pager if "page" in plan.policies else None)
     base = memory.baseline_rss_bytes()
     with preserved_model_state(model):
         memory.reset_peak()
@@ -59,7 +59,7 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
     fresh state does not show. The result is expressed as :func:`run_plan`'s (gradients allocated during the
     run, the ``unallocated`` bytes added by the planner), so that the planner corrects its model the same way.
     """
-    executor = Executor(chain, plan)
+    executor = make_executor(chain, plan)
     base = memory.baseline_rss_bytes()
     memory.reset_peak()
     before = memory.rss_bytes()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import memory
-from ._analysis import Analysis
+from ._analysis import Analysis, block_solver_options
 from ._fork import analyse_safely
 from ._loss import LossNorm, loss_normalisation
 from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
@@ -25,7 +25,7 @@ from .plan import Plan
 from .profile import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
-from .runtime.executor import Executor
+from .runtime.executor import make_executor
 from .units import format_bytes, parse_bytes
 
 __all__ = ["prepare", "TrainStep"]
@@ -86,6 +86,7 @@ class TrainStep:
         self.model = model
         self.loss_norm = loss_norm or LossNorm("mean")
         self._model_key = _model_key(model)
+        self._constants: dict[str, Any] | None = None  # non-tensor inputs, fixed in the traced code
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.chain = chain
@@ -98,7 +99,7 @@ class TrainStep:
         self._bn = FullBatchStats(model)
         self._plan = plan
         self._pager = pager
-        self._executor = Executor(chain, plan, self._bn, pager)
+        self._executor = make_executor(chain, plan, self._bn, pager)
         self._table: Any = None
         self._fixed_micro = False
         self.page_dir: str | None = None
@@ -169,6 +170,15 @@ class TrainStep:
                 self.replan_for_selection()
         t_step = time.perf_counter()  # the step's own time, for the elastic selector's closed loop
         env_full = bind_inputs(self.model, inputs)
+        constants = {k: v for k, v in env_full.items() if not isinstance(v, torch.Tensor)}
+        if self._constants is None:
+            self._constants = constants
+        elif constants != self._constants:
+            changed = sorted(k for k in set(constants) | set(self._constants)
+                             if constants.get(k) != self._constants.get(k))
+            raise InputError(f"non-tensor input(s) {', '.join(changed)} differ from the first step's "
+                             f"({', '.join(f'{k}={self._constants.get(k)!r}' for k in changed)}): edgetrain traced the "
+                             "model with them fixed. Prepare a step for each setting.")
         new_sizes = not self._seen_micro.issuperset(micro_batch_sizes(n, self._plan.micro_batch_size))
         held = self._held() if new_sizes and self.steps_done else None
         self.optimizer.zero_grad(set_to_none=True)
@@ -221,7 +231,7 @@ class TrainStep:
             from .runtime.paging import Pager
 
             self._pager = Pager(self.page_dir, keep=list(self.model.parameters()))
-        self._executor = Executor(self.chain, plan, self._bn, self._pager)
+        self._executor = make_executor(self.chain, plan, self._bn, self._pager)
         self._plan = plan
 
     def budget_table(self) -> Any:
@@ -230,7 +240,8 @@ class TrainStep:
             from .planners import PlanTable
 
             # A budget change may change the micro-batch size, even one fixed at prepare().
-            table = PlanTable.build(self.costs, micro_batch_sizes=self._micro_sizes)
+            table = PlanTable.build(self.costs, micro_batch_sizes=self._micro_sizes,
+                                    **block_solver_options(self.chain, "dp"))
             if self._validate is not None and self.budget_bytes is not None:
                 # The last step's gradients are spent (the next step starts from zero); freeing them lets
                 # the measuring run allocate its own, as a step does.
@@ -327,7 +338,8 @@ class TrainStep:
         micro = full.micro_batch_size
         budget = self.budget_bytes - self.margin_bytes
         try:
-            sub = solve(ec.chain, budget, solver="dp", micro_batch_sizes=[micro])
+            sub = solve(ec.chain, budget, solver="dp", micro_batch_sizes=[micro],
+                        **block_solver_options(self.chain, "dp"))
         except BudgetError:
             self.set_plan(full)
             return full

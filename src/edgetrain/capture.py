@@ -90,6 +90,7 @@ class Chain:
     leaf_modules: tuple[str, ...] = ()
     last_use: dict[str, int] = field(default_factory=dict)
     model: nn.Module | None = None
+    call_kwargs: dict[str, Any] = field(default_factory=dict)  # "modules" chains: extra keyword inputs
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -130,7 +131,18 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
         raise CaptureError(f"the inputs do not match {type(model).__name__}.forward{sig}: {e}. "
                            "Pass a tensor, a tuple of positional inputs, or a dict of keyword inputs.") from e
     bound.apply_defaults()
-    return dict(bound.arguments)
+    env: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            env.update(value)  # forward(x, **kwargs): the extra keywords are inputs of their own
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise CaptureError(f"{type(model).__name__}.forward{sig} takes *{name}; edgetrain passes inputs "
+                                   "by name: give the extra inputs as a dict of keyword inputs")
+        else:
+            env[name] = value
+    return env
 
 
 class _RetryTracer(fx.Tracer):
@@ -278,7 +290,8 @@ def _stage_name(nodes: Sequence[fx.Node]) -> str:
     return mods[0] if len(mods) == 1 else f"{mods[0]}..{mods[-1]}"
 
 
-def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int]) -> tuple[list[Stage], dict[str, int]]:
+def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int],
+                  input_names: Sequence[str] = ()) -> tuple[list[Stage], dict[str, int]]:
     bounds = [-1] + cuts + [len(nodes) - 2]  # the last node is the output node
     out_node = nodes[-1]
     owner: dict[fx.Node, int] = {}
@@ -288,14 +301,19 @@ def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int]) -> 
     stages: list[Stage] = []
     last_use: dict[str, int] = {}
     n_stages = len(bounds) - 1
+    inputs_set = set(input_names) or {str(n.target) for n in nodes if n.op == "placeholder"}
     for s in range(n_stages):
         members = [n for n in nodes[bounds[s] + 1: bounds[s + 1] + 1] if n.op != "placeholder"]
         g = fx.Graph()
         local: dict[fx.Node, fx.Node] = {}
         inputs: list[str] = []
 
-        def fetch(a: fx.Node) -> fx.Node:
+        def fetch(a: fx.Node) -> Any:
             if a in local:
+                return local[a]
+            if a.op == "placeholder" and str(a.target) not in inputs_set:
+                # a non-tensor input fixed at trace time (concrete_args: ``temperature=1.0``, ``mask=None``)
+                local[a] = a.args[0] if a.args else None
                 return local[a]
             if a.op == "get_attr":
                 local[a] = g.get_attr(a.target)  # parameters/buffers are shared with the user's model
@@ -333,6 +351,59 @@ def _single_stage(model: nn.Module, names: tuple[str, ...], mutates: tuple[str, 
 
     st = Stage(0, type(model).__name__, fn, names, (OUTPUT_KEY,), tuple(model.modules()), mutates)
     return Chain([st], names, "single", (), {k: 0 for k in names}, model)
+
+
+def _returning(fn: Callable[..., tuple[Any, ...]], cls: type) -> Callable[..., tuple[Any, ...]]:
+    """``fn`` with its model output (the last value) rebuilt as ``cls`` (e.g. a Hugging Face ``ModelOutput``)."""
+    def run(*args: Any) -> tuple[Any, ...]:
+        outs = fn(*args)
+        return (*outs[:-1], cls(**outs[-1]))
+    run.graph = getattr(fn, "graph", None)  # type: ignore[attr-defined]
+    run.get_buffer = getattr(fn, "get_buffer", None)  # type: ignore[attr-defined]
+    return run
+
+
+def _block_alone(name: str) -> Callable[..., tuple[Any, ...]]:
+    def fn(*args: Any) -> tuple[Any, ...]:
+        raise RuntimeError(f"stage {name} is a block of the model's own forward and runs only inside it "
+                           "(edgetrain.runtime.executor.ModuleExecutor)")
+    return fn
+
+
+def _module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
+                  mutates: tuple[str, ...]) -> Chain | None:
+    """A chain of the model's repeated blocks (:mod:`edgetrain._capture_modules`), or None without two."""
+    from ._capture_modules import block_stages
+
+    call_kwargs: dict[str, Any] = {}
+    if "use_cache" in inspect.signature(model.forward).parameters and not env.get("use_cache"):
+        call_kwargs["use_cache"] = False  # a key/value cache would be appended to again by a replay
+    blocks = block_stages(model, {**env, **call_kwargs})
+    if blocks is None:
+        return None
+    stages = [Stage(i, name, _block_alone(name), (), (), (model.get_submodule(name),), mutates if i == 0 else ())
+              for i, name in enumerate(blocks)]
+    return Chain(stages, names, "modules", (), dict.fromkeys(names, len(stages) - 1), model, call_kwargs)
+
+
+def _fallback(model: nn.Module, env: dict[str, Any], names: tuple[str, ...], mutates: tuple[str, ...],
+              why: str, strict: bool) -> Chain:
+    """Stages from the module tree where fx failed; a single stage where that fails too."""
+    if strict:
+        raise CaptureError(why)
+    try:
+        chain = _module_chain(model, env, names, mutates)
+    except Exception as e:  # the module tree cannot be followed: one stage still trains exactly
+        log.info("following the module tree of %s failed: %s", type(model).__name__, e)
+        chain = None
+    if chain is not None:
+        log.info("%s; its %d repeated blocks are the stages (%s .. %s)", why, len(chain), chain.stages[0].name,
+                 chain.stages[-1].name)
+        return chain
+    log.warning("%s, and it has no stack of blocks (a ModuleList or Sequential called once per forward); "
+                "training it as a single stage (micro-batching only). Make the forward fx-traceable, or keep "
+                "its blocks in a ModuleList, to let edgetrain recompute inside it.", why)
+    return _single_stage(model, names, mutates)
 
 
 def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any]) -> None:
@@ -386,31 +457,31 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
             gm, leaves = _trace(model, concrete)
-        except CaptureError as e:
-            if strict:
-                raise
-            log.warning("%s; training it as a single stage (micro-batching only). %s", e,
-                        "Make the forward fx-traceable to let edgetrain recompute inside it.")
-            return _single_stage(model, names, mutates)
-        rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
-        set_rng_state(state)
-        values = _node_values(gm, env)
+            rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
+            set_rng_state(state)
+            values = _node_values(gm, env)
+        except Exception as e:  # CaptureError from tracing, or the traced graph failing to run
+            set_rng_state(state)
+            why = str(e) if isinstance(e, CaptureError) else \
+                f"the graph torch.fx traced from {type(model).__name__} does not run ({type(e).__name__}: {e})"
+            return _fallback(model, env, names, mutates, why, strict)
     nodes = list(gm.graph.nodes)
     out_val = values.get(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], fx.Node) else \
         fx.node.map_aggregate(nodes[-1].args[0], lambda a: values.get(a) if isinstance(a, fx.Node) else a)
     if not _same(out_val, reference):
         msg = (f"the traced graph of {type(model).__name__} does not reproduce its output on the example batch "
                "(data-dependent Python control flow?)")
-        if strict:
-            raise CaptureError(msg)
-        log.warning("%s; training it as a single stage", msg)
-        return _single_stage(model, names, mutates)
+        with preserved_model_state(model):
+            return _fallback(model, env, names, mutates, msg, strict)
     cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts), nodes, values,
                     max_stages)
     if not cuts and strict:
         raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
                            "it cannot be cut into stages")
-    stages, last_use = _build_stages(gm, nodes, cuts)
+    tensor_inputs = [k for k, v in env.items() if isinstance(v, torch.Tensor)]
+    stages, last_use = _build_stages(gm, nodes, cuts, tensor_inputs)
+    if isinstance(reference, Mapping) and type(out_val) is not type(reference):
+        stages[-1].fn = _returning(stages[-1].fn, type(reference))  # fx returns a ModelOutput as a plain dict
     _stage_mutations(stages, model, env)
     for k in names:
         last_use.setdefault(k, -1)

@@ -37,12 +37,15 @@ from .batch import batch_signature, slice_batch
 from .capture import OUTPUT_KEY, Chain
 from .errors import ProfileError
 from .graph import CostChain, Linear, StageCost
+from ._profile_blocks import run_blocks
 
 __all__ = ["StageSample", "OptimizerCosts", "profile_chain", "optimizer_costs", "optimizer_state_bytes",
            "cache_dir"]
 
 log = logging.getLogger(__name__)
 _MEMO: dict[str, dict[str, Any]] = {}
+# "modules" chains: bytes the code before the first block keeps through a micro-batch, per size last run
+_RESIDENT: dict[int, int] = {}
 
 
 @dataclass
@@ -261,6 +264,11 @@ def _count_flops(chain: Chain, inputs_env: dict[str, Any], m: int) -> list[float
 
 def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: Callable[..., torch.Tensor],
                m: int, params: set[int], measure_memory: bool = True) -> tuple[list[StageSample], float]:
+    if chain.method == "modules":
+        samples, outside_s, resident = run_blocks(chain, inputs_env, targets, loss_fn, m, params, measure_memory,
+                                                  StageSample)
+        _RESIDENT[m] = resident
+        return samples, outside_s
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
     producer: dict[str, int] = {}
     samples = []
@@ -283,7 +291,7 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
 
 def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...]) -> str:
     h = hashlib.sha256()
-    parts = ["v3", type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+    parts = ["v4", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}"]  # both change measured costs
@@ -407,18 +415,24 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
             s_lo, s_hi = _min_samples([r[0] for r in runs_lo]), _min_samples([r[0] for r in runs_hi])
             loss_lo, loss_hi = min(r[1] for r in runs_lo), min(r[1] for r in runs_hi)
             stages = _fit(chain, lo, s_lo, hi, s_hi)
+            resident = Linear.fit(lo, _RESIDENT.get(lo, 0), hi, _RESIDENT.get(hi, 0)) if chain.method == "modules" \
+                else Linear()
             try:  # FLOPs scale costs to devices we are not running on (edgetrain.devices.scale_chain)
+                if chain.method == "modules":
+                    raise ValueError("blocks of the module tree run only inside the model's forward")
                 f0, f1 = _count_flops(chain, inputs_env, m0), _count_flops(chain, inputs_env, m1)
                 stages = [replace(s, flops=Linear.fit(m0, a, m1, b)) if m1 > m0 else
                           replace(s, flops=Linear(0.0, a / m0)) for s, a, b in zip(stages, f0, f1)]
             except Exception as e:  # counting is best effort; timing-based scaling still works
                 log.debug("FLOP counting failed: %s", e)
             cached = {"stages": [CostChain(tuple(stages), 1, Linear(), 0).to_dict()["stages"]][0],
-                      "loss_s": Linear.fit(lo, loss_lo, hi, loss_hi).__dict__, "sizes": list(sizes)}
+                      "loss_s": Linear.fit(lo, loss_lo, hi, loss_hi).__dict__, "sizes": list(sizes),
+                      "input_bytes": resident.__dict__}
             if use_cache:
                 _store_cached(key, cached)
         else:
             log.debug("profile cache hit %s", key)
-    data = {"stages": cached["stages"], "batch_size": batch_size, "input_bytes": {"fixed": 0, "per_sample": 0},
+    data = {"stages": cached["stages"], "batch_size": batch_size,
+            "input_bytes": cached.get("input_bytes", {"fixed": 0, "per_sample": 0}),
             "fixed_bytes": fixed_bytes, "loss_s": cached["loss_s"], "name": name}
     return CostChain.from_dict(data)

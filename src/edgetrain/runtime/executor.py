@@ -21,7 +21,7 @@ from ..graph import PAGE, RECOMPUTE
 from ..plan import Plan
 from .batchnorm import FullBatchStats, RecomputeGuard
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "ModuleExecutor", "make_executor"]
 
 
 @dataclass
@@ -158,3 +158,59 @@ class Executor:
                     del outs
                     self.chain.release(env, st.index)
         return env[OUTPUT_KEY]
+
+
+class ModuleExecutor:
+    """Runs the model's own forward with each block stage (a ``"modules"`` chain) executed by its policy.
+
+    For the duration of a forward, a recomputed block's ``forward`` is replaced (an instance attribute,
+    removed afterwards) by a non-reentrant ``torch.utils.checkpoint`` call of the original with RNG replay
+    and the same guards as :class:`Executor`. Plans for such chains recompute blocks one at a time (the
+    model's code between blocks is not ours to re-run), so every recompute group is a single stage.
+    """
+
+    def __init__(self, chain: Chain, plan: Plan, bn: FullBatchStats | None = None, pager: Any = None) -> None:
+        if plan.num_stages != len(chain):
+            raise ValueError(f"plan has {plan.num_stages} stages, the captured chain {len(chain)}; "
+                             "re-run edgetrain.prepare for this model")
+        if PAGE in plan.policies:
+            raise ValueError("paging needs a model torch.fx can trace; this one runs as blocks of its module tree")
+        if len(set(plan.groups)) != len(plan.groups):
+            raise ValueError("a plan for a model run as blocks of its module tree recomputes blocks one at a time; "
+                             "this plan groups several (plan it with solver='dp', allow_segments=False)")
+        self.chain = chain
+        self.plan = plan
+        self.bn = bn
+        self._written = _replayed_buffers(chain)
+
+    def _checkpointed(self, st: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def ctx() -> tuple[Any, Any]:
+            guard = RecomputeGuard(st.modules, self.bn, self._written[st.index])
+            return (guard.forward_context() if guard.buffers else contextlib.nullcontext()), guard
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=ctx,
+                              **kwargs)
+        return run
+
+    def forward(self, env: dict[str, Any]) -> Any:
+        """Run the model on ``env`` (its inputs by name, one micro-batch); returns its output."""
+        patched = []
+        try:
+            for st, policy in zip(self.chain.stages, self.plan.policies):
+                if policy == RECOMPUTE:
+                    block = st.modules[0]
+                    block.forward = self._checkpointed(st, block.forward)
+                    patched.append(block)
+            return self.chain.model(**{**env, **self.chain.call_kwargs})
+        finally:
+            for block in patched:
+                del block.forward
+
+
+def make_executor(chain: Chain, plan: Plan, bn: FullBatchStats | None = None, pager: Any = None) -> Any:
+    """The executor for ``chain``: :class:`ModuleExecutor` for a chain of module-tree blocks, else
+    :class:`Executor`."""
+    if chain.method == "modules":
+        return ModuleExecutor(chain, plan, bn, pager)
+    return Executor(chain, plan, bn, pager)

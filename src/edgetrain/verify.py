@@ -1,0 +1,186 @@
+"""``edgetrain.verify``: run one step through the prepared plan and through plain PyTorch, and compare.
+
+The safety net to run before a long job: on deep copies of the model and the optimizer (the originals are
+not touched), one optimizer step on the example batch goes through :func:`edgetrain.prepare`'s plan and
+one through plain PyTorch from the same RNG state; the largest relative differences of parameters,
+gradients and buffers name the tensor they occur in, and pass or fail against a tolerance.
+
+When the plan splits the batch, the plain reference accumulates gradients over the same micro-batches
+in the same order (what a user would write by hand), so dropout draws the same masks; a BatchNorm layer
+then normalises each micro-batch on its own in both, and its running statistics, which edgetrain keeps
+equal to one full-batch forward's, are left out of the comparison (the report says so).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._state import batchnorm_modules, rng_state, set_rng_state
+from .batch import batch_size_of, slice_batch
+from .capture import bind_inputs
+
+__all__ = ["VerifyReport", "verify"]
+
+
+@dataclass(frozen=True)
+class Difference:
+    """The largest relative difference in a group of tensors: ``max|a - b| / max(max|a|, tiny)``."""
+
+    relative: float = 0.0
+    tensor: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.relative:.2e}" + (f" ({self.tensor})" if self.tensor else "")
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify` found.
+
+    Attributes:
+        passed: every difference is within ``tolerance``.
+        tolerance: the relative tolerance used.
+        parameters, gradients, buffers: the largest relative difference of each group and its tensor.
+        loss_plain, loss_edgetrain: the step's loss either way.
+        micro_batch_size, batch_size, stages, recomputed: what the plan did.
+        notes: what was left out of the comparison and why.
+    """
+
+    passed: bool
+    tolerance: float
+    parameters: Difference
+    gradients: Difference
+    buffers: Difference
+    loss_plain: float
+    loss_edgetrain: float
+    micro_batch_size: int
+    batch_size: int
+    stages: int
+    recomputed: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __str__(self) -> str:
+        lines = [f"edgetrain verify: {'PASS' if self.passed else 'FAIL'} (relative tolerance {self.tolerance:g})",
+                 f"  plan: {self.stages} stages, {self.recomputed} recomputed, micro-batch "
+                 f"{self.micro_batch_size} of {self.batch_size}",
+                 f"  loss: plain {self.loss_plain:.6g}, edgetrain {self.loss_edgetrain:.6g}",
+                 f"  parameters: {self.parameters}", f"  gradients:  {self.gradients}",
+                 f"  buffers:    {self.buffers}"]
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _largest(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None], skip: set[str]) -> Difference:
+    worst = Difference()
+    for name, x in a.items():
+        y = b.get(name)
+        if name in skip or (x is None and y is None):
+            continue
+        if x is None or y is None:
+            return Difference(math.inf, f"{name} (missing on one side)")
+        x64, y64 = x.detach().double(), y.detach().double()
+        scale = max(float(x64.abs().max()) if x64.numel() else 0.0, 1e-12)
+        rel = float((x64 - y64).abs().max()) / scale if x64.numel() else 0.0
+        if not math.isfinite(rel) or rel > worst.relative:
+            worst = Difference(rel, name)
+    return worst
+
+
+def _copy_optimizer(optimizer: torch.optim.Optimizer, original: nn.Module, clone: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer's class, hyper-parameters and state over ``clone``'s parameters."""
+    index = {id(p): i for i, p in enumerate(original.parameters())}
+    params = list(clone.parameters())
+    groups = []
+    for g in optimizer.param_groups:
+        try:
+            mapped = [params[index[id(p)]] for p in g["params"]]
+        except KeyError:
+            raise ValueError("the optimizer holds tensors that are not parameters of the model; verify needs "
+                             "an optimizer over model.parameters()") from None
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mapped})
+    opt = type(optimizer)(groups)
+    opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return opt
+
+
+def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                inputs: Any, targets: Any, micro: int, norm: Any) -> float:
+    env = bind_inputs(model, inputs)
+    n = batch_size_of(inputs, targets)
+    optimizer.zero_grad(set_to_none=True)
+    if micro >= n:
+        loss = loss_fn(model(**env), targets)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+    total = norm.weight(targets, n)
+    parts = []
+    for start in range(0, n, micro):
+        stop = min(start + micro, n)
+        part = slice_batch(targets, start, stop)
+        loss = loss_fn(model(**{k: slice_batch(v, start, stop) for k, v in env.items()}), part)
+        weight = norm.weight(part, stop - start)
+        if weight or norm.kind == "sum":
+            (loss * norm.scale(weight, total)).backward()
+            parts.append((float(loss.detach()), weight))
+    optimizer.step()
+    return norm.combine(parts, total)
+
+
+def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], example: Any,
+           memory_budget: int | str | None = None, *, tolerance: float = 1e-5, **prepare_kw: Any) -> VerifyReport:
+    """Compare one step of the prepared plan with plain PyTorch on copies of the model and optimizer.
+
+    Args:
+        model, optimizer, loss_fn, example, memory_budget: as for :func:`edgetrain.prepare` (copies are
+            prepared and stepped; the originals are left exactly as they are).
+        tolerance: the largest relative difference (``max|a - b| / max|a|`` per tensor) that passes. Float32
+            sums taken in another order (a recomputed, sliced convolution) differ by about 1e-7.
+        **prepare_kw: any other option of :func:`edgetrain.prepare` (``solver=``, ``micro_batch_size=``, ...).
+
+    Returns:
+        The :class:`VerifyReport` (``str(report)`` is a readable summary).
+
+    Raises:
+        Whatever :func:`edgetrain.prepare` raises for these arguments (a BudgetError for an infeasible budget).
+    """
+    from .api import _split_example, prepare
+
+    inputs, targets = _split_example(example)
+    ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+    opt_ours, opt_plain = _copy_optimizer(optimizer, model, ours), _copy_optimizer(optimizer, model, plain)
+    state = rng_state()
+    try:
+        step = prepare(ours, opt_ours, loss_fn, example, memory_budget, **prepare_kw)
+        try:
+            start = rng_state()
+            loss_ours = step(inputs, targets)
+        finally:
+            step.close()
+        set_rng_state(start)
+        plan = step.plan
+        loss_plain = _plain_step(plain, opt_plain, loss_fn, inputs, targets, plan.micro_batch_size, step.loss_norm)
+    finally:
+        set_rng_state(state)
+    notes = []
+    skip: set[str] = set()
+    if plan.micro_batch_size < plan.batch_size:
+        for name, _ in batchnorm_modules(ours):
+            skip.update(f"{name}.{b}" for b in ("running_mean", "running_var", "num_batches_tracked"))
+        if skip:
+            notes.append("micro-batched BatchNorm: running statistics not compared (edgetrain keeps them equal to "
+                         "one full-batch forward's; the accumulating reference updates them per micro-batch)")
+        notes.append(f"the plain reference accumulates micro-batches of {plan.micro_batch_size}, as the plan does")
+    params = _largest(dict(plain.named_parameters()), dict(ours.named_parameters()), set())
+    grads = _largest({n: p.grad for n, p in plain.named_parameters()},
+                     {n: p.grad for n, p in ours.named_parameters()}, set())
+    buffers = _largest(dict(plain.named_buffers()), dict(ours.named_buffers()), skip)
+    passed = all(d.relative <= tolerance for d in (params, grads, buffers))
+    return VerifyReport(passed, tolerance, params, grads, buffers, loss_plain, loss_ours, plan.micro_batch_size,
+                        plan.batch_size, plan.num_stages, plan.policies.count("recompute"), tuple(notes))
