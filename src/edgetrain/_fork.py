@@ -200,8 +200,17 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
     Returns:
         ``(chain, analyse(chain[, costs]))``.
     """
-    if budget is None or not can_fork or not available():
+    if not can_fork or not available() or (budget is None and profile is None):
         chain = capture_chain()
+        return chain, analyse(chain)
+    if budget is None:
+        # Nothing to keep inside, but profiling runs the model at sizes and shapes the steps never use,
+        # and the kernels and heap they leave would stay with this process for good: profile in a child.
+        # The plan without a budget keeps everything, whatever the child's single thread measured.
+        res = run_in_child(lambda: profile(capture_chain()))
+        chain = capture_chain()
+        if res is not None and res.error is None:
+            return chain, analyse(chain, res.value)
         return chain, analyse(chain)
     costs = None
     if profile is not None:

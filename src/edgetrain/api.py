@@ -66,6 +66,19 @@ def _describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
     return "its modules or parameters changed"
 
 
+def _loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
+                      batch: int) -> LossNorm:
+    """:func:`loss_normalisation` in a forked child where possible: its forwards at 1-3 samples load kernels
+    for shapes no step uses, which would stay resident here."""
+    from . import _fork
+
+    if _fork.available():
+        res = _fork.run_in_child(lambda: loss_normalisation(model, env, loss_fn, targets, batch).kind)
+        if res is not None and res.error is None and res.value is not None:
+            return LossNorm(res.value, loss_fn)
+    return loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
+
+
 def _split_example(example: Any) -> tuple[Any, Any]:
     if not isinstance(example, (tuple, list)) or len(example) != 2:
         raise InputError("example must be a pair (inputs, targets), e.g. example=(x, y), with every tensor "
@@ -484,7 +497,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     fixed = in_use + _grad_bytes_missing(model) + opt_costs.state_bytes
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
-    loss_norm = loss_normalisation(model, env, loss_fn, targets, batch)
+    loss_norm = _loss_norm_safely(model, env, loss_fn, targets, batch)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1
     solver_kw: dict[str, Any] = {}

@@ -130,7 +130,8 @@ def _hf_mobilenet_v2() -> nn.Module:
 def _hf_efficientnet() -> nn.Module:
     from transformers import EfficientNetConfig, EfficientNetForImageClassification
     return EfficientNetForImageClassification(EfficientNetConfig(width_coefficient=0.25, depth_coefficient=0.25,
-                                                                 image_size=32, num_labels=3))
+                                                                 image_size=32, num_labels=3,
+                                                                 hidden_dim=320))  # = round_filters(1280)
 
 
 def _hf_convnext() -> nn.Module:

@@ -181,6 +181,7 @@ class ModuleExecutor:
         self.chain = chain
         self.plan = plan
         self.bn = bn
+        self.pager = None
         self._written = _replayed_buffers(chain)
 
     def _checkpointed(self, st: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
