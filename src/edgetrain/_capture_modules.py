@@ -38,9 +38,14 @@ def _containers_children(m: nn.Module) -> list[tuple[str, nn.Module]] | None:
     return None
 
 
+def _numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
 def find_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the candidate blocks: children of every ``ModuleList`` / ``Sequential`` with two
-    or more entries, each replaced by its own blocks where it holds such a list itself (finest first)."""
+    or more entries, each replaced by its own blocks where those hold (nearly) all of its parameters (a T5
+    block's list of attention and feed-forward layers; not a ViT block's MLP, which leaves its attention out)."""
     def walk(prefix: str, m: nn.Module) -> list[str]:
         out: list[str] = []
         for name, child in m.named_children():
@@ -49,7 +54,9 @@ def find_blocks(model: nn.Module) -> list[str]:
             if kids is not None:
                 for kname, k in kids:
                     inner = walk(f"{path}.{kname}.", k)
-                    out.extend(inner if len(inner) >= 2 else [f"{path}.{kname}"])
+                    covered = sum(_numel(model.get_submodule(n)) for n in inner)
+                    fine = len(inner) >= 2 and covered >= 0.9 * _numel(k)
+                    out.extend(inner if fine else [f"{path}.{kname}"])
             else:
                 out.extend(walk(f"{path}.", child))
         return out

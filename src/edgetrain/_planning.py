@@ -385,6 +385,7 @@ class Planner:
     def _infeasible(self, err: BudgetError, run: Callable[[Plan], Measured], unallocated: int,
                     grads: int) -> BudgetError:
         need = int(err.min_feasible_bytes or 0)
+        measured = None  # the measured peak of the smallest plan's last run
         # Do what a retry at the estimated budget would do (profile at the sizes it allows, run its plan once
         # and correct), twice, so that the number we name is one at which a fresh run really works.
         for _ in range(2):
@@ -395,11 +396,16 @@ class Planner:
                     self._with_fixed(max(0, fixed - self.costs.fixed_bytes))
                     need = self._min_needed()
                 plan = self._solve(need)
-                self._correct(plan, run(plan), unallocated, grads)
+                _, measured = self._correct(plan, run(plan), unallocated, grads)
                 need = self._min_needed()
             except BudgetError as e:
                 log.debug("could not refine the smallest feasible budget: %s", e)
                 break
+        if measured is not None and measured < need:
+            # The cost model over-predicts this plan (validation corrects it upwards only): name what it
+            # measured. prepare at that budget runs the same smallest plan and takes it on its measurement
+            # (_smallest_if_it_fits), so the number stays one at which training works.
+            need = measured
         largest = self._largest_size_run(run, unallocated, grads, need)
         if largest is not None:
             need = min(need, largest[2])  # a budget at which a plan ran and was measured

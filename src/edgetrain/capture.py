@@ -173,6 +173,35 @@ class _RetryTracer(fx.Tracer):
             raise
 
 
+# Attributes a GraphModule sets on itself: a submodule of the model with one of these names would clash.
+_RESERVED = frozenset({"meta", "graph", "code", "_graph", "_code", "forward"})
+
+
+def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(model, graph)``, with top-level children whose names clash with a GraphModule's own
+    attributes (a submodule called ``meta``) reached under another name (the same module objects)."""
+    clash = {str(n.target).split(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")} & _RESERVED
+    if not clash:
+        return fx.GraphModule(model, graph, type(model).__name__)
+    root = nn.Module()
+    root.training = model.training
+    for name, child in model.named_children():
+        root.add_module(f"_et_{name}" if name in clash else name, child)
+    for name, p in model.named_parameters(recurse=False):
+        root.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        root.register_buffer(name, b)
+    for name, v in vars(model).items():  # tensor constants fx stored on the model
+        if isinstance(v, torch.Tensor) and not hasattr(root, name):
+            setattr(root, name, v)
+    for n in graph.nodes:
+        if n.op in ("call_module", "get_attr"):
+            head, dot, rest = str(n.target).partition(".")
+            if head in clash:
+                n.target = f"_et_{head}{dot}{rest}"
+    return fx.GraphModule(root, graph, type(model).__name__)
+
+
 def _trace(model: nn.Module, concrete: dict[str, Any], max_retries: int = 64) -> tuple[fx.GraphModule, set[str]]:
     leaves: set[str] = set()
     last_err: Exception | None = None
@@ -180,7 +209,7 @@ def _trace(model: nn.Module, concrete: dict[str, Any], max_retries: int = 64) ->
         tracer = _RetryTracer(leaves)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
-            return fx.GraphModule(model, graph, type(model).__name__), leaves
+            return _graph_module(model, graph), leaves
         except Exception as e:  # any tracing failure: retry with the failing module as a leaf
             last_err = e
             if not tracer.failed_at or tracer.failed_at in leaves:

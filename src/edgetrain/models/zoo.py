@@ -194,6 +194,54 @@ class AttentionBlocks(nn.Module):
         return self.out(h) / temperature
 
 
+class _TimmAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # timm's ViT: a tuple of views that may cross a cut
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class _TimmBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), _TimmAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), attn_mask=attn_mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class TimmStyleViT(nn.Module):
+    """timm's VisionTransformer in miniature: patch embedding, class token, ``qkv.unbind(0)`` attention with an
+    ``attn_mask=None`` default, and a submodule named ``meta`` (an fx name that once read as control flow)."""
+
+    def __init__(self, dim: int = 64, depth: int = 4, heads: int = 4, patch: int = 8, size: int = 32) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*(_TimmBlock(dim, heads) for _ in range(depth)))
+        self.meta = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, pixel_values: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for blk in self.blocks:
+            x = blk(x, attn_mask=attn_mask)
+        return self.head(self.meta(x)[:, 0])
+
+
 class CountingBatchNorm(nn.BatchNorm2d):
     """timm's BatchNormAct2d in miniature: ``F.batch_norm`` on its own buffers, then an activation."""
 
@@ -245,6 +293,7 @@ def _entries() -> list[ZooCase]:
         ZooCase("transformer-encoder", _seeded(EncoderClassifier), _tokens(200, 16), _logits_ce),
         ZooCase("mha-tied", _seeded(AttentionBlocks), _lm_tokens(200, 16), _logits_ce),
         ZooCase("dict-cnn", _seeded(DictCNN), _pixels(32), _logits_ce, False, True),
+        ZooCase("timm-vit", _seeded(TimmStyleViT), _pixels(32), _logits_ce),
     ]
     return hf + torch_cases
 
