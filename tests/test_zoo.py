@@ -7,6 +7,7 @@ and micro-batches of 4 against plain PyTorch accumulating the same micro-batches
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -70,6 +71,8 @@ def test_module_tree_model_keeps_a_budget_that_needs_recomputation():
         edgetrain.prepare(model, opt, case.loss_fn, example=(x, y), memory_budget="1MiB")
     least = err.value.min_feasible_bytes
     assert f"{least / 2**20:.1f} MiB" in str(err.value)
+    named, before = re.findall(r"([\d.]+) MiB", str(err.value).split("budget is", 1)[1])[:2]
+    assert float(before) <= float(named), str(err.value)  # the message never contradicts itself
     step = edgetrain.prepare(model, opt, case.loss_fn, example=(x, y), memory_budget=least)
     assert step.chain.method == "modules"
     with edgetrain.measure_peak() as peak:

@@ -417,11 +417,12 @@ class Planner:
         else:
             user_need = math.ceil(1.03 * need * self.budget / (self.budget - self.margin))
         hint = "" if self.micro_batch_size is None else " or let the planner choose micro_batch_size"
+        fixed_shown = self.costs.fixed_bytes  # never more than the need named (that was measured, with them)
         return BudgetError(
             f"no {self.solver} plan trains this batch of {self.costs.batch_size} within "
-            f"{format_bytes(self.budget)}: the smallest feasible budget is {format_bytes(user_need)} (the model, "
-            f"its gradients, optimizer state, batch and runtime take {format_bytes(self.costs.fixed_bytes)} before "
-            f"any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
+            f"{format_bytes(self.budget)}: the smallest feasible budget is {format_bytes(user_need)} (of which the "
+            f"model, its gradients, optimizer state, batch and runtime take {format_bytes(min(fixed_shown, need))} "
+            f"before any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
             budget_bytes=self.budget, min_feasible_bytes=user_need)
 
 
