@@ -295,3 +295,60 @@ def test_scipy_fallback_without_highspy(monkeypatch):
     plan = solve_poet(chain, budget, device=FAST, mip_rel_gap=0.0)
     assert calls and plan.peak_bytes <= budget
     assert plan.energy_j == pytest.approx(exact.energy_j, rel=1e-6)
+
+
+# ----- issue 17: defects found on external cost graphs --------------------------------------------------
+
+
+# Instances on which highspy 1.16 (presolve on), warm-started with setSolution(start), reports an objective
+# below the start's and "optimal" while getSolution() hands back the start itself.
+_WARM_START_CASES = [(20, 121, 4, "rpi4", 18_423_732), (20, 125, 2, "rpi4", 4_649_754)]
+
+
+@pytest.mark.parametrize("n,seed,batch,device,budget", _WARM_START_CASES)
+def test_milp_returns_the_vector_it_reports(n, seed, batch, device, budget):
+    from edgetrain.planners.paging_model import paging_arrays
+    from edgetrain.planners.poet import solve_poet_milp_at
+
+    dev = FAST if device == "fast-test" else load_profile(device)
+    chain = synth_chain(n, seed, batch=batch)
+    exact = solve_poet_dp(chain, budget, device=dev)
+    # at gap 0 the MILP must find the exact optimum, and its proven gap must be what it says
+    milp = solve_poet(chain, budget, device=dev, mip_rel_gap=0.0)
+    assert milp.energy_j == pytest.approx(exact.energy_j, rel=1e-9)
+    assert milp.optimality_gap <= 1e-9
+    # per size: the objective a candidate reports is the cost of the schedule it returns
+    arr = paging_arrays(chain, dev, exact.micro_batch_size)
+    cand = solve_poet_milp_at(arr, budget - chain.fixed_bytes, objective="energy", time_cap_s=None, paging=True,
+                              time_limit_s=10.0, mip_rel_gap=0.0)
+    s = cand.schedule
+    recost = simulate_paged(chain, dev, s.m, s.policies, s.groups, inflight_bytes=s.inflight_bytes).energy_j
+    assert cand.objective == pytest.approx(recost, rel=1e-9)
+    assert cand.bound <= cand.objective * (1 + 1e-9)
+
+
+def test_milp_reported_objective_is_the_recosted_one_on_random_chains():
+    from edgetrain.planners.paging_model import paging_arrays
+    from edgetrain.planners.poet import solve_poet_milp_at
+
+    rng = random.Random(17)
+    rpi4 = load_profile("rpi4")
+    checked = 0
+    for seed in range(40):
+        n = rng.choice([8, 12, 20])
+        chain = synth_chain(n, 1000 + seed, batch=rng.choice([2, 4]))
+        dev = rng.choice([FAST, rpi4])
+        objective = rng.choice(["energy", "time"])
+        m = rng.choice([chain.batch_size, 1])
+        keep = simulate_paged(chain, dev, m, ["keep"] * n)
+        act = int(keep.activation_peak_bytes * rng.uniform(0.3, 0.9))
+        cand = solve_poet_milp_at(paging_arrays(chain, dev, m), act, objective=objective, time_cap_s=None,
+                                  paging=True, time_limit_s=10.0, mip_rel_gap=rng.choice([0.0, 0.01]))
+        if cand is None or cand.schedule is None:
+            continue
+        s = cand.schedule
+        c = simulate_paged(chain, dev, s.m, s.policies, s.groups, inflight_bytes=s.inflight_bytes)
+        assert c.activation_peak_bytes <= act
+        assert cand.objective == pytest.approx(c.energy_j if objective == "energy" else c.step_time_s, rel=1e-9)
+        checked += 1
+    assert checked >= 30
