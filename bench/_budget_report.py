@@ -18,7 +18,9 @@ from edgetrain.measure import JobResult
 
 #: edgetrain allowed to micro-batch BatchNorm (``prepare(exact_batchnorm=False)``), as accumulation does.
 EDGE_MBN = "edgetrain (BN per mb)"
-METHODS = ("plain", "checkpoint_sequential", "edgetrain", EDGE_MBN)
+#: PyTorch's own planner: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``.
+COMPILE = "torch.compile"
+METHODS = ("plain", "checkpoint_sequential", COMPILE, "edgetrain", EDGE_MBN)
 CLAIM_FRACTION, CLAIM_MAX_SLOWDOWN = 0.5, 1.35
 MELON_HEADLINE = 4.33
 
@@ -114,6 +116,7 @@ class ModelReport:
     entries: dict[tuple[float, str], Entry] = field(default_factory=dict)
     claim: Claim | None = None
     claim_mbn: Claim | None = None  # the same claim for edgetrain allowed to micro-batch BatchNorm
+    compile_runs: dict[float, JobResult] = field(default_factory=dict)  # torch.compile by memory-budget ratio
     error: str = ""
 
     def methods(self) -> list[str]:
@@ -183,35 +186,62 @@ def budget_table(rep: ModelReport) -> Table:
     return t
 
 
-def versus_line(rep: ModelReport, method: str = "edgetrain") -> str:
-    """Whether edgetrain's throughput beats checkpoint_sequential's at every budget, and by how much.
+def versus_line(rep: ModelReport, method: str = "edgetrain", against: str = "checkpoint_sequential") -> str:
+    """Whether edgetrain's throughput beats ``against``'s (checkpoint_sequential's) at every budget, and by how much.
 
-    A budget where only edgetrain fits counts for it, one where only checkpoint_sequential fits against it,
-    and one where neither fits is left out of the count.
+    A budget where only edgetrain fits counts for it, one where only ``against`` fits against it, and one
+    where neither fits is left out of the count.
     """
     parts, wins, compared = [], 0, 0
     for frac, _ in rep.budgets:
-        et, ck = rep.entries[(frac, method)], rep.entries[(frac, "checkpoint_sequential")]
+        et, ck = rep.entries[(frac, method)], rep.entries[(frac, against)]
         if et.fits and ck.fits:
             x = et.throughput / ck.throughput if ck.throughput else math.inf
             over = [f"{name} over budget in {e.over_budget} of {1 + len(e.repeats)} runs"
-                    for name, e in ((method, et), ("checkpoint_sequential", ck)) if e.over_budget]
+                    for name, e in ((method, et), (against, ck)) if e.over_budget]
             parts.append(f"{frac:.0%}: {x:.2f}x" + (f" ({', '.join(over)})" if over else ""))
         elif et.fits or ck.fits:
             x = math.inf if et.fits else 0.0
-            parts.append(f"{frac:.0%}: {method if et.fits else 'checkpoint_sequential'} only")
+            parts.append(f"{frac:.0%}: {method if et.fits else against} only")
         else:
             parts.append(f"{frac:.0%}: neither fits")
             continue
         compared += 1
         wins += x > 1.0
     verdict = "YES" if compared and wins == compared else "NO"
-    return (f"{rep.spec.name}: {method} vs checkpoint_sequential throughput -- {'; '.join(parts)} -- "
+    return (f"{rep.spec.name}: {method} vs {against} throughput -- {'; '.join(parts)} -- "
             f"{method} higher at every budget: {verdict} ({wins} of {compared} budgets where either fits)")
 
 
 def versus_lines(rep: ModelReport) -> list[str]:
-    return [versus_line(rep, m) for m in rep.methods() if m.startswith("edgetrain")]
+    """edgetrain (each variant) against checkpoint_sequential, then against torch.compile where it ran."""
+    mine = [m for m in rep.methods() if m.startswith("edgetrain")]
+    lines = [versus_line(rep, m) for m in mine]
+    if COMPILE in rep.methods():
+        lines += [versus_line(rep, m, COMPILE) for m in mine]
+    return lines
+
+
+def compile_table(rep: ModelReport) -> Table:
+    """Every torch.compile run of the model, by activation_memory_budget ratio."""
+    t = Table(f"{_label(rep.spec)}: torch.compile by activation_memory_budget (ratio)",
+              ["ratio", "peak MiB", "peak/P", "step s", "time/T", "compile step peak MiB", "resident after compile MiB",
+               "compile s"], left=(0,))
+    P, T = rep.plain.peak_bytes, rep.plain.step_time_s
+    for r in sorted(rep.compile_runs, reverse=True):
+        x = rep.compile_runs[r]
+        if not x.ok:
+            t.add(f"{r:.3g}", f"failed: {x.error_type}")
+            continue
+        first = x.step_times_s[0] if x.step_times_s else 0.0
+        t.add(f"{r:.3g}", mib(x.peak_bytes), ratio(x.peak_bytes / P) if P else "-", secs(x.step_time_s),
+              ratio(x.step_time_s / T) if T else "-", mib(x.warmup_peak_bytes), mib(x.warmup_rss_bytes), secs(first, 1))
+    t.notes.append("peak: VmHWM over the steps after the first (which compiles), minus the RSS after `import torch, "
+                   "edgetrain`; it counts what stays resident after compiling (inductor's modules, generated code) as "
+                   "any process running torch.compile holds it. compile s: the first step, compilation included. "
+                   "Ratios are chosen per budget: 1 and 0 first, then interpolated on the measured peaks "
+                   "(largest fitting ratio kept; the peak is not monotone in the ratio, pytorch#197838).")
+    return t
 
 
 def plans_table(rep: ModelReport) -> Table:
@@ -278,6 +308,8 @@ def build_report(reports: Sequence[ModelReport], maxb: MaxBatchReport | None, me
     sections: list[tuple[str, list[Table | str]]] = [("Reference", [reference_table(reports)])] if reports else []
     for r in reports:
         items: list[Table | str] = [r.error] if r.error else [budget_table(r), *versus_lines(r), plans_table(r)]
+        if r.compile_runs and not r.error:
+            items.append(compile_table(r))
         sections.append((_label(r.spec), items))
     if any(r.claim for r in reports):
         sections.append(("Claims", [claims_table(reports)] + [x for r in reports if not r.error

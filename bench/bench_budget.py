@@ -1,6 +1,7 @@
-"""Bench (issue 2): plain PyTorch vs ``checkpoint_sequential`` vs edgetrain under memory budgets.
+"""Bench (issue 2): plain PyTorch vs ``checkpoint_sequential`` vs torch.compile vs edgetrain under memory budgets.
 
-Run: ``python bench/bench_budget.py [--quick] [--models mobilenet_v2,resnet18,transformer] [--out FILE.md]``
+Run: ``python bench/bench_budget.py [--quick] [--skip-compile] [--models mobilenet_v2,resnet18,transformer]
+[--out FILE.md]``
 
 Every number is measured by :func:`edgetrain.measure.run_isolated`: one fresh Python process per job, peak =
 VmHWM minus the RSS right after ``import torch, edgetrain`` (what a budget bounds), step time = median of the
@@ -13,7 +14,11 @@ Per model, at the full batch B:
 2. for budgets 20-100% of P, per method the fastest configuration whose *measured* peak fits:
    plain = the largest micro-batch of B, B/2, ... 1 (gradient accumulation) that fits; checkpoint_sequential =
    the fastest segment count of {2, 4, sqrt(n), n/2} (n = stages edgetrain captures), with accumulation only
-   when nothing fits at B; edgetrain = ``prepare(..., memory_budget=budget)`` (BudgetError is an entry);
+   when nothing fits at B; torch.compile (issue 17, PyTorch's own planner; ``--skip-compile`` leaves it out) =
+   ``torch.compile(model)`` with ``torch._functorch.config.activation_memory_budget`` at the largest ratio
+   measured to fit (:func:`bench_compile`: ratios 1 and 0, then interpolated on measured peaks, at the full
+   batch; peak over the steps after the compiling one); edgetrain = ``prepare(..., memory_budget=budget)``
+   (BudgetError is an entry);
 3. the issue's claims: edgetrain's throughput above checkpoint_sequential's at every budget (both re-measured
    in turn ``--versus-repeats`` times where both fit; medians compared), and at 50% of P a step at most 1.35x T
    inside the budget (re-measured ``--repeats`` times, interleaved with plain).
@@ -44,8 +49,8 @@ from _common import (  # noqa: E402
 )
 
 from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: tests and --replay read them here)
-    CLAIM_FRACTION, EDGE_MBN, Claim, Entry, MaxBatchReport, ModelReport, build_report, budget_table,
-    claims_table, fits, maxbatch_table, plans_table, reference_table, versus_line, versus_lines,
+    CLAIM_FRACTION, COMPILE, EDGE_MBN, Claim, Entry, MaxBatchReport, ModelReport, build_report, budget_table,
+    claims_table, compile_table, fits, maxbatch_table, plans_table, reference_table, versus_line, versus_lines,
 )
 
 from edgetrain.measure import Job, JobResult, run_isolated  # noqa: E402
@@ -75,11 +80,13 @@ class Settings:
     maxbatch_steps: int = 2
     maxbatch_resolution: float = 1 / 64
     maxbatch_limit: int = 2048
+    compile: bool = True
+    compile_tries: int = 2
 
 
 QUICK = Settings(budgets=(0.5, 1.0), steps=2, repeats=0, versus_repeats=0, quick_segments=True,
                  maxbatch=replace(FULL_MODELS["mobilenet_v2"], batch_size=8), maxbatch_resolution=0.5,
-                 maxbatch_limit=64)
+                 maxbatch_limit=64, compile_tries=1)
 
 
 # --------------------------------------------------------------------------------------------- selection
@@ -127,6 +134,39 @@ def fastest_fitting(configs: dict[tuple[int, int], JobResult], budget_bytes: int
     return min(ok)[2] if ok else None
 
 
+def compile_best(by_ratio: dict[float, JobResult], budget_bytes: int) -> float | None:
+    """The largest measured ``activation_memory_budget`` ratio whose peak fits (None when none does)."""
+    ok = [r for r, res in by_ratio.items() if fits(res, budget_bytes)]
+    return max(ok) if ok else None
+
+
+def compile_next_ratio(by_ratio: dict[float, JobResult], budget_bytes: int) -> float | None:
+    """The next ratio worth measuring for a budget, or None when the measured ones settle it.
+
+    None when the largest ratio measured (1.0 first) fits. Otherwise, above the largest fitting ratio ``a``
+    the nearest measured ratio ``b`` is over the budget: the ratio where the line through their measured
+    peaks meets the budget (the midpoint if the peak does not rise from ``a`` to ``b``), unless it is
+    within 0.02 of one already measured. With no fitting ratio yet, the midpoint 0.5 once (the peak is not
+    monotone in the ratio, so one between 0 and 1 can fit where neither end does).
+    """
+    ok = {r: res for r, res in by_ratio.items() if res.ok}
+    if not ok:
+        return None
+    best = compile_best(ok, budget_bytes)
+    if best is None:
+        return 0.5 if 0.5 not in by_ratio else None
+    above = [r for r in ok if r > best]
+    if not above:
+        return None
+    b = min(above)
+    pa, pb = ok[best].peak_bytes, ok[b].peak_bytes
+    r = best + (b - best) * (budget_bytes - pa) / (pb - pa) if pb > pa else (best + b) / 2
+    r = round(min(max(r, best), b), 3)
+    if any(abs(r - x) < 0.02 for x in by_ratio):
+        return None
+    return r
+
+
 def max_batch_search(fit: Callable[[int], bool], start: int, resolution: float, limit: int) -> tuple[int, int | None]:
     """Largest batch for which ``fit`` holds: double (or halve) from ``start``, then bisect.
 
@@ -159,7 +199,8 @@ def max_batch_search(fit: Callable[[int], bool], start: int, resolution: float, 
 
 # --------------------------------------------------------------------------------------------- measuring
 _KEY_FIELDS = ("model", "input_shape", "batch_size", "mode", "model_kwargs", "budget", "micro_batch_size",
-               "segments", "solver", "steps", "optimizer", "seed", "threads", "env", "exact_batchnorm")
+               "segments", "solver", "steps", "optimizer", "seed", "threads", "env", "exact_batchnorm",
+               "activation_memory_budget")
 
 
 def job_key(job: Job | dict[str, Any]) -> str:
@@ -316,6 +357,9 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                     f"{EDGE_MBN} budget {frac:.0%}")
             rep.entries[(frac, EDGE_MBN)] = edgetrain_entry(r, budget, B, n, EDGE_MBN)
 
+    if s.compile:
+        bench_compile(spec, s, run, rep)
+
     edge_methods = ("edgetrain", EDGE_MBN) if spec.batchnorm else ("edgetrain",)
     for i in range(s.versus_repeats):  # each comparison again, in turn, so that load drift hits both alike
         for frac, budget in rep.budgets:
@@ -350,6 +394,42 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                                               exact_batchnorm=False), f"{EDGE_MBN} budget 50% (repeat {i + 1})"))
             rep.claim_mbn = mbn
     return rep
+
+
+def bench_compile(spec: ModelSpec, s: Settings, run: Runner, rep: ModelReport) -> None:
+    """torch.compile with ``activation_memory_budget`` at each budget: the largest measured ratio that fits.
+
+    Ratios 1 (its default) and 0 (recompute all it can) first, then up to ``compile_tries`` more per budget
+    from :func:`compile_next_ratio`; every ratio is measured once and reused at every budget.
+    """
+    B, runs = spec.batch_size, rep.compile_runs
+
+    def measure(r: float) -> JobResult:
+        if r not in runs:
+            runs[r] = run(_job(spec, s, mode="compile", activation_memory_budget=r, env=SYSTEM_ALLOC),
+                          f"torch.compile activation_memory_budget={r:g}")
+        return runs[r]
+
+    measure(1.0)
+    measure(0.0)
+    for frac, budget in rep.budgets:
+        for _ in range(s.compile_tries):
+            r = compile_next_ratio(runs, budget)
+            if r is None:
+                break
+            measure(r)
+        best = compile_best(runs, budget)
+        e = Entry(COMPILE, budget, B)
+        over = ", ".join(f"{r:g}: {mib(x.peak_bytes)}" for r, x in sorted(runs.items(), reverse=True)
+                         if x.ok and x.peak_bytes > budget and (best is None or r > best))
+        if best is None:
+            failed = next((x for x in runs.values() if not x.ok), None)
+            e.note = (f"nothing fits (over budget at ratio {over} MiB)" if over else
+                      f"failed: {failed.error_type if failed else '?'}")
+        else:
+            e.result = runs[best]
+            e.config = f"ratio={best:g}" + (f" (over at {over} MiB)" if over else "")
+        rep.entries[(frac, COMPILE)] = e
 
 
 def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int, method: str = "edgetrain") -> Entry:
@@ -410,6 +490,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--versus-repeats", type=int, default=None,
                    help="re-measurements of checkpoint_sequential and edgetrain, in turn, at each budget where both fit")
     p.add_argument("--threads", type=int, default=0, help="torch threads per job (0: torch's default)")
+    p.add_argument("--skip-compile", action="store_true", help="leave out torch.compile with "
+                   "activation_memory_budget (each ratio compiles in a fresh process: ~1-3 min a job on a CPU)")
+    p.add_argument("--compile-tries", type=int, default=None,
+                   help="torch.compile ratios measured per budget beyond 1 and 0 (default 2; 1 with --quick)")
     p.add_argument("--out", default=None, help="write the report as markdown here")
     p.add_argument("--json", default=None, help="write every job and its raw result here")
     p.add_argument("--note", default="", help="a line added to the report (e.g. 'machine shared')")
@@ -430,7 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = replace(s, repeats=args.repeats)
     if args.versus_repeats is not None:
         s = replace(s, versus_repeats=args.versus_repeats)
-    s = replace(s, threads=args.threads)
+    s = replace(s, threads=args.threads, compile=not args.skip_compile)
+    if args.compile_tries is not None:
+        s = replace(s, compile_tries=args.compile_tries)
     if args.batch_mult != 1:
         models = {k: replace(v, batch_size=v.batch_size * args.batch_mult) for k, v in models.items()}
     names = [x.strip() for x in args.models.split(",") if x.strip()]
@@ -454,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(logged, dict) and logged.get("meta"):
             meta = [tuple(m) for m in logged["meta"] if m[0] not in ("load average at end", "wall time")]
         meta.append(("replayed", f"tables rebuilt from {args.replay} at {time.strftime('%Y-%m-%d %H:%M %Z')}"))
+        if not any(e["job"].get("mode") == "compile" for e in replay):  # a log from before torch.compile ran
+            s = replace(s, compile=False)
     if args.note:
         meta.append(("note", args.note))
     print(render("edgetrain bench: training under memory budgets (issue 2)", meta, [], False), flush=True)
@@ -464,7 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             reports.append(bench_model(models[name], s, run))
             r = reports[-1]
             print("\n" + (r.error or "\n\n".join([budget_table(r).to_text(), *versus_lines(r),
-                                                   plans_table(r).to_text()])) + "\n", flush=True)
+                                                   plans_table(r).to_text()]
+                                                  + ([compile_table(r).to_text()] if r.compile_runs else [])))
+                  + "\n", flush=True)
     maxb = None
     if "maxbatch" in sections and s.maxbatch.name in names:
         maxb = bench_maxbatch(s, run, reports)

@@ -264,3 +264,38 @@ def test_plain_descends_for_every_budget_not_just_the_lowest() -> None:
     asked = {e["job"]["micro_batch_size"] for e in run.log if e["job"]["mode"] == "plain"}
     assert asked == {None, 8, 4}  # 100 -> 80 MiB: nothing below ~40 MiB, so 2 and 1 are never run for 20 MiB
     assert rep.entries[(0.75, "edgetrain")].note.startswith("failed")  # not in the log, and nothing was run
+
+
+def test_compile_ratio_search_keeps_the_largest_fitting_ratio() -> None:
+    runs = {1.0: ok(500, 1.6), 0.0: ok(300, 2.5)}
+    assert bb.compile_best(runs, 600 * MIB) == 1.0 and bb.compile_next_ratio(runs, 600 * MIB) is None
+    assert bb.compile_best(runs, 299 * MIB) is None
+    assert bb.compile_next_ratio(runs, 299 * MIB) == 0.5          # neither end fits: the midpoint, once
+    r = bb.compile_next_ratio(runs, 400 * MIB)
+    assert r == pytest.approx(0.5)                                  # where the line 0 -> 1 meets the budget
+    runs[0.5] = ok(420, 2.0)                                        # over: interpolate between 0 and 0.5
+    r = bb.compile_next_ratio(runs, 400 * MIB)
+    assert 0.0 < r < 0.5 and r == pytest.approx(0.5 * 100 / 120, abs=1e-3)
+    runs[r] = ok(390, 2.2)
+    assert bb.compile_best(runs, 400 * MIB) == r
+    runs[0.9] = ok(380, 1.7)                                        # not monotone: a larger ratio fits too
+    assert bb.compile_best(runs, 400 * MIB) == 0.9
+    runs[0.95] = JobResult(error="boom", error_type="X")
+    assert bb.compile_best(runs, 450 * MIB) == 0.9                  # a failed run never fits
+
+
+def test_compile_entries_in_tables_and_versus_lines() -> None:
+    rep = fake_report()
+    rep.compile_runs = {1.0: ok(450, 1.5), 0.0: ok(300, 2.4)}
+    for frac, budget in rep.budgets:
+        best = bb.compile_best(rep.compile_runs, budget)
+        rep.entries[(frac, bb.COMPILE)] = bb.Entry(bb.COMPILE, budget, 32, f"ratio={best}",
+                                                   None if best is None else rep.compile_runs[best])
+    assert rep.methods() == ["plain", "checkpoint_sequential", bb.COMPILE, "edgetrain"]
+    text = bb.budget_table(rep).to_text()
+    assert bb.COMPILE in text
+    lines = bb.versus_lines(rep)
+    assert len(lines) == 2 and lines[1].startswith(f"mobilenet_v2: edgetrain vs {bb.COMPILE} throughput")
+    table = bb.compile_table(rep).to_text()
+    assert "450.0" in table and "300.0" in table
+    assert bb.COMPILE in bb.build_report([rep], None, [("command", "x")], markdown=True)

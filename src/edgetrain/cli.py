@@ -194,7 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0 if peak <= budget else 1
 
 
-def _load_costs(args: argparse.Namespace) -> Any:
+def _load_costs(args: argparse.Namespace, solver: str) -> Any:
     from .graph import CostChain
 
     if args.costs:
@@ -207,30 +207,61 @@ def _load_costs(args: argparse.Namespace) -> Any:
     shape = tuple(int(s) for s in args.input_shape.split(","))
     job = Job(args.model, shape, args.batch_size or 32, model_kwargs=json.loads(args.model_kwargs))
     model, x, y = build_model_and_batch(job)
-    return profile_costs(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9))
+    # the paging planners need a chain without cuts inside residual blocks; prepare() captures one for them
+    return profile_costs(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9),
+                         solver="poet" if solver.startswith("poet") or (solver == "all" and args.device) else "dp")
+
+
+_PAGING = ("poet", "poet-milp")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planners import PLANNERS, solve
     from .units import parse_bytes
 
-    chain = _load_costs(args)
+    solver = args.solver or ("poet" if args.device else "dp")
+    if solver != "all" and solver not in PLANNERS:
+        print(f"error: unknown solver {solver!r}; choose one of {', '.join(sorted(PLANNERS))} or 'all'")
+        return 2
+    if (args.measured_on or args.from_flops) and not args.device:
+        print("error: --measured-on and --from-flops rescale the costs to a --device; give one")
+        return 2
+    if args.measured_on and args.from_flops:
+        print("error: give --measured-on or --from-flops, not both")
+        return 2
+    chain = _load_costs(args, solver)
     if args.batch_size and args.costs:
         chain = chain.with_batch_size(args.batch_size)
+    budget = parse_bytes(args.budget)
+    target = None
     if args.device:
+        from .devices import load_profile, scale_chain
         from .offline import plan_chain
 
-        print(plan_chain(chain, args.budget, device=args.device, objective=args.objective,
-                         time_budget=args.time_budget, measured_on=None if args.from_flops else "host").summary())
-        return 0
-    budget = parse_bytes(args.budget)
-    names = [n for n in PLANNERS if not n.startswith("poet")] if args.solver == "all" else [args.solver]
+        target = load_profile(args.device)
+        # A profiled model's times are this host's; a cost file's are its device's unless told otherwise.
+        source = "flops" if args.from_flops else args.measured_on or ("device" if args.costs else "host")
+        if solver in _PAGING:
+            print(plan_chain(chain, budget, device=target, objective=args.objective, time_budget=args.time_budget,
+                             measured_on=source, solver=solver).summary())
+            return 0
+        if source != "device":
+            chain = scale_chain(chain, None if source == "flops" else load_profile(source), target)
+    names = ([n for n in PLANNERS if target is not None or not n.startswith("poet")] if solver == "all"
+             else [solver])
     for name in names:
+        kw = {} if target is None or not name.startswith("poet") else dict(
+            device=target, objective=args.objective, time_budget=args.time_budget)
+        if name.startswith("poet") and target is None:
+            from .devices import load_profile
+
+            kw = dict(device=load_profile("host"), objective=args.objective, time_budget=args.time_budget)
         try:
-            plan = solve(chain, budget, solver=name)
+            plan = solve(chain, budget, solver=name, **kw)
             print(plan.summary() if len(names) == 1 else
                   f"{name:>22}: m={plan.micro_batch_size:<4} peak {plan.peak_bytes / 2**20:8.1f} MiB  "
-                  f"step {plan.step_time_s * 1e3:9.1f} ms  recomputed {plan.policies.count('recompute')}")
+                  f"step {plan.step_time_s * 1e3:9.1f} ms  recomputed {plan.policies.count('recompute')}"
+                  + ("" if plan.energy_j is None else f"  energy {plan.energy_j:.4g} J"))
         except Exception as e:  # one failing baseline must not hide the others
             print(f"{name:>22}: {e}")
     return 0
@@ -306,12 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--input-shape", default="3,64,64")
     pl.add_argument("--budget", required=True)
     pl.add_argument("--batch-size", type=int, default=None)
-    pl.add_argument("--solver", default="dp", help="a planner name or 'all' to compare them")
+    pl.add_argument("--solver", default=None, help="a planner name (dp, poet, poet-milp, the baselines) or 'all' "
+                    "to compare them (default: dp; with --device: poet, the exact keep/recompute/page DP, shown "
+                    "beside its recompute-only and paging-only plans; poet-milp likewise with the MILP; any other "
+                    "planner runs on the chain as rescaled for the device)")
     pl.add_argument("--device", default=None, help="plan for a device profile (keep/recompute/page), e.g. rpi4, "
                     "jetson-nano, phone-2024, nrf52840; see edgetrain.devices.list_profiles()")
     pl.add_argument("--objective", default="energy", choices=["energy", "time"])
     pl.add_argument("--time-budget", type=float, default=None, help="at most this multiple of the fastest step")
-    pl.add_argument("--from-flops", action="store_true", help="scale times from FLOPs instead of host timings")
+    pl.add_argument("--measured-on", default=None, metavar="PROFILE",
+                    help="with --device: the profile the costs' times were measured on (e.g. host, rpi4); they "
+                    "are rescaled by the ratio of compute rates. Default: a model profiled here counts as measured "
+                    "on this host (measured, about a second); a COSTS.json file already holds its device's costs "
+                    "and is planned as it is (the device profile then adds only its powers and storage speeds)")
+    pl.add_argument("--from-flops", action="store_true", help="with --device: recompute stage times from the "
+                    "chain's FLOP counts and the device's compute rate instead")
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("profile", help="profile an in-project model here and write its cost chain as JSON")
     pr.add_argument("--model", default="mobilenet_v2")

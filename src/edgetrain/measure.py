@@ -49,6 +49,12 @@ class Job:
         exact_batchnorm: for edgetrain, ``prepare(exact_batchnorm=)``: False lets the planner micro-batch a
             BatchNorm model when that is faster (each micro-batch then normalises with its own statistics,
             as gradient accumulation does).
+        activation_memory_budget: for ``mode="compile"`` (plain PyTorch's step around ``torch.compile(model)``,
+            with gradient accumulation when ``micro_batch_size`` is set): the ratio (0-1) set as
+            ``torch._functorch.config.activation_memory_budget``, PyTorch's own recomputation planner (1.0: its
+            default, save what the graph saves; 0.0: recompute as much as it can). The first step compiles;
+            the peak reported is over the steps after it (``warmup_peak_bytes``: the first step's;
+            ``warmup_rss_bytes``: the resident bytes right after it, compiled code and state included).
     """
 
     model: str
@@ -69,6 +75,7 @@ class Job:
     objective: str = "time"
     budget_after: int | str | None = None
     exact_batchnorm: bool = True
+    activation_memory_budget: float | None = None
 
 
 @dataclass
@@ -84,6 +91,8 @@ class JobResult:
     error: str | None = None
     error_type: str | None = None
     min_feasible_bytes: int | None = None
+    warmup_peak_bytes: int = 0
+    warmup_rss_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -215,10 +224,20 @@ def _worker(job: Job) -> JobResult:
         segments = max(1, min(job.segments or 1, len(funcs)))
         run = _accumulating_step(job, lambda xb: checkpoint_sequential(funcs, segments, xb, use_reentrant=False),
                                  opt, loss_fn, x, y)
+    elif job.mode == "compile":
+        import torch._functorch.config as functorch_config
+
+        if job.activation_memory_budget is not None:
+            functorch_config.activation_memory_budget = float(job.activation_memory_budget)
+        run = _accumulating_step(job, torch.compile(model), opt, loss_fn, x, y)
     else:
         raise ValueError(f"unknown mode {job.mode!r}")
     res.prepare_time_s = time.perf_counter() - t0
     for i in range(job.steps):
+        if i == 1 and job.mode == "compile":  # the first step compiled: report the steps that train
+            res.warmup_peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())
+            res.warmup_rss_bytes = max(0, memory.rss_bytes() - memory.baseline_rss_bytes())
+            memory.reset_peak()
         if i == 1 and job.budget_after is not None and job.mode == "edgetrain":
             try:
                 res.plan = json.loads(step.set_memory_budget(job.budget_after).to_json())

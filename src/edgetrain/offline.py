@@ -43,17 +43,23 @@ class DevicePlans:
                 continue
             rows.append(f"  {label:>15}: peak {format_bytes(p.peak_bytes):>10}  step {p.step_time_s * 1e3:9.1f} ms  "
                         f"energy {p.energy_j or 0:8.3f} J  micro-batch {p.micro_batch_size:>4}  "
-                        f"{p.policies.count('recompute')} recompute / {p.policies.count('page')} page")
+                        f"{p.policies.count('recompute')} recompute / {p.policies.count('page')} page  "
+                        f"({p.solver}" + ("" if p.optimality_gap is None else f", gap {p.optimality_gap:.2%}") + ")")
         return "\n".join(rows)
 
 
 def profile_costs(model: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None = None,
-                  loss_fn: Callable[..., torch.Tensor] | None = None) -> CostChain:
-    """Profile ``model`` on this machine (as :func:`edgetrain.prepare` does) and return its cost chain."""
+                  loss_fn: Callable[..., torch.Tensor] | None = None, *, solver: str = "dp") -> CostChain:
+    """Profile ``model`` on this machine (as :func:`edgetrain.prepare` does) and return its cost chain.
+
+    ``solver`` is the planner the chain is for: the paging planners (``poet``, ``poet-milp``) need a
+    chain without cuts inside residual blocks (``carry_cuts=False``), which ``prepare`` captures for
+    them; the keep/recompute planners (``dp`` and the baselines) plan the finer chain.
+    """
     from .api import prepare
 
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-    step = prepare(model, opt, loss_fn or nn.CrossEntropyLoss(), example)
+    step = prepare(model, opt, loss_fn or nn.CrossEntropyLoss(), example, solver=solver)
     try:
         return step.costs
     finally:
@@ -61,7 +67,7 @@ def profile_costs(model: nn.Module, example: Any, optimizer: torch.optim.Optimiz
 
 
 def plan_chain(costs: CostChain, memory_budget: int | str, *, device: Any = "rpi4", objective: str = "energy",
-               time_budget: float | None = None, measured_on: Any = "host") -> DevicePlans:
+               time_budget: float | None = None, measured_on: Any = "host", solver: str = "poet") -> DevicePlans:
     """Plan a cost chain for a device profile; see the module doc.
 
     Args:
@@ -70,24 +76,35 @@ def plan_chain(costs: CostChain, memory_budget: int | str, *, device: Any = "rpi
         device: target profile name or :class:`~edgetrain.devices.DeviceProfile`.
         objective: ``"energy"`` or ``"time"``.
         time_budget: at most this multiple of the fastest step's time.
-        measured_on: the profile the chain's times were measured on (``"host"``), or None to rescale
-            from FLOPs.
+        measured_on: the profile the chain's times were measured on (``"host"``: this machine, measured),
+            ``"flops"`` (or None) to rescale from FLOPs, or ``"device"`` when the chain already holds
+            the target device's costs (nothing is rescaled).
+        solver: the paging planner, ``"poet"`` (exact DP) or ``"poet-milp"``.
+
+    Raises:
+        ValueError: ``solver`` is not a paging planner.
     """
     from .devices import DeviceProfile, load_profile, scale_chain
-    from .planners import solve_poet_dp
+    from .planners import PLANNERS
 
+    if solver not in ("poet", "poet-milp"):
+        raise ValueError(f"plan_chain plans with a paging planner ('poet' or 'poet-milp'), got {solver!r}")
+    solve = PLANNERS[solver]
     target = device if isinstance(device, DeviceProfile) else load_profile(device)
-    source = None if measured_on is None else (
-        measured_on if isinstance(measured_on, DeviceProfile) else load_profile(measured_on))
-    scaled = scale_chain(costs, source, target)
+    if measured_on == "device":
+        scaled = costs
+    else:
+        source = None if measured_on in (None, "flops") else (
+            measured_on if isinstance(measured_on, DeviceProfile) else load_profile(measured_on))
+        scaled = scale_chain(costs, source, target)
     budget = parse_bytes(memory_budget)
     out: dict[str, Plan | None] = {}
     errors: dict[str, str] = {}
     for label, paging, recompute in (("joint", True, True), ("recompute-only", False, True),
                                      ("paging-only", True, False)):
         try:
-            out[label] = solve_poet_dp(scaled, budget, device=target, objective=objective,
-                                       time_budget=time_budget, paging=paging, recompute=recompute)
+            out[label] = solve(scaled, budget, device=target, objective=objective, time_budget=time_budget,
+                               paging=paging, recompute=recompute)
         except BudgetError as e:
             out[label] = None
             errors[label] = str(e)
@@ -98,5 +115,5 @@ def plan(model: nn.Module, example: Any, memory_budget: int | str, *, device: An
          objective: str = "energy", time_budget: float | None = None,
          optimizer: torch.optim.Optimizer | None = None) -> DevicePlans:
     """Profile ``model`` here and plan its training step for ``device`` (no training happens)."""
-    return plan_chain(profile_costs(model, example, optimizer), memory_budget, device=device,
+    return plan_chain(profile_costs(model, example, optimizer, solver="poet"), memory_budget, device=device,
                       objective=objective, time_budget=time_budget)

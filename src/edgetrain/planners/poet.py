@@ -28,6 +28,7 @@ reference). highspy is used when installed (warm start, cutoff), else ``scipy.op
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import NamedTuple, Sequence
 
@@ -170,21 +171,65 @@ def _start_vector(arr: PagingArrays, scale: float, sched: PagedSchedule) -> np.n
     return x
 
 
+def _recost(c: np.ndarray, x: np.ndarray, integrality: np.ndarray) -> float:
+    """The objective of ``x`` with its integer columns rounded (what the schedule built from it costs)."""
+    return float(c @ np.where(integrality > 0, np.round(x), x))
+
+
+def _agrees(value: float, reported: float) -> bool:
+    return abs(value - reported) <= 1e-7 * max(1.0, abs(reported))
+
+
 def _run(c: np.ndarray, a: sparse.csr_array, lo: np.ndarray, hi: np.ndarray, lb: np.ndarray, ub: np.ndarray,
          integrality: np.ndarray, *, time_limit_s: float, mip_rel_gap: float, start: np.ndarray | None,
          cutoff: float | None) -> tuple[np.ndarray | None, float, float | None, bool]:
     """Solve with highspy (warm start, cutoff) when installed, else ``scipy.optimize.milp``.
 
+    The returned vector is re-costed and must match the objective the solver reports: highspy 1.16 with
+    presolve on, warm-started with ``setSolution``, can report (and call optimal) a better objective
+    than the start while ``getSolution()`` hands back the start itself. On a mismatch the model is solved
+    again without presolve in the time left; if that does not agree either, the vector's own cost is
+    returned, unproven unless it is within the gap of the solver's dual bound (which stays valid).
+
     Returns:
-        ``(x, objective, dual_bound, proven)``; ``x`` is ``None`` when no feasible point was found.
+        ``(x, objective, dual_bound, proven)``; ``x`` is ``None`` when no feasible point was found, else
+        ``objective`` is ``x``'s cost.
     """
+    t0 = time.perf_counter()
+    got = _solve_once(c, a, lo, hi, lb, ub, integrality, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
+                      start=start, cutoff=cutoff, presolve=True)
+    x, fun, dual, proven = got
+    if x is None or _agrees(_recost(c, x, integrality), fun):
+        return got
+    log.debug("solver reported objective %.9g for a vector costing %.9g; solving again without presolve",
+              fun, _recost(c, x, integrality))
+    left = time_limit_s - (time.perf_counter() - t0)
+    if left > 0.05:
+        again = _solve_once(c, a, lo, hi, lb, ub, integrality, time_limit_s=left, mip_rel_gap=mip_rel_gap,
+                            start=start, cutoff=cutoff, presolve=False)
+        if again[0] is not None and _agrees(_recost(c, again[0], integrality), again[1]):
+            return again
+    value = _recost(c, x, integrality)
+    bound = None if dual is None or not np.isfinite(dual) else min(dual, value)
+    closed = bound is not None and value - bound <= mip_rel_gap * abs(value) + 1e-12
+    log.warning("the MILP solver's reported objective does not match its solution twice; using the "
+                "solution's own cost %.9g (reported %.9g)", value, fun)
+    return x, value, bound, proven and closed
+
+
+def _solve_once(c: np.ndarray, a: sparse.csr_array, lo: np.ndarray, hi: np.ndarray, lb: np.ndarray,
+                ub: np.ndarray, integrality: np.ndarray, *, time_limit_s: float, mip_rel_gap: float,
+                start: np.ndarray | None, cutoff: float | None,
+                presolve: bool) -> tuple[np.ndarray | None, float, float | None, bool]:
+    """One solver call (:func:`_run` checks its answer)."""
     try:
         import highspy
     except ImportError:
         highspy = None
     if highspy is None:
         res = milp(c, constraints=LinearConstraint(a, lo, hi), bounds=Bounds(lb, ub), integrality=integrality,
-                   options={"time_limit": max(time_limit_s, 0.01), "mip_rel_gap": mip_rel_gap, "disp": False})
+                   options={"time_limit": max(time_limit_s, 0.01), "mip_rel_gap": mip_rel_gap, "disp": False,
+                            "presolve": presolve})
         if res.x is None:
             return None, np.inf, None, res.status == 2
         return res.x, float(res.fun), res.mip_dual_bound, res.status == 0
@@ -203,6 +248,8 @@ def _run(c: np.ndarray, a: sparse.csr_array, lo: np.ndarray, hi: np.ndarray, lb:
     h.setOptionValue("time_limit", float(max(time_limit_s, 0.01)))
     h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
     h.setOptionValue("threads", 1)
+    if not presolve:
+        h.setOptionValue("presolve", "off")
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
     if start is not None:
