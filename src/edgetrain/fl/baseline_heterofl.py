@@ -35,12 +35,14 @@ WIDTHS = (1.0, 0.75, 0.5, 0.25)
 
 
 def measure_plain_peak(width: float, batch_size: int, steps: int = 3, timeout_s: float = 300.0) -> int:
-    """Peak resident bytes above ``import edgetrain`` of plain PyTorch SGD steps on the small CNN at
-    ``width``, in a fresh Python process (nothing else run there first)."""
+    """Peak resident bytes of plain PyTorch SGD steps on the small CNN at ``width``, in a fresh Python process
+    (nothing else run there first), above its resident memory once torch, edgetrain and Flower are loaded:
+    the zero point the federated clients measure from."""
     code = ("import sys, torch, edgetrain\n"
             "from edgetrain import memory\n"
             "from edgetrain.fl.task import small_cnn\n"
             "torch.set_num_threads(1); torch.manual_seed(0)\n"
+            "memory.record_baseline()\n"
             f"m = small_cnn({width!r}); opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)\n"
             f"x = torch.randn({batch_size}, 1, 28, 28); y = torch.randint(0, 10, ({batch_size},))\n"
             "with memory.measure_peak() as p:\n"

@@ -20,11 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (non-IID)")
     s.add_argument("--local-epochs", type=int, default=1)
     s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--lr", type=float, default=0.02)
+    s.add_argument("--lr", type=float, default=0.05)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tiers", default=None,
-                   help="device tiers as PROFILE=BUDGET,... (default: rpi4=27MiB,phone-2024=30MiB,"
-                        "jetson-nano=33MiB,jetson-tx2=112MiB)")
+                   help="device tiers as PROFILE=BUDGET,... (default: rpi4=24MiB,phone-2024=28MiB,"
+                        "jetson-nano=34MiB,jetson-tx2=96MiB)")
     s.add_argument("--mode", choices=("edgetrain", "heterofl"), default="edgetrain")
     s.add_argument("--num-cpus", type=int, default=2)
     s.add_argument("--report", default=None, help="also write the report as JSON here")

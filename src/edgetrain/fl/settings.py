@@ -43,7 +43,7 @@ class ClientSettings:
     grad_filter_last_n: int = 4
     local_epochs: int = 1
     batch_size: int = 64
-    lr: float = 0.02
+    lr: float = 0.05
     momentum: float = 0.9
     threads: int = 1
 
