@@ -104,14 +104,14 @@ def test_gradient_filtering_client_marks_its_frozen_tensors_untrained():
     app = _app()
     arrays = _arrays()
     reply = app(train_message(arrays), context({"partition-id": 2, "num-partitions": 8, "memory-budget": "64MiB",
-                                                "grad-filter-radius": 2, "grad-filter-last-n": 2}))
+                                                "grad-filter-radius": 2, "grad-filter-last-n": 1}))
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     trained = dict(reply.content["trained"])
     assert set(trained) == set(arrays.keys())  # the same keys as every other client
-    assert trained["0.weight"] is False and trained["5.bias"] is False  # before the last two convs: frozen
-    assert trained["7.weight"] is True and trained["14.weight"] is True
+    assert trained["0.weight"] is False and trained["0.bias"] is False  # before the filtered last conv: frozen
+    assert trained["3.weight"] is True and trained["10.weight"] is True
     sent, got = arrays.to_torch_state_dict(), reply.content["arrays"].to_torch_state_dict()
-    assert torch.equal(sent["0.weight"], got["0.weight"]) and not torch.equal(sent["7.weight"], got["7.weight"])
+    assert torch.equal(sent["0.weight"], got["0.weight"]) and not torch.equal(sent["3.weight"], got["3.weight"])
 
 
 def test_settings_come_from_node_config_over_run_config_over_the_factory():
