@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 
 from .. import memory
 from ..units import parse_bytes
-from .client import BUDGET_ERROR_CODE, ClientData, _server_round, _settings, _start_clean
+from .client import BUDGET_ERROR_CODE, ClientData, _message_scope, _server_round, _settings
 from .payload import TRAINED_KEY
 from .settings import ClientSettings
 from .task import small_cnn
@@ -95,15 +95,12 @@ def heterofl_client_app(data_fn: Callable[[Context, ClientSettings], ClientData]
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         s = _settings(settings, context)
-        if s.threads > 0:
-            torch.set_num_threads(s.threads)
         width = width_of(context, s)
         if width is None:
             return Message(Error(code=BUDGET_ERROR_CODE, reason=f"heterofl: no width fits budget {s.memory_budget}"),
                            reply_to=msg)
         data = data_fn(context, s)  # as the edgetrain client: data loading before the zero point
-        _start_clean()
-        with memory.measure_peak() as peak:
+        with _message_scope(s.threads), memory.measure_peak() as peak:
             full = msg.content["arrays"].to_torch_state_dict()
             model = small_cnn(width)
             model.load_state_dict(slice_state(full, model))

@@ -19,12 +19,13 @@ profile), ``predicted-energy-j`` (per round, on the device profile; -1 without o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -93,6 +94,22 @@ def _start_clean() -> None:
     memory.record_baseline()
 
 
+@contextlib.contextmanager
+def _message_scope(threads: int) -> Iterator[None]:
+    """Within: the budget's zero point is the resident memory now (:func:`_start_clean`) and torch runs
+    ``threads`` intra-op threads; both are restored after, so the process's own code (or a test suite
+    sharing it) keeps its ``import edgetrain`` zero point and thread count."""
+    old_baseline, old_threads = memory.baseline_rss_bytes(), torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    _start_clean()
+    try:
+        yield
+    finally:
+        memory._BASELINE_RSS = old_baseline  # noqa: SLF001 -- memory has no setter for a value read earlier
+        torch.set_num_threads(old_threads)
+
+
 def client_app(model_fn: Callable[[], nn.Module], data_fn: Callable[[Context, ClientSettings], ClientData], *,
                settings: SettingsSource = ClientSettings(),
                loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy,
@@ -115,12 +132,9 @@ def client_app(model_fn: Callable[[], nn.Module], data_fn: Callable[[Context, Cl
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         s = _settings(settings, context)
-        if s.threads > 0:
-            torch.set_num_threads(s.threads)
         data = data_fn(context, s)  # loading the data set is not training memory: before the zero point
-        _start_clean()
-        rapl = RaplMeter()
-        with memory.measure_peak() as peak:
+        with _message_scope(s.threads), memory.measure_peak() as peak:
+            rapl = RaplMeter()
             try:
                 reply, metrics = _train(msg, context, s, model_fn, data, loss_fn, cache_dir)
             except BudgetError as e:
@@ -128,11 +142,12 @@ def client_app(model_fn: Callable[[], nn.Module], data_fn: Callable[[Context, Cl
                 reason = f"edgetrain: budget {s.memory_budget} cannot be met on this node{need}: {e}"
                 log.warning("%s", reason)
                 return Message(Error(code=BUDGET_ERROR_CODE, reason=reason), reply_to=msg)
+            energy_j = rapl.joules()
         budget = 0 if s.memory_budget is None else parse_bytes(s.memory_budget)
         metrics["peak-bytes"] = peak.above_baseline_bytes
         metrics["budget-bytes"] = budget
         metrics["within-budget"] = int(budget == 0 or peak.above_baseline_bytes <= budget)
-        metrics["measured-energy-j"] = rapl.joules()
+        metrics["measured-energy-j"] = energy_j
         reply["metrics"] = MetricRecord(metrics)
         log.info("node %s: peak %s of budget %s, %.1f ms/step", context.node_config.get("partition-id", "-"),
                  format_bytes(peak.above_baseline_bytes), s.memory_budget, metrics["step-time-s"] * 1e3)
