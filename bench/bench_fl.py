@@ -48,9 +48,9 @@ with memory.measure_peak() as p:
         step = edgetrain.prepare(m, opt, torch.nn.functional.cross_entropy, example=(x, y), memory_budget="{budget}")
         for _ in range(3):
             step(x, y)
-        print("RESULT", 0, step.plan.micro_batch_size)
-    except edgetrain.BudgetError as e:
-        print("RESULT", -1, 0)
+        print("MICRO", step.plan.micro_batch_size)
+    except edgetrain.BudgetError:
+        print("MICRO", 0)
 print("PEAK", p.above_baseline_bytes)
 """
 
@@ -60,10 +60,10 @@ def edgetrain_fresh_peak(budget: str, batch: int) -> tuple[int, int]:
     micro-batch 0 when no plan fits."""
     out = subprocess.run([sys.executable, "-c", _EDGETRAIN_PEAK.format(batch=batch, budget=budget)],
                          capture_output=True, text=True, timeout=600)
-    res = [line.split() for line in out.stdout.splitlines() if line.startswith(("RESULT", "PEAK"))]
+    res = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("MICRO ", "PEAK ")))
     if len(res) < 2:
         raise RuntimeError(out.stderr[-2000:])
-    return int(res[1][1]), int(res[0][2])
+    return int(res["PEAK"]), int(res["MICRO"])
 
 
 def centralised(passes: int, batch: int, lr: float, seed: int) -> tuple[list[float], float]:

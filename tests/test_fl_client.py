@@ -125,3 +125,16 @@ def test_settings_come_from_node_config_over_run_config_over_the_factory():
     assert ClientSettings(grad_filter_radius=2).grad_filter.radius == 2
     with pytest.raises(InputError, match="batch-size"):
         ClientSettings().overridden({"batch-size": "many"})
+
+
+def test_evaluate_replies_with_the_accuracy_of_the_arrays_it_is_sent():
+    from edgetrain.fl.task import evaluate_accuracy, load_task, small_cnn
+
+    arrays = _arrays(seed=2)
+    reply = _app()(train_message(arrays, message_type="evaluate"), context({"partition-id": 0, "num-partitions": 8}))
+    m = reply.content["metrics"]
+    model = small_cnn()
+    model.load_state_dict(arrays.to_torch_state_dict())
+    data = load_task(8, "iid", 0.5, 0)
+    acc, loss = evaluate_accuracy(model, data.test_x, data.test_y)
+    assert m["num-examples"] == 1000 and m["eval-acc"] == acc and abs(m["eval-loss"] - loss) < 1e-9
