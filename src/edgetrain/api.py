@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import memory
-from ._analysis import Analysis, block_solver_options
+from ._analysis import Analysis, Outcome, block_solver_options
 from ._fork import analyse_safely
 from ._loss import LossNorm, loss_normalisation
 from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
@@ -422,7 +422,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             exact_batchnorm: bool = True,
             safety_margin: float = 0.03, use_cache: bool = True, name: str | None = None,
             paging: bool = False, page_dir: str | None = None, device: Any = "host", objective: str = "time",
-            time_budget: float | None = None, speedup: Any = None, grad_filter: Any = None) -> TrainStep:
+            time_budget: float | None = None, speedup: Any = None, grad_filter: Any = None,
+            plan: Plan | None = None, costs: CostChain | None = None) -> TrainStep:
     """Measure ``model`` on this machine and plan an exact training step that fits ``memory_budget``.
 
     Args:
@@ -464,6 +465,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         grad_filter: opt-in, approximate: an ``edgetrain.adapt.GradFilter`` (gradient filtering on the
             last convolutions, earlier layers frozen); applied before profiling, so the plan sees the
             smaller saved activations and backward times.
+        plan: reuse a plan an earlier ``prepare`` made for this model, example shape, budget and options
+            (its ``step.plan``, e.g. kept as ``Plan.to_json``), with that step's ``costs``: nothing is
+            profiled, planned or validated (a federated client plans once and keeps the plan across
+            rounds). The caller vouches for the setting; stage count and batch size are checked.
+        costs: the ``step.costs`` that came with ``plan`` (required with it).
 
     Returns:
         The :class:`TrainStep`.
@@ -520,8 +526,21 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                             "the loss is neither a mean nor a sum over samples on the example batch (split in "
                             "two, its parts do not add up to the whole), so micro-batches could not reproduce "
                             "its gradients",))
-    chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
-                                    profile=analysis.profile)
+    if plan is not None:
+        chain = analysis.capture_chain()
+        if costs is None or plan.num_stages != len(chain) or batch not in (plan.batch_size, costs.batch_size) \
+                or plan.batch_size != costs.batch_size:
+            raise InputError(f"the plan given ({plan.num_stages} stages, batch {plan.batch_size}) was not made for "
+                             f"this model and example ({len(chain)} stages, batch {batch}) or lacks its costs; "
+                             "prepare without plan= to plan afresh")
+        reasons = analysis.unsplittable(chain)
+        if reasons and plan.micro_batch_size < batch:
+            raise InputError(f"the plan given splits the batch, which cannot train this model exactly: "
+                             f"{'; '.join(reasons)}. Prepare without plan= to plan afresh.")
+        outcome = Outcome(plan, costs, 0, [batch] if reasons else None)
+    else:
+        chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
+                                        profile=analysis.profile)
     plan, costs = outcome.plan, outcome.costs
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)

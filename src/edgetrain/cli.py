@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run bench/bench_budget.py (arguments are passed on)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+    f = sub.add_parser("fl", help="federated learning with Flower (edgetrain[flower]): `edgetrain fl simulate`")
+    f.add_argument("rest", nargs=argparse.REMAINDER)
+    f.set_defaults(func=lambda a: __import__("edgetrain.fl.cli", fromlist=["main"]).main(a.rest))
     return p
 
 

@@ -1,0 +1,134 @@
+"""The bundled MNIST task on Flower's simulation engine (Ray backend), offline: ``edgetrain fl simulate``.
+
+Clients are drawn round-robin from device tiers (a bundled device profile and a memory budget each); each
+trains the full small CNN through edgetrain inside its tier's budget, or, with ``mode="heterofl"``, the
+widest width-sliced sub-model whose plain-PyTorch peak fits it (:mod:`edgetrain.fl.baseline_heterofl`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import Context
+
+from .apps import RunReport, mnist_client_app, mnist_server_app, task_data_fn
+from .settings import ClientSettings
+
+__all__ = ["DEFAULT_TIERS", "SimulationConfig", "run", "tier_settings"]
+
+log = logging.getLogger(__name__)
+
+#: (device profile, memory budget) per tier, budgets 4x apart. Measured in fresh processes at batch 64
+#: (bench/RESULTS_FL.md): plain PyTorch peaks at 37.0 MiB for the width-1.0 CNN, 32.2 / 26.8 / 21.6 MiB at
+#: widths 0.75 / 0.5 / 0.25; edgetrain trains the full model in 24 MiB (4 micro-batches of 16).
+DEFAULT_TIERS: tuple[tuple[str, str], ...] = (
+    ("rpi4", "24MiB"), ("phone-2024", "28MiB"), ("jetson-nano", "34MiB"), ("jetson-tx2", "96MiB"))
+
+OFFLINE_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+               "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """One simulated federation.
+
+    Attributes:
+        clients: number of virtual nodes.
+        rounds: federated rounds.
+        partition: ``"iid"`` or ``"dirichlet"``.
+        alpha: Dirichlet concentration.
+        seed: data split, partition and initial model seed.
+        tiers: ``(device profile, budget)`` per tier; node ``i`` is in tier ``i % len(tiers)``.
+        local_epochs: local epochs per round.
+        batch_size: samples per step.
+        lr: SGD learning rate.
+        mode: ``"edgetrain"`` or ``"heterofl"`` (the width-sliced baseline).
+        num_cpus: CPUs Ray may use (one client per CPU at a time).
+        heterofl_widths: per tier, the sub-model width (``mode="heterofl"``; None: measured).
+    """
+
+    clients: int = 8
+    rounds: int = 5
+    partition: str = "iid"
+    alpha: float = 0.5
+    seed: int = 0
+    tiers: tuple[tuple[str, str], ...] = DEFAULT_TIERS
+    local_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.05
+    mode: str = "edgetrain"
+    num_cpus: int = 2
+    heterofl_widths: tuple[float | None, ...] | None = None
+
+
+def tier_settings(cfg: SimulationConfig, partition_id: int) -> ClientSettings:
+    """The settings of node ``partition_id``: its tier's device profile and budget, the run's training."""
+    profile, budget = cfg.tiers[partition_id % len(cfg.tiers)]
+    return ClientSettings(memory_budget=budget, device_profile=profile, local_epochs=cfg.local_epochs,
+                          batch_size=cfg.batch_size, lr=cfg.lr)
+
+
+def run(cfg: SimulationConfig) -> RunReport:
+    """Run the federation on Flower's simulation engine and return the server's report.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+    from flwr.simulation import run_simulation
+
+    def settings(context: Context) -> ClientSettings:
+        return tier_settings(cfg, int(context.node_config.get("partition-id", 0)))
+
+    if cfg.mode == "edgetrain":
+        client = mnist_client_app(settings, partition=cfg.partition, alpha=cfg.alpha, seed=cfg.seed)
+    elif cfg.mode == "heterofl":
+        from .baseline_heterofl import heterofl_client_app, widest_fitting
+
+        widths = cfg.heterofl_widths
+        if widths is None:
+            peaks: dict[float, int] = {}
+            widths = tuple(widest_fitting(b, cfg.batch_size, peaks=peaks) for _, b in cfg.tiers)
+        tier_widths = tuple(widths)
+
+        def width_of(context: Context, s: ClientSettings) -> float | None:
+            return tier_widths[int(context.node_config.get("partition-id", 0)) % len(tier_widths)]
+
+        client = heterofl_client_app(task_data_fn(cfg.partition, cfg.alpha, cfg.seed), width_of, settings)
+    else:
+        raise ValueError(f"unknown mode {cfg.mode!r}; use 'edgetrain' or 'heterofl'")
+    report = RunReport()
+    server = mnist_server_app(cfg.rounds, report, seed=cfg.seed, min_nodes=cfg.clients)
+    backend: dict[str, Any] = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                               "init_args": {"num_cpus": cfg.num_cpus, "include_dashboard": False}}
+    t0 = time.perf_counter()
+    run_simulation(server_app=server, client_app=client, num_supernodes=cfg.clients, backend_config=backend)
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+def format_report(report: RunReport, cfg: SimulationConfig) -> str:
+    """Per round the global accuracy, and per client its peak memory against its budget."""
+    lines = [f"{cfg.mode}, {cfg.clients} clients, {cfg.partition}"
+             + (f" (alpha {cfg.alpha})" if cfg.partition == "dirichlet" else "")
+             + f", {cfg.rounds} rounds x {cfg.local_epochs} local epoch(s), batch {cfg.batch_size}",
+             f"round 0: global accuracy {report.accuracy.get(0, float('nan')):.4f}"]
+    for r in report.rounds:
+        n = r["round"]
+        lines.append(f"round {n}: global accuracy {report.accuracy.get(n, float('nan')):.4f}")
+        for c in sorted(r["clients"], key=lambda c: c["partition-id"]):
+            mib = 1 << 20
+            ok = "ok" if c["within-budget"] else "OVER"
+            extra = f" width {c['width']:.2f}" if "width" in c else \
+                f" micro-batch {int(c['micro-batch-size'])}, plan {'cached' if c['plan-cached'] else 'new'}"
+            lines.append(f"  client {int(c['partition-id'])}: peak {c['peak-bytes'] / mib:6.1f} MiB / budget "
+                         f"{c['budget-bytes'] / mib:6.1f} MiB {ok},{extra}, {c['step-time-s'] * 1e3:.0f} ms/step")
+        for f in r["failures"]:
+            lines.append(f"  failed: {f}")
+    lines.append(f"wall time {report.wall_s:.1f} s")
+    return "\n".join(lines)
