@@ -32,6 +32,9 @@ class Measured:
     peak: int
     rss_after: int
     process_rss: int | None = None
+    # the optimizer updates' peak, where measured apart (real steps): ``peak`` is then the forward and
+    # backward passes' alone, so an update's transients are not mistaken for activations the cost model missed
+    update_peak: int | None = None
 
 
 def predicted_activations(plan: Plan, fixed: int) -> int:
@@ -343,6 +346,9 @@ class Planner:
             self._ran_at[_plan_key(plan)] = m.process_rss
         self.floor = m.rss_before + unallocated
         self._with_fixed(fixed - self.costs.fixed_bytes)
+        if m.update_peak is not None:
+            # real steps measured the update itself: its transients replace the probes' estimate
+            self.update_bytes = max(0, m.update_peak + unallocated - grads - fixed)
         measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
         return max(fixed + act_pred, fixed + self.update_bytes), measured
 

@@ -63,13 +63,18 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
     base = memory.baseline_rss_bytes()
     memory.reset_peak()
     before = memory.rss_bytes()
+    peak = update = 0
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         _micro_batches(executor, plan, env_full, targets, loss_fn)
+        peak = max(peak, memory.peak_rss_bytes())
+        memory.reset_peak()  # the update's transients are the optimizer's, measured apart from activations
         optimizer.step()
-    peak = memory.peak_rss_bytes()
+        update = max(update, memory.peak_rss_bytes())
+        memory.reset_peak()
     optimizer.zero_grad(set_to_none=True)
     pool.release()
     after = memory.rss_bytes()  # holds the optimizer state; the gradients are freed
-    # as run_plan's: peak with the gradients but without what the planner adds (unallocated)
-    return Measured(before - base, peak - base - unallocated + grads, after - base - (unallocated - grads))
+    # as run_plan's: peaks with the gradients but without what the planner adds (unallocated)
+    return Measured(before - base, peak - base - unallocated + grads, after - base - (unallocated - grads),
+                    update_peak=update - base - unallocated + grads)
