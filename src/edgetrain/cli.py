@@ -260,6 +260,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planners import PLANNERS, solve
     from .units import parse_bytes
 
+    parse_bytes(args.budget)  # a bad size fails before any profiling
     chain = _load_costs(args)
     if args.batch_size and args.costs:
         chain = chain.with_batch_size(args.batch_size)
@@ -466,6 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if argv[:1] == ["train"] and not is_config_invocation(argv[1:]):
         args = build_legacy_train_parser().parse_args(argv[1:])
+    elif argv[:1] == ["train"]:  # items (CONFIG, key=value) may come before and after the flags
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        flags = [e for e in extra if e.startswith("-")]
+        if flags:
+            parser.error(f"unrecognized arguments: {' '.join(flags)}")
+        args.items = list(args.items) + extra
     else:
         args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

@@ -46,7 +46,7 @@ def _stage_rows(step: Any) -> tuple[list[list[object]], list[str]]:
 
 
 def write_report(step: Any, path: str | Path, *, batch: Any = None, device: Any = "host",
-                 n_points: int = 24) -> Path:
+                 n_points: int = 16) -> Path:
     """Write the report of ``step`` to ``path`` (HTML) and its figures as PNG files beside it.
 
     Args:
@@ -64,7 +64,11 @@ def write_report(step: Any, path: str | Path, *, batch: Any = None, device: Any 
     Raises:
         ConfigError: matplotlib is not installed.
     """
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # ValueError: a stub module without a spec
+        found = False
+    if not found:
         pyplot()  # raises the ConfigError naming the extra, before any work
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +126,7 @@ def write_report(step: Any, path: str | Path, *, batch: Any = None, device: Any 
                          "fwd ms", "bwd ms"], rows, left=2, row_classes=classes)
     curve_rows = []
     for i, b in enumerate(curves[0].budgets_bytes):
-        curve_rows.append([format_bytes(b)] + ["-" if math.isnan(c.values[i]) else f"{c.values[i] * 1e3:.1f}"
+        curve_rows.append([f"{b / 2**20:.2f} MiB"] + ["-" if math.isnan(c.values[i]) else f"{c.values[i] * 1e3:.1f}"
                                                for c in curves])
     sections = [("", table(["", ""], kv, css="kv")), ("Per-stage policy", stage_table)]
     for heading, body, note in figures:
