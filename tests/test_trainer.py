@@ -127,3 +127,19 @@ def test_bad_options_are_config_errors():
         edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), data, resume=True)
     with pytest.raises(ConfigError, match="scheduler_interval"):
         edgetrain.TrainerConfig(scheduler_interval="batch")
+
+
+def test_tensorboard_logger_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(8, 16), torch.randint(0, 5, (8,))) for _ in range(3)]
+    edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), data, data[:1], log_dir=str(tmp_path), tensorboard=True,
+                      progress=False).fit(2)
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert len(acc.Scalars("epoch/val_loss")) == 2
