@@ -70,20 +70,23 @@ def bench_spec(args: argparse.Namespace) -> int:
     loss = torch.nn.CrossEntropyLoss()
     budget = None if args.budget is None else parse_bytes(args.budget)
     print(f"{args.model}, batch {args.batch_size}, budget "
-          f"{'half of the no-saving peak' if budget is None else format_bytes(budget)}; {args.steps} timed steps each")
+          f"{'from the model' if budget is None else format_bytes(budget)}; {args.steps} timed steps each")
+    if budget is None:
+        probe_model = copy.deepcopy(base)
+        probe = prepare(probe_model, torch.optim.SGD(probe_model.parameters(), lr=0.01, momentum=0.9), loss, (x, y))
+        fixed, plain = probe.costs.fixed_bytes, solve(probe.costs, 2**62, solver="no_saving").peak_bytes
+        budget = int(fixed + 0.6 * (plain - fixed))  # between the smallest plan and plain's peak
+        probe.close()
+        print(f"budget {format_bytes(budget)}: fixed {format_bytes(fixed)} + 60% of plain's activations")
     print(f"{'planner':>26}  {'micro':>5}  {'recomp':>6}  {'pred peak':>10}  {'pred ms':>8}  {'measured ms':>11}")
     for name, label in BASELINES:
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         try:
-            if budget is None:
-                probe = prepare(model, opt, loss, (x, y))
-                budget = int(probe.costs.fixed_bytes + (solve(probe.costs, 2**62, solver="no_saving").peak_bytes
-                                                        - probe.costs.fixed_bytes) * 0.5)
-                probe.close()
             step = prepare(model, opt, loss, (x, y), memory_budget=budget, solver=name)
         except BudgetError as e:
-            print(f"{label:>26}  does not fit ({' '.join(str(e).split())[:80]})")
+            need = "" if e.min_feasible_bytes is None else f": needs {format_bytes(e.min_feasible_bytes)}"
+            print(f"{label:>26}  does not fit{need}")
             continue
         step(x, y)  # warm-up
         t0 = time.perf_counter()

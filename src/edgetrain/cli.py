@@ -448,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model-kwargs", default='{"num_classes": 10}', help="JSON object of the factory's arguments")
     b.add_argument("--input-shape", default="3,64,64", help="per-sample input shape, comma-separated")
     b.add_argument("--batch-size", type=int, default=32, help="logical batch size")
-    b.add_argument("--budget", default=None, help="memory budget (default: half of the no-saving plan's peak)")
+    b.add_argument("--budget", default=None, help="memory budget (None: the fixed bytes plus 60%% of the activations "
+                   "plain PyTorch keeps)")
     b.add_argument("--steps", type=int, default=3, help="timed optimizer steps per planner")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of bench/bench_budget.py")
     b.set_defaults(func=cmd_bench)
