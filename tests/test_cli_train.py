@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgetrain import memory
 from edgetrain.cli import build_parser, main
 from edgetrain.errors import ConfigError
 from edgetrain.spec import load_data
@@ -43,6 +44,9 @@ def _image_folder(root, per_class=6, size=10):
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
+    # `edgetrain train` moves the budget's zero point to after its data is loaded (process-wide): put it
+    # back afterwards, so that tests after these measure from where they expect
+    monkeypatch.setattr(memory, "_BASELINE_RSS", memory.baseline_rss_bytes())
     (tmp_path / "h18_usermodels.py").write_text(FACTORY)
     _image_folder(tmp_path / "images")
     (tmp_path / "cfg.yaml").write_text(textwrap.dedent("""

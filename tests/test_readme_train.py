@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgetrain import memory
 from edgetrain.cli import main
 from edgetrain.train_config import load_train_config
 
@@ -37,6 +38,7 @@ def test_readme_config_and_factory_run_as_written(tmp_path, monkeypatch, capsys)
             Image.fromarray(a).save(tmp_path / "my_images" / name / f"{i}.png")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(memory, "_BASELINE_RSS", memory.baseline_rss_bytes())  # `train` moves it; put it back
     command = shlex.split(_block("sh").splitlines()[0].split("#")[0])
     assert command[:2] == ["edgetrain", "train"]
     assert main(command[1:]) == 0

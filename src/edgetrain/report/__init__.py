@@ -136,4 +136,4 @@ def write_report(step: Any, path: str | Path, *, batch: Any = None, device: Any 
     title = f"edgetrain plan report: {costs.name or 'model'}"
     path.write_text(page(title, sections))
     log.info("plan report written to %s", path)
-    return path
+    return path.resolve()
