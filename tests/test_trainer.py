@@ -102,9 +102,9 @@ def test_evaluation_metrics_callbacks_csv_and_early_stopping(tmp_path):
 
 def test_budget_change_goes_through_the_step_budget_source():
     torch.manual_seed(0)
-    model = mlp(d=64, n_blocks=6)
+    model = mlp(n_blocks=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = [(torch.randn(32, 16), torch.randint(0, 5, (32,))) for _ in range(3)]
+    batches = [(torch.randn(8, 16), torch.randint(0, 5, (8,))) for _ in range(2)]
     trainer = edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), batches, memory_budget="2GiB", progress=False)
     assert trainer.step.budget_source is None
     table = trainer.step.budget_table()
