@@ -11,12 +11,19 @@ import torch
 from torch import nn
 
 import edgetrain
+from edgetrain import memory
 from edgetrain.report import measure_step
 from edgetrain.report._curves import planned_timeline
 from _models import convnet, mlp
 
 
-def _step(budget="400MiB", **kw):
+def _room(extra_mib=200):
+    """A budget ``extra_mib`` above what this (long-lived test) process already holds above its baseline."""
+    return max(0, memory.rss_bytes() - memory.baseline_rss_bytes()) + extra_mib * 2**20
+
+
+def _step(**kw):
+    budget = _room()
     torch.manual_seed(0)
     model = mlp(d=64, n_blocks=6, dropout=0.1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -59,7 +66,7 @@ def test_paging_plan_gets_the_energy_figure(tmp_path):
     model = convnet(width=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 5, (16,))
-    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="400MiB", paging=True,
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget=_room(), paging=True,
                              objective="energy", page_dir=str(tmp_path))
     path = step.report(str(tmp_path / "p.html"), n_points=8)
     html = path.read_text()
