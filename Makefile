@@ -12,7 +12,7 @@ $(BIN)/python:
 
 $(VENV)/.installed-core: pyproject.toml | $(BIN)/python
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[data,cli]'
+	$(PIP) -e '.[data,cli,report]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed-core

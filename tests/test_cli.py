@@ -27,7 +27,7 @@ def test_demo_trains_real_digits_inside_its_budget_measured_from_after_the_data(
 
     proc = subprocess.run([sys.executable, "-m", "edgetrain.cli", "demo", "--epochs", "1", "--batch-size", "64",
                            "--image-size", "16", "--width", "0.5", "--no-progress", "--precise-bn", "2",
-                           "--budget-fraction", "2"], capture_output=True, text=True, timeout=300)
+                           "--budget-fraction", "2", "--report", ""], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     verdict = [line for line in proc.stdout.splitlines() if line.startswith("measured peak")]
     assert verdict and "within budget" in verdict[0], proc.stdout[-2000:]

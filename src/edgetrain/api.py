@@ -128,6 +128,9 @@ class TrainStep:
         self._seen_micro: set[int] = set()
         self._micro_sizes: list[int] | None = None  # the sizes the model accepts (None: any)
         self._first_run_bytes = 0
+        # Called once the whole batch's gradients are accumulated, just before optimizer.step() (the
+        # Trainer clips gradients here); None: nothing.
+        self.before_optimizer_step: Callable[[], None] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -222,6 +225,8 @@ class TrainStep:
                     self._pager.reset()  # raises PagingError (e.g. disk full) before the optimizer steps
                 if start < n:
                     self._poll_budget()  # a budget change re-plans the samples still to run
+            if self.before_optimizer_step is not None:
+                self.before_optimizer_step()
         except BaseException:
             self._bn.abort()
             self.optimizer.zero_grad(set_to_none=True)
@@ -402,6 +407,16 @@ class TrainStep:
         new = self.budget_source()
         if new is not None and parse_bytes(new) != self.budget_bytes:
             self.set_memory_budget(new)
+
+    def report(self, path: str, batch: Any = None, **options: Any) -> Any:
+        """Write the plan report (HTML with embedded figures, and the PNGs beside it) to ``path``.
+
+        ``batch`` (inputs, targets) is run once, model and optimizer restored afterwards, to measure the
+        memory timeline; see :func:`edgetrain.report.write_report` for ``options``.
+        """
+        from .report import write_report
+
+        return write_report(self, path, batch=batch, **options)
 
     def close(self) -> None:
         """Remove the hooks edgetrain put on the model and the page file, if any."""

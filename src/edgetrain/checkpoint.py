@@ -20,7 +20,7 @@ from torch import nn
 from ._state import rng_state, set_rng_state
 from .errors import EdgetrainError
 
-__all__ = ["CheckpointError", "Checkpoint", "save_checkpoint", "load_checkpoint"]
+__all__ = ["CheckpointError", "Checkpoint", "save_checkpoint", "load_checkpoint", "atomic_save", "read_payload"]
 
 _FORMAT = "edgetrain-checkpoint-1"
 
@@ -44,11 +44,20 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     Raises:
         CheckpointError: the disk is full or the directory is not writable (the old checkpoint is kept).
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     payload = {"format": _FORMAT, "step": int(step), "model": model.state_dict(),
                "optimizer": optimizer.state_dict() if optimizer is not None else None,
                "rng": rng_state(), "extra": dict(extra or {})}
+    return atomic_save(payload, path)
+
+
+def atomic_save(payload: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` ``payload`` to ``path`` atomically: temp file, flush, fsync, rename, fsync the directory.
+
+    Raises:
+        CheckpointError: the disk is full or the directory is not writable (the old file is kept).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -70,6 +79,24 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     return path
 
 
+def read_payload(path: str | os.PathLike[str]) -> Any:
+    """``torch.load`` a checkpoint file with ``weights_only=True`` (no code in the file is run).
+
+    Raises:
+        CheckpointError: the file is missing, truncated or corrupt, or holds objects other than tensors and
+            plain containers.
+    """
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"no checkpoint at {path}") from e
+    except Exception as e:  # truncated or corrupt files raise many different errors inside torch
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {first[:200]}); it is "
+                              "corrupt, truncated or not a checkpoint: delete it to start afresh") from e
+
+
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True) -> Checkpoint:
     """Restore model, optimizer and RNG from a checkpoint written by :func:`save_checkpoint`.
@@ -79,13 +106,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
             does not match the model (the model is left unchanged in every case).
     """
     path = Path(path)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"no checkpoint at {path}") from e
-    except Exception as e:  # truncated or corrupt files raise many different errors inside torch
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
-                              "not a checkpoint: delete it to start afresh") from e
+    payload = read_payload(path)
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise CheckpointError(f"{path} is not an edgetrain checkpoint")
     own = model.state_dict()

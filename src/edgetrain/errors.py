@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EdgetrainError", "BudgetError", "CaptureError", "ProfileError", "InputError"]
+__all__ = ["EdgetrainError", "BudgetError", "CaptureError", "ProfileError", "InputError", "ConfigError"]
 
 
 class EdgetrainError(Exception):
@@ -34,3 +34,7 @@ class ProfileError(EdgetrainError, RuntimeError):
 
 class InputError(EdgetrainError, ValueError):
     """A batch handed to a step does not match what the step was prepared for."""
+
+
+class ConfigError(EdgetrainError, ValueError):
+    """A configuration (Trainer options, a CLI config file, a model or data spec) is invalid or incomplete."""

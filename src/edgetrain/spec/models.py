@@ -1,0 +1,146 @@
+"""Model specs of the command line: a factory import path, an in-project model, or an offline Hugging Face model.
+
+* ``"pkg.module:build"``: ``build(**kwargs)`` (or the ``nn.Module`` named there); ``num_classes`` and
+  ``in_channels`` are passed when the factory takes them and the caller knows them from the data.
+* ``"mobilenet_v2"``, ``"resnet18"``, ``"transformer"``: :func:`edgetrain.models.get_model`.
+* ``"hf:NAME"`` (a hub name in the local cache, or a local directory): a sequence classifier from
+  ``transformers`` loaded with ``local_files_only=True``; its forward returns the logits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+__all__ = ["build_model", "resolve_import", "is_in_project"]
+
+log = logging.getLogger(__name__)
+
+
+def is_in_project(spec: str) -> bool:
+    from ..models import MODEL_NAMES
+
+    return spec in MODEL_NAMES
+
+
+def resolve_import(spec: str, what: str) -> Any:
+    """The object an import path ``pkg.module:attr`` names (the current directory is importable).
+
+    Raises:
+        ConfigError: the module does not import or has no such attribute.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r} is not an import path of the form 'package.module:name'")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # as `python -m` does: a factory module in the working directory imports
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{what} {spec!r}: cannot import {module_name!r} ({e})") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fill(fn: Any, kwargs: dict[str, Any], known: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` plus the entries of ``known`` that ``fn`` accepts and ``kwargs`` lacks."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out = dict(kwargs)
+    for k, v in known.items():
+        if v is not None and k not in out and (k in params or (takes_any and k == "num_classes")):
+            out[k] = v
+    return out
+
+
+class _LogitsOnly(nn.Module):
+    """A Hugging Face classifier whose forward takes token ids and returns the logits tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+def _hf_model(name: str, kwargs: dict[str, Any], num_classes: int | None) -> nn.Module:
+    try:
+        from transformers import AutoModelForSequenceClassification
+    except ImportError:
+        raise ConfigError(f"model 'hf:{name}' needs transformers: pip install 'edgetrain[text]'") from None
+    if num_classes is not None:
+        kwargs.setdefault("num_labels", num_classes)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(name, local_files_only=True, **kwargs)
+    except OSError as e:
+        raise ConfigError(f"Hugging Face model {name!r} is not available offline (not in the local cache nor a "
+                          f"directory): {' '.join(str(e).split())[:200]}") from None
+    return _LogitsOnly(model)
+
+
+def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_classes: int | None = None,
+                in_channels: int | None = None, image_size: int | None = None) -> nn.Module:
+    """Build the model a spec names (see the module doc).
+
+    Args:
+        spec: the model spec.
+        kwargs: keyword arguments of the factory.
+        num_classes: outputs the data needs, passed when the factory takes ``num_classes``.
+        in_channels: input channels of image data, passed when the factory takes ``in_channels``.
+        image_size: side of image inputs (in-project ResNet-18 uses its small-input stem below 64).
+
+    Raises:
+        ConfigError: the spec names nothing importable, the factory rejects its arguments or does not
+            return an ``nn.Module``.
+    """
+    kwargs = dict(kwargs or {})
+    known = {"num_classes": num_classes, "in_channels": in_channels}
+    if spec.startswith("hf:"):
+        return _hf_model(spec[3:], kwargs, num_classes)
+    if is_in_project(spec):
+        from ..models import get_model
+
+        if spec == "resnet18" and image_size is not None:
+            known["small_input"] = image_size < 64
+        if spec == "transformer":
+            known = {"num_classes": num_classes}
+        fn: Any = lambda **kw: get_model(spec, **kw)  # noqa: E731
+        from ..models import _BUILDERS
+
+        kwargs = _fill(_BUILDERS[spec], kwargs, known)
+    elif ":" in spec:
+        fn = resolve_import(spec, "model")
+        if isinstance(fn, nn.Module):
+            return fn
+        if not callable(fn):
+            raise ConfigError(f"model {spec!r} names a {type(fn).__name__}, not a factory or an nn.Module")
+        kwargs = _fill(fn, kwargs, known)
+    else:
+        from ..models import MODEL_NAMES
+
+        raise ConfigError(f"unknown model {spec!r}: give an import path 'package.module:build', an in-project "
+                          f"model ({', '.join(MODEL_NAMES)}) or 'hf:NAME'")
+    try:
+        model = fn(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model {spec!r} rejected its arguments {sorted(kwargs)}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model factory {spec!r} returned a {type(model).__name__}, not an nn.Module")
+    log.info("model %s built with %s", spec, kwargs)
+    return model

@@ -1,0 +1,76 @@
+"""Epochs of training data in a reproducible order: per-epoch shuffle seeds, and skipping to a position."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+
+from ..errors import InputError
+
+__all__ = ["shuffle_seed", "epoch_batches", "num_batches", "as_pair"]
+
+
+def shuffle_seed(seed: int, epoch: int) -> int:
+    """The seed of epoch ``epoch``'s shuffle: depends only on the Trainer seed and the epoch number."""
+    return (int(seed) * 1_000_003 + int(epoch)) % (2**63)
+
+
+def _epoch_source(data: Any, epoch: int, seed: int) -> Iterable[Any]:
+    if isinstance(data, DataLoader):
+        # RandomSampler draws its permutation from its generator, and each DataLoader iterator draws the
+        # workers' base seed from the loader's: both are set from the epoch alone, so the order (and the
+        # workers' augmentation RNG) of epoch e is the same in a run resumed in a new process.
+        s = shuffle_seed(seed, epoch)
+        if isinstance(data.sampler, RandomSampler):
+            data.sampler.generator = torch.Generator().manual_seed(s)
+        data.generator = torch.Generator().manual_seed(s ^ 0x5EED)
+        sampler = getattr(data, "sampler", None)
+        if hasattr(sampler, "set_epoch"):  # DistributedSampler and the like
+            sampler.set_epoch(epoch)
+        return data
+    if hasattr(data, "set_epoch"):
+        data.set_epoch(epoch)
+        return data
+    if callable(data) and not hasattr(data, "__iter__"):
+        return data(epoch)  # a factory: epoch -> iterable of batches
+    return data
+
+
+def epoch_batches(data: Any, epoch: int, seed: int, skip: int = 0) -> Iterator[Any]:
+    """The batches of epoch ``epoch``, the first ``skip`` of them consumed and dropped.
+
+    Args:
+        data: a DataLoader, any re-iterable of batches, an object with ``set_epoch``, or a callable
+            ``epoch -> iterable``.
+        epoch: the epoch number (0-based).
+        seed: the Trainer's shuffle seed.
+        skip: batches already trained on in this epoch (resume).
+    """
+    it = iter(_epoch_source(data, epoch, seed))
+    if skip:
+        consumed = sum(1 for _ in itertools.islice(it, skip))
+        if consumed < skip:
+            raise InputError(f"the checkpoint is {skip} batches into epoch {epoch}, but the training data has "
+                             f"only {consumed}: resume with the data the run was started with")
+    return it
+
+
+def num_batches(data: Any) -> int | None:
+    """Batches per epoch, where the data knows (``len``), else None."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def as_pair(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a batch (a pair, or a dict with those keys)."""
+    if isinstance(batch, dict) and "inputs" in batch and "targets" in batch:
+        return batch["inputs"], batch["targets"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise InputError(f"a training batch must be a pair (inputs, targets), got {type(batch).__name__}"
+                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))

@@ -1,0 +1,301 @@
+"""`Trainer`: a fit loop over :func:`edgetrain.prepare` with evaluation, schedules, clipping and crash-safe resume.
+
+The step stays the core: every optimizer step is one ``TrainStep`` call on one logical batch, so the
+Trainer trains exactly what a plain PyTorch loop over the same batches would. What the Trainer adds is
+bookkeeping around it: the data order (reseeded per epoch), the position in the epoch, checkpoints that
+hold everything needed to continue bit for bit, and the hooks users plug into.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..plan import Plan
+from ._checkpoints import CheckpointDir, TrainerState
+from ._data import as_pair, epoch_batches, num_batches
+from ._rng import capture_rng, restore_rng
+from .callbacks import CSVLogger, TensorBoardLogger, progress_bar, progress_enabled
+from .config import TrainerConfig
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+Metric = Callable[[Any, Any], "float | torch.Tensor"]
+
+
+class Trainer:
+    """Train ``model`` for some epochs inside a memory budget, with checkpoints a crash cannot corrupt.
+
+    Args:
+        model: the ``nn.Module`` to train (in place).
+        optimizer: its optimizer.
+        loss_fn: ``loss_fn(output, targets)``, the mean loss over the samples it is given.
+        train_data: a ``torch.utils.data.DataLoader``, any re-iterable of ``(inputs, targets)`` batches, or a
+            callable ``epoch -> iterable``. A DataLoader's ``RandomSampler`` is reseeded every epoch from
+            ``config.seed`` (so a resumed run sees the same order); other data must iterate the same way
+            each time it is asked for the same epoch.
+        val_data: batches to evaluate on after each epoch (None: no evaluation).
+        memory_budget: the step's budget (bytes or a size like ``"300MiB"``; None: unbounded), or a
+            budget source (a callable returning the budget in force, polled between micro-batches).
+            Assign :attr:`memory_budget` later to change it while training.
+        config: a :class:`TrainerConfig`; keyword arguments named like its fields override it.
+        scheduler: an LR scheduler over ``optimizer`` (stepped per ``config.scheduler_interval``).
+        metrics: ``{"name": fn(output, targets)}`` evaluated on ``val_data`` (each averaged over samples).
+        callbacks: objects with any of ``on_fit_start``, ``on_step_end``, ``on_eval_end``, ``on_epoch_end``,
+            ``on_fit_end`` (see :class:`~edgetrain.trainer.Callback`).
+        example: the batch ``prepare`` plans for (default: the first training batch, drawn with every RNG
+            restored afterwards).
+        resume: continue from the newest usable checkpoint in ``config.checkpoint_dir`` (a fresh start when
+            there is none).
+        prepare_options: further keyword arguments of :func:`edgetrain.prepare` (``solver``,
+            ``micro_batch_size``, ``paging``, ...).
+
+    Raises:
+        ConfigError: an option is invalid (``resume=True`` without a checkpoint directory, ...).
+        CheckpointError: checkpoints exist but none is usable.
+        BudgetError: no plan fits the memory budget.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                 train_data: Any, val_data: Iterable[Any] | None = None, *,
+                 memory_budget: int | str | Callable[[], int | str | None] | None = None,
+                 config: TrainerConfig | None = None, scheduler: Any = None,
+                 metrics: Mapping[str, Metric] | None = None, callbacks: Sequence[Any] = (),
+                 example: Any = None, resume: bool = False, prepare_options: Mapping[str, Any] | None = None,
+                 **options: Any) -> None:
+        from ..api import prepare
+
+        config = config or TrainerConfig()
+        unknown = set(options) - set(TrainerConfig.field_names())
+        if unknown:
+            raise ConfigError(f"unknown Trainer option(s) {', '.join(sorted(unknown))}; valid: "
+                              f"{', '.join(TrainerConfig.field_names())}")
+        self.config = replace(config, **options)
+        if resume and self.config.checkpoint_dir is None:
+            raise ConfigError("resume=True needs checkpoint_dir (where the checkpoints are)")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.train_data, self.val_data = train_data, val_data
+        self.scheduler = scheduler
+        self.metrics = dict(metrics or {})
+        self.callbacks: list[Any] = list(callbacks)
+        if self.config.log_dir is not None:
+            self.callbacks.append(CSVLogger(self.config.log_dir))
+            if self.config.tensorboard:
+                self.callbacks.append(TensorBoardLogger(self.config.log_dir))
+        self.state = TrainerState()
+        self.history: list[dict[str, float]] = []
+        self.stopped_early = False
+        self._best: float | None = None
+        self._bad_evals = 0
+        self._resume_rng: dict[str, Any] | None = None
+        self._checkpoints = (CheckpointDir(self.config.checkpoint_dir, self.config.keep_checkpoints)
+                             if self.config.checkpoint_dir is not None else None)
+        self.example = as_pair(example) if example is not None else self._peek()
+        static_budget = None if callable(memory_budget) else memory_budget
+        self.step = prepare(model, optimizer, loss_fn, self.example, memory_budget=static_budget,
+                            **dict(prepare_options or {}))
+        self.step.before_optimizer_step = self._clip if (self.config.grad_clip_norm or
+                                                         self.config.grad_clip_value) else None
+        self._pending_budget: int | str | None = None
+        self._user_source = memory_budget if callable(memory_budget) else None
+        if self._user_source is not None:
+            self.step.budget_source = self._poll_budget
+        if resume:
+            self._restore()
+
+    # -- budget ---------------------------------------------------------------------------------------
+    @property
+    def memory_budget(self) -> int | None:
+        """The step's budget in force (bytes); assign a new one (bytes or a size string) to change it.
+
+        The change goes through the step's budget source, so it takes effect at the next micro-batch
+        boundary, as a table lookup (the table is built on the first change).
+        """
+        return self.step.budget_bytes
+
+    @memory_budget.setter
+    def memory_budget(self, value: int | str) -> None:
+        self._pending_budget = value
+        if self.step.budget_source is None:
+            self.step.budget_source = self._poll_budget
+
+    def _poll_budget(self) -> int | str | None:
+        if self._pending_budget is not None:
+            value, self._pending_budget = self._pending_budget, None
+            return value
+        return self._user_source() if self._user_source is not None else None
+
+    # -- one step -------------------------------------------------------------------------------------
+    def _clip(self) -> None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.config.grad_clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, self.config.grad_clip_value)
+        if self.config.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip_norm)
+
+    def _peek(self) -> tuple[Any, Any]:
+        rng = capture_rng()
+        try:
+            first = next(iter(epoch_batches(self.train_data, 0, self.config.seed)), None)
+        finally:
+            restore_rng(rng)
+        if first is None:
+            raise ConfigError("the training data yields no batch")
+        return as_pair(first)
+
+    def _call(self, name: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, name, None)
+            if fn is not None:
+                fn(self, *args)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _trainer_json(self) -> str:
+        return json.dumps({"history": self.history, "best": self._best, "bad_evals": self._bad_evals,
+                           "stopped_early": self.stopped_early})
+
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of the current position now (no-op without ``checkpoint_dir``)."""
+        if self._checkpoints is None:
+            return
+        self._checkpoints.save(self.state, self.model, self.optimizer, self.scheduler, capture_rng(),
+                               self.step.plan.to_json(), self._trainer_json())
+
+    def _restore(self) -> None:
+        assert self._checkpoints is not None
+        payload = self._checkpoints.load_latest(self.model, self.optimizer, self.scheduler)
+        if payload is None:
+            log.info("no checkpoint in %s: starting afresh", self.config.checkpoint_dir)
+            return
+        self.state = TrainerState(int(payload["epoch"]), int(payload["batch_in_epoch"]),
+                                  int(payload["global_step"]))
+        t = json.loads(payload["trainer"])
+        self.history, self._best, self._bad_evals = t["history"], t["best"], t["bad_evals"]
+        self.stopped_early = bool(t["stopped_early"])
+        self.step.steps_done = self.state.global_step
+        plan = Plan.from_json(payload["plan"])
+        if plan.num_stages == len(self.step.chain) and plan.batch_size == self.step.plan.batch_size:
+            # the same micro-batches as before the crash: accumulation order, hence rounding, is identical
+            self.step.set_plan(plan)
+        else:
+            log.warning("the checkpoint's plan does not fit this step's chain; keeping the new plan (results "
+                        "may differ from an uninterrupted run by rounding)")
+        self._resume_rng = payload["rng"]
+        log.info("resumed at epoch %d, batch %d (step %d)", self.state.epoch, self.state.batch_in_epoch,
+                 self.state.global_step)
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, data: Iterable[Any] | None = None) -> dict[str, float]:
+        """Mean loss and metrics over ``data`` (default ``val_data``), without gradients, in eval mode.
+
+        Runs under a forked torch RNG, so evaluating never changes what training draws.
+        """
+        data = self.val_data if data is None else data
+        if data is None:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        sums = {"val_loss": 0.0, **{f"val_{k}": 0.0 for k in self.metrics}}
+        total = 0
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                for batch in data:
+                    x, y = as_pair(batch)
+                    out = self.model(x)
+                    n = len(y) if hasattr(y, "__len__") else 1
+                    sums["val_loss"] += float(self.loss_fn(out, y)) * n
+                    for k, fn in self.metrics.items():
+                        sums[f"val_{k}"] += float(fn(out, y)) * n
+                    total += n
+        finally:
+            self.model.train(was_training)
+        metrics = {k: v / max(total, 1) for k, v in sums.items()}
+        self._call("on_eval_end", metrics)
+        return metrics
+
+    def _improved(self, logs: dict[str, float]) -> bool:
+        value = logs.get(self.config.monitor)
+        if value is None:
+            raise ConfigError(f"monitor {self.config.monitor!r} is not among the epoch values "
+                              f"{', '.join(sorted(logs))}")
+        sign = 1.0 if self.config.monitor_mode == "min" else -1.0
+        if self._best is None or sign * (self._best - value) > self.config.min_delta:
+            self._best, self._bad_evals = value, 0
+            return True
+        self._bad_evals += 1
+        return False
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def fit(self, epochs: int) -> list[dict[str, float]]:
+        """Train until ``epochs`` epochs are done (counting those before a resume) or early stopping.
+
+        Returns:
+            One dict per epoch done: ``epoch``, ``step``, ``train_loss`` and the evaluation's values.
+        """
+        cfg = self.config
+        self._call("on_fit_start", self.state.global_step)
+        bar_on = progress_enabled(cfg.progress)
+        while self.state.epoch < epochs and not self.stopped_early:
+            epoch = self.state.epoch
+            skip = self.state.batch_in_epoch
+            batches = epoch_batches(self.train_data, epoch, cfg.seed, skip)
+            if self._resume_rng is not None:  # after skipping: the skipped batches drew from the RNGs too
+                restore_rng(self._resume_rng)
+                self._resume_rng = None
+            total = num_batches(self.train_data)
+            loss_sum, n_steps = 0.0, 0
+            for batch in progress_bar(batches, total, f"epoch {epoch + 1}/{epochs}", bar_on, initial=skip):
+                x, y = as_pair(batch)
+                loss = self.step(x, y)
+                self.state.global_step += 1
+                self.state.batch_in_epoch += 1
+                loss_sum, n_steps = loss_sum + loss, n_steps + 1
+                if self.scheduler is not None and cfg.scheduler_interval == "step" and not _plateau(self.scheduler):
+                    self.scheduler.step()
+                self._call("on_step_end", {"step": self.state.global_step, "epoch": epoch, "loss": loss,
+                                           "lr": float(self.optimizer.param_groups[0]["lr"])})
+                if cfg.checkpoint_every_steps and self.state.global_step % cfg.checkpoint_every_steps == 0:
+                    self.save_checkpoint()
+            logs: dict[str, float] = {"step": self.state.global_step,
+                                      "train_loss": loss_sum / n_steps if n_steps else math.nan}
+            last = epoch + 1 == epochs
+            if self.val_data is not None and ((epoch + 1) % cfg.eval_every_epochs == 0 or last):
+                logs.update(self.evaluate())
+            if self.scheduler is not None:
+                if _plateau(self.scheduler):
+                    if cfg.monitor in logs:
+                        self.scheduler.step(logs[cfg.monitor])
+                elif cfg.scheduler_interval == "epoch":
+                    self.scheduler.step()
+            if cfg.early_stopping_patience is not None and cfg.monitor in logs:
+                if not self._improved(logs) and self._bad_evals >= cfg.early_stopping_patience:
+                    log.info("early stopping after epoch %d: %s did not improve for %d evaluations", epoch + 1,
+                             cfg.monitor, self._bad_evals)
+                    self.stopped_early = True
+            self.history.append({"epoch": epoch, **logs})
+            self.state = TrainerState(epoch + 1, 0, self.state.global_step)
+            self.save_checkpoint()
+            self._call("on_epoch_end", epoch, logs)
+        self._call("on_fit_end")
+        return self.history
+
+    def report(self, path: str, **options: Any) -> Any:
+        """Write the plan report for this Trainer's step (memory timeline measured on its example batch)."""
+        return self.step.report(path, batch=self.example, **options)
+
+    def close(self) -> None:
+        """Release the step's hooks and page file."""
+        self.step.close()
+
+
+def _plateau(scheduler: Any) -> bool:
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)

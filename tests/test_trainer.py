@@ -1,0 +1,145 @@
+"""The Trainer trains exactly what a plain PyTorch loop over the same batches trains, and its options act."""
+
+import copy
+import csv
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import edgetrain
+from edgetrain.errors import ConfigError
+from edgetrain.trainer import Callback, shuffle_seed
+from _models import mlp
+
+
+def _data(n=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+
+def _plain_fit(model, opt, sched, ds, epochs, batch, micro, clip=None):
+    """The loop a user writes: same shuffle per epoch, accumulation over the same micro-batches."""
+    loss_fn = nn.CrossEntropyLoss()
+    loader = DataLoader(ds, batch_size=batch, shuffle=True)
+    for epoch in range(epochs):
+        loader.sampler.generator = torch.Generator().manual_seed(shuffle_seed(0, epoch))
+        loader.generator = torch.Generator()  # the workers' base seed: not drawn from the global RNG
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            n = len(y)
+            for s in range(0, n, micro):
+                xs, ys = x[s:s + micro], y[s:s + micro]
+                loss = loss_fn(model(xs), ys)
+                (loss if len(ys) == n else loss * (len(ys) / n)).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+            opt.step()
+            sched.step()
+
+
+@pytest.mark.parametrize("micro", [None, 4])
+def test_trainer_equals_plain_pytorch_loop_bit_for_bit(micro):
+    torch.manual_seed(0)
+    ref = mlp(dropout=0.2)
+    ours = copy.deepcopy(ref)
+    ds = _data()
+    opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_o = torch.optim.Adam(ours.parameters(), lr=1e-2)
+    sched_r = torch.optim.lr_scheduler.StepLR(opt_r, step_size=3, gamma=0.5)
+    sched_o = torch.optim.lr_scheduler.StepLR(opt_o, step_size=3, gamma=0.5)
+    torch.manual_seed(7)
+    _plain_fit(ref, opt_r, sched_r, ds, epochs=2, batch=16, micro=micro or 16, clip=0.5)
+    torch.manual_seed(7)
+    trainer = edgetrain.Trainer(ours, opt_o, nn.CrossEntropyLoss(), DataLoader(ds, batch_size=16, shuffle=True),
+                                scheduler=sched_o, scheduler_interval="step", grad_clip_norm=0.5,
+                                prepare_options={"micro_batch_size": micro} if micro else None)
+    assert trainer.step.plan.micro_batch_size == (micro or 16)
+    history = trainer.fit(2)
+    assert [h["step"] for h in history] == [3, 6]
+    for (k, a), b in zip(ref.state_dict().items(), ours.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert opt_o.param_groups[0]["lr"] == opt_r.param_groups[0]["lr"] == pytest.approx(0.0025)
+
+
+class _Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_step_end(self, trainer, logs):
+        self.events.append(("step", logs["step"]))
+
+    def on_eval_end(self, trainer, metrics):
+        self.events.append(("eval", round(metrics["val_accuracy"], 6)))
+
+    def on_epoch_end(self, trainer, epoch, logs):
+        self.events.append(("epoch", epoch))
+
+
+def test_evaluation_metrics_callbacks_csv_and_early_stopping(tmp_path):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the validation loss never improves
+    rec = _Recorder()
+    val = [(torch.randn(10, 16), torch.randint(0, 5, (10,))) for _ in range(2)]
+    acc = lambda out, y: (out.argmax(1) == y).float().mean()  # noqa: E731
+    trainer = edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), list(DataLoader(_data(24), batch_size=8)), val,
+                                metrics={"accuracy": acc}, callbacks=[rec], early_stopping_patience=2,
+                                log_dir=str(tmp_path / "logs"), progress=False)
+    history = trainer.fit(10)
+    assert trainer.stopped_early and len(history) == 3  # best at epoch 0, then 2 evaluations without improvement
+    with torch.no_grad():
+        expect = sum(float(acc(model(x), y)) * 10 for x, y in val) / 20
+    assert history[-1]["val_accuracy"] == pytest.approx(expect)
+    assert rec.events[:5] == [("step", 1), ("step", 2), ("step", 3), ("eval", round(expect, 6)), ("epoch", 0)]
+    with open(tmp_path / "logs" / "epochs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2] and "val_accuracy" in rows[0]
+    with open(tmp_path / "logs" / "steps.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 10))
+
+
+def test_budget_change_goes_through_the_step_budget_source():
+    torch.manual_seed(0)
+    model = mlp(n_blocks=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(8, 16), torch.randint(0, 5, (8,))) for _ in range(2)]
+    trainer = edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), batches, memory_budget="2GiB", progress=False)
+    assert trainer.step.budget_source is None
+    table = trainer.step.budget_table()
+    smallest = table.plans[0]
+    trainer.memory_budget = int(table.budgets[0] * 1.5) + 64 * 2**20
+    assert trainer.step.budget_source is not None
+    trainer.fit(1)
+    assert trainer.memory_budget == int(table.budgets[0] * 1.5) + 64 * 2**20
+    assert trainer.step.plan.budget_bytes == trainer.memory_budget
+    assert smallest.peak_bytes <= trainer.step.plan.peak_bytes
+
+
+def test_bad_options_are_config_errors():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(4, 16), torch.randint(0, 5, (4,)))]
+    with pytest.raises(ConfigError, match="valid: checkpoint_dir"):
+        edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), data, checkpoint_evry=3)
+    with pytest.raises(ConfigError, match="needs checkpoint_dir"):
+        edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), data, resume=True)
+    with pytest.raises(ConfigError, match="scheduler_interval"):
+        edgetrain.TrainerConfig(scheduler_interval="batch")
+
+
+def test_tensorboard_logger_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(8, 16), torch.randint(0, 5, (8,))) for _ in range(3)]
+    edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), data, data[:1], log_dir=str(tmp_path), tensorboard=True,
+                      progress=False).fit(2)
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert len(acc.Scalars("epoch/val_loss")) == 2
