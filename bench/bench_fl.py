@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds + 1):
         c = f"{central[r * args.local_epochs - 1]:.4f}" if r else "-"
         print(f"| {r} | " + " | ".join(f"{runs[n].accuracy.get(r, float('nan')):.4f}" for n in names) + f" | {c} |")
-    print(f"| wall s | " + " | ".join(f"{runs[n].wall_s:.0f}" for n in names) + f" | {central_s:.0f} |")
+    print("| wall s | " + " | ".join(f"{runs[n].wall_s:.0f}" for n in names) + f" | {central_s:.0f} |")
     print()
     print("| client | tier budget | " + " | ".join(f"{n} peak (max over rounds)" for n in names) + " |")
     print("|---" * (len(names) + 2) + "|")

@@ -11,21 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import edgetrain
-from edgetrain.errors import BudgetError, InputError
-
-
-class BatchNormAct2d(nn.BatchNorm2d):
-    """timm's BatchNormAct2d in miniature: a BatchNorm2d subclass whose own forward calls F.batch_norm on its
-    buffers (the counter and the cumulative average included), then an activation."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                         self.training or not self.track_running_stats, factor, self.eps)
-        return F.relu(x)
+from edgetrain.errors import InputError
+# timm's BatchNormAct2d in miniature: a BatchNorm2d subclass whose own forward calls F.batch_norm on its
+# buffers (the counter and the cumulative average included), then an activation
+from edgetrain.models.zoo import CountingBatchNorm as BatchNormAct2d
 
 
 class Counter(nn.Module):

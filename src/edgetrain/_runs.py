@@ -20,7 +20,7 @@ from .runtime.executor import make_executor
 __all__ = ["run_plan", "run_steps"]
 
 
-def _micro_batches(executor: Executor, plan: Plan, env_full: dict[str, Any], targets: Any,
+def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets: Any,
                    loss_fn: Callable[..., torch.Tensor]) -> None:
     """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples."""
     start = 0
