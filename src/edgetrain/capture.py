@@ -6,8 +6,10 @@ ops out-of-place and some ops leaner, with the same values. Cuts go at every poi
 exactly one tensor made since the previous cut (besides the model's own inputs and non-tensor values such
 as sizes) is used after; tensors made before it may cross too, so a residual block is cut inside with its
 skip input *carried* across (``carry_cuts=False`` keeps skip connections inside a stage). Adjacent cut
-points are merged until at most ``max_stages`` stages remain, balancing the activation bytes per stage. A model that fx cannot trace at
-all becomes a single stage (micro-batching still applies) unless ``strict=True``.
+points are merged until at most ``max_stages`` stages remain, balancing the activation bytes per stage.
+A model that fx cannot trace at all is cut along its module tree (:mod:`edgetrain._capture_modules`: the
+blocks of a ``ModuleList`` / ``Sequential`` its forward calls once each), and one without such blocks
+becomes a single stage (micro-batching still applies), unless ``strict=True``.
 """
 
 from __future__ import annotations
@@ -462,13 +464,13 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         model: any ``nn.Module``; its parameters and buffers are shared, never copied.
         example_inputs: a (small) batch: a tensor, a tuple of positional inputs or a dict of keyword inputs.
         max_stages: merge cut points until at most this many stages remain.
-        strict: raise :class:`CaptureError` instead of falling back to a single stage.
+        strict: raise :class:`CaptureError` instead of falling back to the module tree or a single stage.
         carry_cuts: also cut inside residual blocks, where the block's skip input crosses the cut beside
             the running tensor (``StageCost.carried``); False keeps every block in one stage (planners
             without a model of carried tensors, such as the paging planners, need that).
 
     Returns:
-        The chain. ``chain.method`` is ``"fx"`` or ``"single"``.
+        The chain. ``chain.method`` is ``"fx"``, ``"modules"`` (blocks of the module tree) or ``"single"``.
 
     Raises:
         CaptureError: the example batch does not run through the model, or (``strict``) no cut is possible.
