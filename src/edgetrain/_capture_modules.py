@@ -17,15 +17,17 @@ stage; Hugging Face models are run with ``use_cache=False``, as their own gradie
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ._state import preserved_model_state
+from .capture import Chain, Stage
 
-__all__ = ["find_blocks", "block_stages"]
+__all__ = ["find_blocks", "block_stages", "module_chain"]
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +115,24 @@ def block_stages(model: nn.Module, env: dict[str, Any]) -> list[str] | None:
         log.info("blocks not recomputable (handed a stateful object, or called inside another block): %s",
                  ", ".join(sorted(bad)))
     return order if len(order) >= 2 else None
+
+
+def _block_alone(name: str) -> Callable[..., tuple[Any, ...]]:
+    def fn(*args: Any) -> tuple[Any, ...]:
+        raise RuntimeError(f"stage {name} is a block of the model's own forward and runs only inside it "
+                           "(edgetrain.runtime.executor.ModuleExecutor)")
+    return fn
+
+
+def module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
+                  mutates: tuple[str, ...]) -> Chain | None:
+    """A chain of the model's repeated blocks (:mod:`edgetrain._capture_modules`), or None without two."""
+    call_kwargs: dict[str, Any] = {}
+    if "use_cache" in inspect.signature(model.forward).parameters and not env.get("use_cache"):
+        call_kwargs["use_cache"] = False  # a key/value cache would be appended to again by a replay
+    blocks = block_stages(model, {**env, **call_kwargs})
+    if blocks is None:
+        return None
+    stages = [Stage(i, name, _block_alone(name), (), (), (model.get_submodule(name),), mutates if i == 0 else ())
+              for i, name in enumerate(blocks)]
+    return Chain(stages, names, "modules", (), dict.fromkeys(names, len(stages) - 1), model, call_kwargs)

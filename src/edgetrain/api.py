@@ -14,7 +14,8 @@ from torch import nn
 from . import memory
 from ._analysis import Analysis, Outcome, block_solver_options
 from ._fork import analyse_safely
-from ._loss import LossNorm, loss_normalisation
+from ._guards import describe_change, loss_norm_safely, model_key
+from ._loss import LossNorm
 from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
@@ -37,48 +38,6 @@ def _grad_bytes_missing(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
 
 
-def _model_key(model: nn.Module) -> tuple[Any, ...]:
-    """What a prepared step depends on beyond parameter values: which module objects sit where, their
-    training flags (traced code holds ``self.training`` as a constant) and which parameter objects there are."""
-    return (tuple((name, id(m), m.training) for name, m in model.named_modules()),
-            tuple((name, id(p)) for name, p in model.named_parameters()))
-
-
-def _describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
-    old_mods = {name: (ident, training) for name, ident, training in old[0]}
-    new_mods = {name: (ident, training) for name, ident, training in new[0]}
-    for name, (ident, training) in new_mods.items():
-        label = f"'{name}'" if name else "the model"
-        if name not in old_mods:
-            return f"submodule {label} was added"
-        if old_mods[name][0] != ident:
-            return f"submodule {label} was replaced by another module"
-        if old_mods[name][1] != training:
-            return f"{label} is now in {'training' if training else 'eval'} mode (it was prepared in " \
-                   f"{'training' if old_mods[name][1] else 'eval'} mode)"
-    for name in old_mods:
-        if name not in new_mods:
-            return f"submodule '{name}' was removed"
-    old_p, new_p = dict(old[1]), dict(new[1])
-    for name in set(old_p) | set(new_p):
-        if old_p.get(name) != new_p.get(name):
-            return f"parameter '{name}' was added, removed or replaced by another tensor"
-    return "its modules or parameters changed"
-
-
-def _loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
-                      batch: int) -> LossNorm:
-    """:func:`loss_normalisation` in a forked child where possible: its forwards at 1-3 samples load kernels
-    for shapes no step uses, which would stay resident here."""
-    from . import _fork
-
-    if _fork.available():
-        res = _fork.run_in_child(lambda: loss_normalisation(model, env, loss_fn, targets, batch).kind)
-        if res is not None and res.error is None and res.value is not None:
-            return LossNorm(res.value, loss_fn)
-    return loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
-
-
 def _split_example(example: Any) -> tuple[Any, Any]:
     if not isinstance(example, (tuple, list)) or len(example) != 2:
         raise InputError("example must be a pair (inputs, targets), e.g. example=(x, y), with every tensor "
@@ -98,7 +57,7 @@ class TrainStep:
                  loss_norm: LossNorm | None = None) -> None:
         self.model = model
         self.loss_norm = loss_norm or LossNorm("mean")
-        self._model_key = _model_key(model)
+        self._model_key = model_key(model)
         self._constants: dict[str, Any] | None = None  # non-tensor inputs, fixed in the traced code
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -155,9 +114,9 @@ class TrainStep:
                 f"{self._plan.batch_size}, budget={self.budget_bytes})")
 
     def _check(self, inputs: Any, targets: Any) -> int:
-        key = _model_key(self.model)
+        key = model_key(self.model)
         if key != self._model_key:
-            raise InputError(f"the model changed after edgetrain.prepare(): {_describe_change(self._model_key, key)}. "
+            raise InputError(f"the model changed after edgetrain.prepare(): {describe_change(self._model_key, key)}. "
                              "The prepared step runs the model as it was captured; put it back as it was "
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
@@ -518,7 +477,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     fixed = in_use + _grad_bytes_missing(model) + opt_costs.state_bytes
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
-    loss_norm = _loss_norm_safely(model, env, loss_fn, targets, batch)
+    loss_norm = loss_norm_safely(model, env, loss_fn, targets, batch)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1
     solver_kw: dict[str, Any] = {}

@@ -384,46 +384,15 @@ def _single_stage(model: nn.Module, names: tuple[str, ...], mutates: tuple[str, 
     return Chain([st], names, "single", (), {k: 0 for k in names}, model)
 
 
-def _returning(fn: Callable[..., tuple[Any, ...]], cls: type) -> Callable[..., tuple[Any, ...]]:
-    """``fn`` with its model output (the last value) rebuilt as ``cls`` (e.g. a Hugging Face ``ModelOutput``)."""
-    def run(*args: Any) -> tuple[Any, ...]:
-        outs = fn(*args)
-        return (*outs[:-1], cls(**outs[-1]))
-    run.graph = getattr(fn, "graph", None)  # type: ignore[attr-defined]
-    run.get_buffer = getattr(fn, "get_buffer", None)  # type: ignore[attr-defined]
-    return run
-
-
-def _block_alone(name: str) -> Callable[..., tuple[Any, ...]]:
-    def fn(*args: Any) -> tuple[Any, ...]:
-        raise RuntimeError(f"stage {name} is a block of the model's own forward and runs only inside it "
-                           "(edgetrain.runtime.executor.ModuleExecutor)")
-    return fn
-
-
-def _module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
-                  mutates: tuple[str, ...]) -> Chain | None:
-    """A chain of the model's repeated blocks (:mod:`edgetrain._capture_modules`), or None without two."""
-    from ._capture_modules import block_stages
-
-    call_kwargs: dict[str, Any] = {}
-    if "use_cache" in inspect.signature(model.forward).parameters and not env.get("use_cache"):
-        call_kwargs["use_cache"] = False  # a key/value cache would be appended to again by a replay
-    blocks = block_stages(model, {**env, **call_kwargs})
-    if blocks is None:
-        return None
-    stages = [Stage(i, name, _block_alone(name), (), (), (model.get_submodule(name),), mutates if i == 0 else ())
-              for i, name in enumerate(blocks)]
-    return Chain(stages, names, "modules", (), dict.fromkeys(names, len(stages) - 1), model, call_kwargs)
-
-
 def _fallback(model: nn.Module, env: dict[str, Any], names: tuple[str, ...], mutates: tuple[str, ...],
               why: str, strict: bool) -> Chain:
-    """Stages from the module tree where fx failed; a single stage where that fails too."""
+    """Stages from the module tree where fx failed (``_capture_modules.module_chain``), else one stage."""
+    from ._capture_modules import module_chain
+
     if strict:
         raise CaptureError(why)
     try:
-        chain = _module_chain(model, env, names, mutates)
+        chain = module_chain(model, env, names, mutates)
     except Exception as e:  # the module tree cannot be followed: one stage still trains exactly
         log.info("following the module tree of %s failed: %s", type(model).__name__, e)
         chain = None
@@ -435,6 +404,16 @@ def _fallback(model: nn.Module, env: dict[str, Any], names: tuple[str, ...], mut
                 "training it as a single stage (micro-batching only). Make the forward fx-traceable, or keep "
                 "its blocks in a ModuleList, to let edgetrain recompute inside it.", why)
     return _single_stage(model, names, mutates)
+
+
+def _returning(fn: Callable[..., tuple[Any, ...]], cls: type) -> Callable[..., tuple[Any, ...]]:
+    """``fn`` with its model output (the last value) rebuilt as ``cls`` (e.g. a Hugging Face ``ModelOutput``)."""
+    def run(*args: Any) -> tuple[Any, ...]:
+        outs = fn(*args)
+        return (*outs[:-1], cls(**outs[-1]))
+    run.graph = getattr(fn, "graph", None)  # type: ignore[attr-defined]
+    run.get_buffer = getattr(fn, "get_buffer", None)  # type: ignore[attr-defined]
+    return run
 
 
 def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any]) -> None:
