@@ -56,7 +56,8 @@ def test_report_html_embeds_figures_writes_pngs_and_leaves_the_model_as_it_was(t
 def test_measured_timeline_samples_a_real_step():
     step, batch = _step()
     m = measure_step(step, batch)
-    assert len(m.times_s) >= 3 and m.peak_bytes > 0 and m.step_time_s > 0
+    # a step of a few ms can leave the 0.5 ms sampler only its first and last reading (GIL, a busy machine)
+    assert len(m.times_s) >= 2 and m.peak_bytes > 0 and m.step_time_s > 0
     ts, ms = planned_timeline(step.costs, step.plan)
     assert ts == sorted(ts) and max(ms) <= step.plan.peak_bytes * 1.5 and min(ms) == step.costs.fixed_bytes
 

@@ -214,8 +214,10 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
     if budget is None:
         # Nothing to keep inside, but profiling runs the model at sizes and shapes the steps never use,
         # and the kernels and heap they leave would stay with this process for good: profile in a child.
-        # The plan without a budget keeps everything, whatever the child's single thread measured.
-        res = run_in_child(lambda: profile(capture_chain()))
+        # The plan without a budget keeps everything, whatever the child's single thread measured; what
+        # profiling left resident in the child (kernels, heap) stands for what this process's first step
+        # will leave, so that the predicted peak stays honest.
+        res = run_in_child(lambda: profile(capture_chain(), with_overhead=True))
         chain = capture_chain()
         if res is not None and res.error is None:
             return chain, analyse(chain, res.value)
