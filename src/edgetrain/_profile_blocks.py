@@ -38,13 +38,9 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _nbytes(ts: list[torch.Tensor], exclude: set[int]) -> int:
-    seen: dict[int, int] = {}
-    for t in ts:
-        k = _key(t)
-        if k not in exclude:
-            seen.setdefault(k, t.untyped_storage().nbytes())
-    return sum(seen.values())
+def _nbytes(ts: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``ts``."""
+    return sum({_key(t): t.untyped_storage().nbytes() for t in ts}.values())
 
 
 def run_blocks(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Callable[..., torch.Tensor], m: int,
@@ -105,7 +101,7 @@ def run_blocks(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Ca
                 peak[i] = max(0, memory.peak_rss_bytes() - rss_at[i])
             outs = _tensors(out)
             out_keys.update(_key(t) for t in outs)
-            out_b[i] = _nbytes(outs, set())
+            out_b[i] = _nbytes(outs)
             diff = next((t for t in outs if t.requires_grad), None)
             if diff is not None:
                 diff.register_hook(lambda g, i=i: _grad_out(i))

@@ -44,8 +44,6 @@ __all__ = ["StageSample", "OptimizerCosts", "profile_chain", "optimizer_costs", 
 
 log = logging.getLogger(__name__)
 _MEMO: dict[str, dict[str, Any]] = {}
-# "modules" chains: bytes the code before the first block keeps through a micro-batch, per size last run
-_RESIDENT: dict[int, int] = {}
 
 
 @dataclass
@@ -263,12 +261,11 @@ def _count_flops(chain: Chain, inputs_env: dict[str, Any], m: int) -> list[float
 
 
 def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: Callable[..., torch.Tensor],
-               m: int, params: set[int], measure_memory: bool = True) -> tuple[list[StageSample], float]:
+               m: int, params: set[int], measure_memory: bool = True) -> tuple[list[StageSample], float, int]:
+    """Per-stage samples, the loss's seconds (with a block chain's code outside the blocks), and the bytes
+    resident through the micro-batch before the first stage (a block chain's embeddings, masks; else 0)."""
     if chain.method == "modules":
-        samples, outside_s, resident = run_blocks(chain, inputs_env, targets, loss_fn, m, params, measure_memory,
-                                                  StageSample)
-        _RESIDENT[m] = resident
-        return samples, outside_s
+        return run_blocks(chain, inputs_env, targets, loss_fn, m, params, measure_memory, StageSample)
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
     producer: dict[str, int] = {}
     samples = []
@@ -286,7 +283,7 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
     loss = loss_fn(out, slice_batch(targets, 0, m))
     if loss.requires_grad:
         loss.backward()
-    return samples, time.perf_counter() - t0
+    return samples, time.perf_counter() - t0, 0
 
 
 def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...]) -> str:
@@ -415,8 +412,7 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
             s_lo, s_hi = _min_samples([r[0] for r in runs_lo]), _min_samples([r[0] for r in runs_hi])
             loss_lo, loss_hi = min(r[1] for r in runs_lo), min(r[1] for r in runs_hi)
             stages = _fit(chain, lo, s_lo, hi, s_hi)
-            resident = Linear.fit(lo, _RESIDENT.get(lo, 0), hi, _RESIDENT.get(hi, 0)) if chain.method == "modules" \
-                else Linear()
+            resident = Linear.fit(lo, max(r[2] for r in runs_lo), hi, max(r[2] for r in runs_hi))
             try:  # FLOPs scale costs to devices we are not running on (edgetrain.devices.scale_chain)
                 if chain.method == "modules":
                     raise ValueError("blocks of the module tree run only inside the model's forward")
