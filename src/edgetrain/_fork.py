@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from . import memory
+from . import settings
 from .errors import BudgetError
 from .units import format_bytes
 
@@ -66,7 +67,7 @@ CHILD_THREADS = 1
 
 def available() -> bool:
     """fork() exists, is not switched off, and no CUDA context would be copied into the child."""
-    if os.environ.get("EDGETRAIN_FORK", "1").lower() in ("0", "false", "no", "off"):
+    if not settings.fork_enabled():
         return False
     if not hasattr(os, "fork") or sys.platform == "darwin":  # macOS frameworks are not fork-safe
         return False

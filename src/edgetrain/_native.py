@@ -17,15 +17,11 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from . import settings
 
-__all__ = ["build_library", "cache_root"]
+__all__ = ["build_library"]
 
 log = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """``$EDGETRAIN_CACHE_DIR``, default ``~/.cache/edgetrain``."""
-    return Path(os.environ.get("EDGETRAIN_CACHE_DIR", Path.home() / ".cache" / "edgetrain"))
 
 
 def _compile(cmd: Callable[[Path], Sequence[str]], target: Path, what: str) -> None:
@@ -60,7 +56,7 @@ def build_library(source: Path, folder: str, stem: str, key: bytes,
     """
     digest = hashlib.sha256(source.read_bytes() + b"\0" + key).hexdigest()[:16]
     name = f"{stem}-{digest}.so"
-    target = cache_root() / folder / name
+    target = settings.cache_dir() / folder / name
     if target.exists():
         return target
     log.info("compiling %s (once per install)", what)

@@ -9,11 +9,11 @@ from typing import Any, Callable
 
 from . import memory
 from .errors import BudgetError
-from .graph import CostChain
+from .graph import CostChain, candidate_micro_batch_sizes
 from .plan import Plan
 from .units import format_bytes
 
-__all__ = ["Measured", "Planner", "candidate_sizes", "first_run_cost"]
+__all__ = ["Measured", "Planner", "first_run_cost"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -65,10 +65,6 @@ def budget_for(need: int, share: float) -> int:
 
 def _plan_key(plan: Plan) -> tuple[int, tuple[str, ...]]:
     return plan.micro_batch_size, tuple(plan.policies)
-
-
-def candidate_sizes(batch: int) -> list[int]:
-    return sorted({math.ceil(batch / k) for k in range(1, batch + 1)}, reverse=True)
 
 
 class Planner:
@@ -134,7 +130,7 @@ class Planner:
         if self.whole_batch_only:
             return [b]
         lo = min(self.min_micro, b)  # BatchNorm in training needs 2 samples where maps are 1x1
-        return [m for m in candidate_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
+        return [m for m in candidate_micro_batch_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
 
     def _sizes(self) -> list[list[int]]:
         b = self.costs.batch_size

@@ -8,7 +8,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "split_batch", "batch_nbytes", "batch_signature"]
+__all__ = ["batch_size_of", "slice_batch", "batch_signature"]
 
 
 def _leaves(x: Any) -> Iterator[torch.Tensor]:
@@ -47,25 +47,6 @@ def slice_batch(x: Any, start: int, stop: int) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(slice_batch(v, start, stop) for v in x)
     return x
-
-
-def split_batch(x: Any, sizes: list[int]) -> list[Any]:
-    out, start = [], 0
-    for s in sizes:
-        out.append(slice_batch(x, start, start + s))
-        start += s
-    return out
-
-
-def batch_nbytes(x: Any) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in _leaves(x):
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
 
 
 def batch_signature(x: Any) -> tuple[Any, ...]:

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 __all__ = [
-    "Linear", "StageCost", "CostChain", "ScheduleCost", "simulate", "micro_batch_sizes",
+    "Linear", "StageCost", "CostChain", "ScheduleCost", "simulate", "micro_batch_sizes", "candidate_micro_batch_sizes",
     "KEEP", "RECOMPUTE", "PAGE", "POLICIES", "singleton_groups",
 ]
 
@@ -207,6 +208,29 @@ class ScheduleCost:
     micro_batch_time_s: float
     recompute_time_s: float = 0.0
     per_stage_peak_bytes: tuple[int, ...] = field(default=())
+
+
+def candidate_micro_batch_sizes(batch_size: int, allowed: Sequence[int] | None = None) -> list[int]:
+    """Micro-batch sizes a planner searches for a logical batch of ``batch_size``, largest first.
+
+    Args:
+        batch_size: the logical batch ``B``.
+        allowed: sizes the user allows (clamped to ``B``); ``None`` means, for every number of
+            micro-batches ``k`` in ``1..B``, the balanced size ``ceil(B / k)`` (an unbalanced split with the
+            same ``k`` has the same predicted time and a larger peak, so it never wins).
+
+    Raises:
+        ValueError: ``allowed`` is empty or holds something other than positive integers.
+    """
+    if allowed is None:
+        return sorted({-(-batch_size // k) for k in range(1, batch_size + 1)}, reverse=True)
+    sizes = list(allowed)
+    if not sizes:
+        raise ValueError("micro_batch_sizes is empty: pass at least one size, or None to search all")
+    for m in sizes:
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+            raise ValueError(f"micro-batch sizes must be positive integers, got {m!r}")
+    return sorted({min(int(m), batch_size) for m in sizes}, reverse=True)
 
 
 def micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:

@@ -21,6 +21,7 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Iterator, TypeVar
+from . import settings
 
 __all__ = [
     "rss_bytes", "peak_rss_bytes", "process_peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
@@ -242,7 +243,7 @@ def _tune_at_import() -> None:
     Done at import because memory glibc has already retained cannot be given back later: a process that
     trains plainly first and prepares afterwards would carry that retention into every budget.
     """
-    if os.environ.get("EDGETRAIN_ALLOCATOR", "tuned").lower() != "system":
+    if settings.allocator() != "system":
         tune_allocator()
 
 

@@ -23,13 +23,13 @@ import os
 import platform
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Container
 
 import torch
 from torch import nn
 
 from . import memory
+from . import settings
 from .runtime import pool
 from .runtime.lean import chunk_bytes
 from ._state import preserved_model_state
@@ -39,8 +39,7 @@ from .errors import ProfileError
 from .graph import CostChain, Linear, StageCost
 from ._profile_blocks import run_blocks
 
-__all__ = ["StageSample", "OptimizerCosts", "profile_chain", "optimizer_costs", "optimizer_state_bytes",
-           "cache_dir"]
+__all__ = ["StageSample", "OptimizerCosts", "profile_chain", "optimizer_costs"]
 
 log = logging.getLogger(__name__)
 _MEMO: dict[str, dict[str, Any]] = {}
@@ -65,10 +64,6 @@ class StageSample:
     @property
     def local_bytes(self) -> int:
         return max(self.peak_bytes, self.saved_bytes + 2 * self.out_bytes + self.in_grad_bytes)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGETRAIN_CACHE_DIR", Path.home() / ".cache" / "edgetrain"))
 
 
 def _tensor_bytes(v: Any) -> int:
@@ -180,11 +175,6 @@ def optimizer_costs(optimizer: torch.optim.Optimizer) -> OptimizerCosts:
     update = int(math.ceil(transient * (total if whole_model else largest)))
     return OptimizerCosts(state_bytes=state, update_bytes=update, state_per_param=per_elem,
                           update_per_param=transient)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state that the first ``step()`` will still allocate."""
-    return optimizer_costs(optimizer).state_bytes
 
 
 def _run_stage(stage: Any, env: dict[str, Any], produced: Container[str], params: set[int],
@@ -300,11 +290,11 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
 
 
 def _load_cached(key: str) -> dict[str, Any] | None:
-    if os.environ.get("EDGETRAIN_NO_CACHE"):
+    if not settings.cache_enabled():
         return None
     if key in _MEMO:
         return _MEMO[key]
-    path = cache_dir() / "profiles" / f"{key}.json"
+    path = settings.cache_dir() / "profiles" / f"{key}.json"
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -315,9 +305,9 @@ def _load_cached(key: str) -> dict[str, Any] | None:
 
 def _store_cached(key: str, data: dict[str, Any]) -> None:
     _MEMO[key] = data
-    if os.environ.get("EDGETRAIN_NO_CACHE"):
+    if not settings.cache_enabled():
         return
-    path = cache_dir() / "profiles" / f"{key}.json"
+    path = settings.cache_dir() / "profiles" / f"{key}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

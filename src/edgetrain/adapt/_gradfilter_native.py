@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._native import build_library
+from .. import settings
 
 if TYPE_CHECKING:
     from ._gradfilter_impl import _Axis
@@ -107,7 +108,7 @@ def available(*tensors: torch.Tensor) -> bool:
     """
     if _LIB is None and _FAILED is not None:
         return False
-    if os.environ.get("EDGETRAIN_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+    if not settings.native_enabled():
         return False
     for t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu":

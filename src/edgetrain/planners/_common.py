@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import KEEP, RECOMPUTE, CostChain, micro_batch_sizes, micro_batch_time, simulate
+from ..graph import KEEP, RECOMPUTE, CostChain, candidate_micro_batch_sizes, micro_batch_sizes, micro_batch_time, simulate
 
 __all__ = [
     "NESTED", "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
@@ -95,30 +95,8 @@ class Schedule:
 
 
 def candidate_micro_batches(chain: CostChain, micro_batch_sizes: Sequence[int] | None = None) -> list[int]:
-    """Micro-batch sizes to search, largest first.
-
-    Args:
-        chain: the chain (its ``batch_size`` is the logical batch ``B``).
-        micro_batch_sizes: sizes the user allows; ``None`` means, for every number of micro-batches
-            ``k`` in ``1..B``, the balanced size ``ceil(B / k)`` (an unbalanced split with the same ``k``
-            has the same predicted time and a larger peak, so it never wins).
-
-    Returns:
-        Distinct sizes in ``1..B``, sorted descending.
-
-    Raises:
-        ValueError: a size is not a positive integer, or the list is empty.
-    """
-    b = chain.batch_size
-    if micro_batch_sizes is None:
-        return sorted({-(-b // k) for k in range(1, b + 1)}, reverse=True)
-    sizes = list(micro_batch_sizes)
-    if not sizes:
-        raise ValueError("micro_batch_sizes is empty: pass at least one size, or None to search all")
-    for m in sizes:
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-            raise ValueError(f"micro-batch sizes must be positive integers, got {m!r}")
-    return sorted({min(int(m), b) for m in sizes}, reverse=True)
+    """Micro-batch sizes to search for ``chain``, largest first (see :func:`~edgetrain.graph.candidate_micro_batch_sizes`)."""
+    return candidate_micro_batch_sizes(chain.batch_size, micro_batch_sizes)
 
 
 def hashable(chain: CostChain) -> CostChain:

@@ -26,9 +26,10 @@ from ..errors import BudgetError
 from ..graph import KEEP, PAGE, RECOMPUTE, CostChain
 from ..plan import Plan
 from ..units import format_bytes
+from ._common import candidate_micro_batches
 from .paging_model import PagedScheduleCost, PagingArrays, pack_bytes, paging_arrays, simulate_paged
 
-__all__ = ["PagedSchedule", "Candidate", "candidate_micro_batches", "schedule_from_vectors",
+__all__ = ["PagedSchedule", "Candidate", "schedule_from_vectors",
            "window_candidates", "feasible_schedule", "min_activation_peak", "cost_of", "widen_window",
            "plan_search", "OBJECTIVES"]
 
@@ -59,21 +60,6 @@ class Candidate:
     objective: float
     bound: float
     proven: bool = True
-
-
-def candidate_micro_batches(chain: CostChain, sizes: Sequence[int] | None) -> list[int]:
-    """Micro-batch sizes to search: the user's (clamped to the batch), or ``ceil(B/k)`` for ``k = 1..B``.
-
-    Raises:
-        ValueError: an empty list or a size that is not a positive integer.
-    """
-    b = chain.batch_size
-    if sizes is None:
-        return sorted({-(-b // k) for k in range(1, b + 1)}, reverse=True)
-    sizes = list(sizes)
-    if not sizes or any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1 for m in sizes):
-        raise ValueError(f"micro_batch_sizes must be a non-empty list of positive integers, got {sizes!r}")
-    return sorted({min(int(m), b) for m in sizes}, reverse=True)
 
 
 def schedule_from_vectors(m: int, page: Sequence[bool], rec: Sequence[bool], end: Sequence[bool],

@@ -26,30 +26,21 @@ another byte count to change the slice size.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from .. import settings
 
 __all__ = ["CHUNK_BYTES", "lean_conv2d", "lean_hardtanh", "chunk_bytes"]
 
 #: Default bytes of (input + output gradient) a backward slice covers. Below ~4 MiB oneDNN loses speed on
 #: deep, small maps (ResNet-18's 256x8x8 layers: 28 ms in one call, 38 ms in slices of 8); at 8 MiB the
 #: slices of the large early maps stay big enough to be as fast as one call or faster.
-CHUNK_BYTES = 8 * 2**20
+CHUNK_BYTES = settings.DEFAULT_CONV_CHUNK_BYTES
 
-def chunk_bytes() -> int:
-    """Slice size from ``EDGETRAIN_CONV_CHUNK_BYTES`` (0 disables the lean path), else :data:`CHUNK_BYTES`."""
-    raw = os.environ.get("EDGETRAIN_CONV_CHUNK_BYTES", "").strip()
-    if not raw:
-        return CHUNK_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"EDGETRAIN_CONV_CHUNK_BYTES must be a byte count (0 turns the lean convolution "
-                         f"backward off); got {raw!r}") from None
-    return max(0, value)
+#: the slice size in force (``EDGETRAIN_CONV_CHUNK_BYTES``; 0 disables the lean path)
+chunk_bytes = settings.conv_chunk_bytes
 
 
 class _LeanConv2dFn(torch.autograd.Function):

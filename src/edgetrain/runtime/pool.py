@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._native import build_library
+from .. import settings
 
 __all__ = ["PoolStats", "available", "huge_pages", "install", "installed", "stats", "set_cap", "release", "reset_peak"]
 
@@ -123,7 +124,7 @@ def install() -> bool:
     global _INSTALLED
     if _INSTALLED:
         return True
-    if os.environ.get("EDGETRAIN_ALLOCATOR", "pool").lower() not in ("pool", ""):
+    if settings.allocator() != "pool":
         return False
     lib = _load()
     if lib is None:
@@ -140,7 +141,7 @@ def huge_pages() -> bool:
     half its stages: 55k faults and 0.55 s a step with 4 KiB pages, 24k and 0.46 s with huge pages, same
     peak). ``EDGETRAIN_HUGE_PAGES=0`` turns it off; the kernel ignores it where THP is disabled.
     """
-    return os.environ.get("EDGETRAIN_HUGE_PAGES", "1").lower() not in ("0", "false", "no", "off")
+    return settings.huge_pages()
 
 
 def installed() -> bool:

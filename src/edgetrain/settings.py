@@ -1,0 +1,138 @@
+"""Every ``EDGETRAIN_*`` environment variable, read and parsed in one place.
+
+Each switch is read when it is used (not at import), so a test or a launcher can set it for one call.
+A switch has one vocabulary: booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case); the
+allocator takes ``pool``, ``tuned`` or ``system``. A value outside the vocabulary is an error naming the
+variable, never silently read as the default.
+
+:data:`SETTINGS` describes them all; the README's table of environment variables is written from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Setting", "SETTINGS", "allocator", "cache_dir", "cache_enabled", "conv_chunk_bytes", "flag",
+           "fork_enabled", "huge_pages", "native_enabled", "markdown_table"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+#: the allocator modes, from most to least of edgetrain's own tuning
+ALLOCATORS = ("pool", "tuned", "system")
+
+#: slice size of the lean convolution backward when ``EDGETRAIN_CONV_CHUNK_BYTES`` is unset (8 MiB)
+DEFAULT_CONV_CHUNK_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its name, default (as written in the environment) and meaning."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("EDGETRAIN_ALLOCATOR", "pool",
+            "`pool`: edgetrain's CPU tensor pool plus a 64 KiB glibc mmap threshold; `tuned`: the threshold "
+            "only; `system`: neither (plain glibc, as PyTorch runs by default)"),
+    Setting("EDGETRAIN_HUGE_PAGES", "1", "the tensor pool asks for transparent huge pages on blocks of 2 MiB "
+            "or more; `0` turns it off"),
+    Setting("EDGETRAIN_FORK", "1", "profile, plan and check the loss in a forked child so their memory never "
+            "counts in the process; `0` runs them in the process"),
+    Setting("EDGETRAIN_CACHE_DIR", "~/.cache/edgetrain", "where stage profiles and compiled native kernels "
+            "are cached"),
+    Setting("EDGETRAIN_NO_CACHE", "0", "`1`: never read or write the profile cache (profile afresh each time)"),
+    Setting("EDGETRAIN_NATIVE", "1", "gradient filtering's compiled kernels; `0` runs the PyTorch "
+            "formulation (same gradients, slower)"),
+    Setting("EDGETRAIN_CONV_CHUNK_BYTES", str(DEFAULT_CONV_CHUNK_BYTES), "slice size of the lean "
+            "convolution backward (bytes); `0` turns the lean path off"),
+)
+
+_DEFAULTS = {s.name: s.default for s in SETTINGS}
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def flag(name: str, default: bool | None = None) -> bool:
+    """The boolean switch ``name``; unset or empty gives ``default`` (its :data:`SETTINGS` default if None).
+
+    Raises:
+        ValueError: the value is not one of ``1/true/yes/on/0/false/no/off``.
+    """
+    raw = _raw(name).lower()
+    if not raw:
+        return default if default is not None else _DEFAULTS[name].lower() in _TRUE
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a switch: use one of {', '.join(_TRUE + _FALSE)}")
+
+
+def allocator() -> str:
+    """``EDGETRAIN_ALLOCATOR``: ``"pool"`` (default), ``"tuned"`` or ``"system"``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = _raw("EDGETRAIN_ALLOCATOR").lower() or "pool"
+    if raw not in ALLOCATORS:
+        raise ValueError(f"EDGETRAIN_ALLOCATOR={raw!r}: use one of {', '.join(ALLOCATORS)}")
+    return raw
+
+
+def huge_pages() -> bool:
+    """``EDGETRAIN_HUGE_PAGES``: the tensor pool madvises huge pages on large blocks (default on)."""
+    return flag("EDGETRAIN_HUGE_PAGES")
+
+
+def fork_enabled() -> bool:
+    """``EDGETRAIN_FORK``: analysis runs in a forked child where the platform allows (default on)."""
+    return flag("EDGETRAIN_FORK")
+
+
+def native_enabled() -> bool:
+    """``EDGETRAIN_NATIVE``: gradient filtering may compile and use its C kernels (default on)."""
+    return flag("EDGETRAIN_NATIVE")
+
+
+def cache_enabled() -> bool:
+    """Profiles are read from and written to the cache unless ``EDGETRAIN_NO_CACHE`` is on."""
+    return not flag("EDGETRAIN_NO_CACHE")
+
+
+def cache_dir() -> Path:
+    """``$EDGETRAIN_CACHE_DIR``, default ``~/.cache/edgetrain``: profiles and compiled kernels live here."""
+    raw = _raw("EDGETRAIN_CACHE_DIR")
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "edgetrain"
+
+
+def conv_chunk_bytes() -> int:
+    """``EDGETRAIN_CONV_CHUNK_BYTES``: slice size of the lean convolution backward; 0 turns it off.
+
+    Raises:
+        ValueError: the value is not a whole number of bytes.
+    """
+    raw = _raw("EDGETRAIN_CONV_CHUNK_BYTES")
+    if not raw:
+        return DEFAULT_CONV_CHUNK_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"EDGETRAIN_CONV_CHUNK_BYTES must be a byte count (0 turns the lean convolution "
+                         f"backward off); got {raw!r}") from None
+    return max(0, value)
+
+
+def markdown_table() -> str:
+    """The settings as a Markdown table (variable, default, meaning), as the README shows them."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{s.name}` | `{s.default}` | {s.meaning} |" for s in SETTINGS]
+    return "\n".join(rows)
