@@ -46,9 +46,12 @@ class Outcome:
     sizes: list[int]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Analysis:
-    """Everything ``prepare()`` decided before profiling; its methods do the measuring and planning."""
+    """Everything ``prepare()`` decided before profiling; its methods do the measuring and planning.
+
+    Built by keyword only: most fields are ints, and a positional call could swap two unnoticed.
+    """
 
     model: nn.Module
     inputs: Any
@@ -146,20 +149,16 @@ class Analysis:
                               budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes) from e
 
     def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...]) -> Outcome:
-        planner = Planner(costs, self.budget, self.margin, self.solver, micro,
-                          self.prefer_full_batch, self.min_micro, self.update_bytes,
-                          {**self.solver_kw, **block_solver_options(chain, self.solver)})
-        if reasons:
-            planner.whole_batch_only = True
-
         def reprofile(b: int) -> CostChain:
             def work() -> CostChain:
                 return self._profile_at(chain, costs.fixed_bytes, b)
             # in a fork when it can: the kernels profiling builds must not inflate later validation runs
             return measure_in_child(work) or work()
 
-        planner.reprofile = reprofile
-        planner.margin_share = self.margin_share
+        planner = Planner(costs, self.budget, self.margin, self.solver, micro,
+                          self.prefer_full_batch, self.min_micro, self.update_bytes,
+                          {**self.solver_kw, **block_solver_options(chain, self.solver)},
+                          reprofile=reprofile, margin_share=self.margin_share, whole_batch_only=bool(reasons))
         if self.plan_budget is None:
             plan = planner.plan(None)
             return Outcome(_noted(plan, reasons), costs, 0, planner.sizes())

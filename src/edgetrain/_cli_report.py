@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .config import options
+
 __all__ = ["report_command", "bench_spec"]
 
 
@@ -46,8 +48,8 @@ def report_command(args: argparse.Namespace) -> int:
         batch, loss, budget, name = (x, y), torch.nn.CrossEntropyLoss(), args.budget, args.model
     memory.record_baseline()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = prepare(model, opt, loss, batch, memory_budget=budget, solver=args.solver, paging=args.paging,
-                   objective="energy" if args.paging else "time", name=name)
+    step = prepare(model, opt, loss, batch, memory_budget=budget, name=name,
+                   **options(solver=args.solver, paging=args.paging, objective="energy" if args.paging else "time"))
     print(step.plan.summary())
     path = step.report(args.out, batch=batch)
     print(f"report written to {path}")
@@ -83,7 +85,7 @@ def bench_spec(args: argparse.Namespace) -> int:
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         try:
-            step = prepare(model, opt, loss, (x, y), memory_budget=budget, solver=name)
+            step = prepare(model, opt, loss, (x, y), memory_budget=budget, **options(solver=name))
         except BudgetError as e:
             need = "" if e.min_feasible_bytes is None else f": needs {format_bytes(e.min_feasible_bytes)}"
             print(f"{label:>26}  does not fit{need}")

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, random_split
 
+from .config import options
 from .spec import build_model, load_data
 from .train_config import TrainConfig
 
@@ -83,7 +84,7 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     classification = data.task == "classification"
     loss_fn: nn.Module = nn.CrossEntropyLoss() if classification else nn.MSELoss()
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
-    prepare_options = {"solver": cfg.solver, "micro_batch_size": cfg.micro_batch_size, "paging": cfg.paging,
+    prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging),
                        "name": cfg.model}
     trainer = Trainer(model, opt, loss_fn, loader, val_loader, memory_budget=budget, scheduler=sched,
                       metrics={"accuracy": _accuracy} if classification else None,

@@ -78,7 +78,9 @@ class Planner:
 
     def __init__(self, costs: CostChain, budget: int | None, margin: int, solver: str,
                  micro_batch_size: int | None, prefer_full_batch: bool, min_micro: int, update_bytes: int,
-                 solver_kw: dict[str, Any] | None = None) -> None:
+                 solver_kw: dict[str, Any] | None = None, *,
+                 reprofile: Callable[[int], CostChain] | None = None, margin_share: float | None = None,
+                 whole_batch_only: bool = False) -> None:
         self.costs = costs
         self.budget = budget
         self.margin = margin
@@ -88,15 +90,15 @@ class Planner:
         self.min_micro = min_micro
         self.update_bytes = update_bytes
         self.solver_kw = dict(solver_kw or {})
-        self.reprofile: Callable[[int], CostChain] | None = None
-        self.margin_share: float | None = None  # prepare's safety_margin (the margin then has a floor)
+        self.reprofile = reprofile  # profiles again for a budget (None: never)
+        self.margin_share = margin_share  # prepare's safety_margin (the margin then has a floor)
         # Fixed bytes measured per micro-batch size: a run leaves kernels and heap behind that grow with
         # the size it ran (transformer, 64 samples: 3.3 MiB after micro-batches of 8, 7.4 MiB after 22).
         self._fixed_at: dict[int, int] = {}
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
         self._ran_at: dict[tuple[int, tuple[str, ...]], int] = {}  # plan -> process RSS after its last run
         self._largest_run: tuple[Plan, int, int] | None = None  # _largest_size_run's one run
-        self.whole_batch_only = False  # micro-batching would not be exact for this model (loss, buffers)
+        self.whole_batch_only = whole_batch_only  # micro-batching would not be exact (loss, buffers)
 
     def _with_fixed(self, extra: int) -> None:
         self.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes + extra)

@@ -18,8 +18,10 @@ from ._guards import describe_change, loss_norm_safely, model_key
 from ._loss import LossNorm
 from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
 from ._state import batchnorm_modules
+from .adapt import ElasticConfig, GradFilter
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
+from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
@@ -391,13 +393,10 @@ class TrainStep:
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
-            example: Any, memory_budget: int | str | None = None, *, micro_batch_size: int | None = None,
-            solver: str = "dp", max_stages: int = 48, tune_allocator: bool = True,
-            exact_batchnorm: bool = True,
-            safety_margin: float = 0.03, use_cache: bool = True, name: str | None = None,
-            paging: bool = False, page_dir: str | None = None, device: Any = "host", objective: str = "time",
-            time_budget: float | None = None, speedup: Any = None, grad_filter: Any = None,
-            plan: Plan | None = None, costs: CostChain | None = None) -> TrainStep:
+            example: Any, memory_budget: int | str | None = None, *, planning: PlanConfig | None = None,
+            paging: PagingConfig | None = None, speedup: float | ElasticConfig | None = None,
+            grad_filter: GradFilter | None = None, plan: Plan | None = None, costs: CostChain | None = None,
+            name: str | None = None, **deprecated: Any) -> TrainStep:
     """Measure ``model`` on this machine and plan an exact training step that fits ``memory_budget``.
 
     Args:
@@ -409,28 +408,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         memory_budget: bytes (int) or a size like ``"300MiB"``: the bound on peak resident memory above what
             the process used right after ``import edgetrain`` (see README, "What the budget bounds").
             None: no bound (plain training, no recomputation).
-        micro_batch_size: fix the micro-batch size; None lets the planner choose.
-        solver: planner name (``edgetrain.planners.PLANNERS``): "dp" (exact, default), "no_saving",
-            "recompute_all", "chen_sqrt", "checkpoint_sequential".
-        max_stages: upper bound on the number of stages the model is cut into.
-        tune_allocator: install edgetrain's CPU tensor pool (``edgetrain.runtime.pool``: freed tensor memory is
-            reused but never held beyond the peak of live tensors) and fix glibc's mmap threshold for the rest
-            (process-wide).
-        exact_batchnorm: for models with BatchNorm in training mode, prefer plans without micro-batching
-            (identical to plain PyTorch) and micro-batch only if no such plan fits.
-        safety_margin: share of the budget held back for what validation cannot see of a real step
-            (allocator noise, code and heap a process touches that its fork did not), and at least
-            ``MIN_MARGIN_BYTES`` (1 MiB) when above 0.
-        use_cache: reuse profiles measured earlier on this machine.
-        name: model name for reports.
-        paging: let the planner page tensors saved for backward to storage (``page_dir``) as well as
-            recompute (POET-style); uses the ``"poet"`` planner unless ``solver="poet-milp"``.
-        page_dir: directory of the page file (CPU training; default a temp directory). Put it on the
-            storage you want to page to.
-        device: device profile the paging planner costs transfers and energy with: ``"host"`` (measured
-            here), a bundled profile name (``edgetrain.devices.list_profiles()``) or a ``DeviceProfile``.
-        objective: with paging or a time budget, minimise ``"time"`` or ``"energy"``.
-        time_budget: at most this multiple of the fastest step's time (e.g. 1.3); uses the POET planner.
+        planning: how to plan and run the step (:class:`~edgetrain.config.PlanConfig`: micro-batch size,
+            solver, stage count, BatchNorm preference, safety margin, profile cache, allocator).
+        paging: POET-style planning (:class:`~edgetrain.config.PagingConfig`): page saved tensors to
+            storage as well as recompute, costed for a device profile, minimising time or energy, with an
+            optional time budget. None: recompute only, fastest plan.
         speedup: opt-in, approximate: train only the parameter tensors that matter most so a step is this
             many times faster (ElasticTrainer); a float or an ``edgetrain.adapt.ElasticConfig``. Re-selects
             every ``interval_steps``; after each selection the memory plan is remade for the trained suffix
@@ -444,6 +426,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             profiled, planned or validated (a federated client plans once and keeps the plan across
             rounds). The caller vouches for the setting; stage count and batch size are checked.
         costs: the ``step.costs`` that came with ``plan`` (required with it).
+        name: model name for reports.
+        **deprecated: the keyword arguments of earlier releases (``micro_batch_size``, ``solver``,
+            ``max_stages``, ``tune_allocator``, ``exact_batchnorm``, ``safety_margin``, ``use_cache``,
+            ``paging=True``, ``page_dir``, ``device``, ``objective``, ``time_budget``): still honoured for
+            one release, each warning once (``DeprecationWarning``).
 
     Returns:
         The :class:`TrainStep`.
@@ -453,6 +440,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         CaptureError: the model does not run on the example.
         InputError: the example is malformed.
     """
+    cfg, paging_cfg = resolve_legacy(planning, paging, deprecated)
+    micro_batch_size, solver, safety_margin = cfg.micro_batch_size, cfg.solver, cfg.safety_margin
     inputs, targets = _split_example(example)
     batch = batch_size_of(inputs, targets)
     if grad_filter is not None:
@@ -462,11 +451,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         report = apply_grad_filter(model, grad_filter, example_input=probe)
         log.info("gradient filtering: %s", report)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
-    if not 0 <= safety_margin < 0.5:
-        raise ValueError(f"safety_margin must be in [0, 0.5), got {safety_margin}")
-    if micro_batch_size is not None and not 1 <= micro_batch_size:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if tune_allocator:
+    if cfg.tune_allocator:
         memory.tune_allocator()
         pool.install()
     pool.set_cap(None)
@@ -482,24 +467,30 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     min_micro = 2 if has_bn and batch >= 2 else 1
     solver_kw: dict[str, Any] = {}
     pager = None
-    if paging or time_budget is not None or solver.startswith("poet"):
+    page_dir = None
+    if paging_cfg is not None:
         from .devices import DeviceProfile, load_profile
 
+        device = paging_cfg.device
         dev_profile = device if isinstance(device, DeviceProfile) else load_profile(device)
-        solver = solver if solver.startswith("poet") else "poet"
-        solver_kw = {"device": dev_profile, "objective": objective, "time_budget": time_budget, "paging": paging}
-    if paging:
-        from .runtime.paging import Pager
+        solver = paging_cfg.solver
+        solver_kw = {"device": dev_profile, "objective": paging_cfg.objective,
+                     "time_budget": paging_cfg.time_budget, "paging": paging_cfg.page}
+        page_dir = paging_cfg.directory
+        if paging_cfg.page:
+            from .runtime.paging import Pager
 
-        pager = Pager(page_dir, keep=list(model.parameters()))
-    analysis = Analysis(model, inputs, env, targets, loss_fn, batch, fixed, rss_start, budget, margin, solver,
-                        solver_kw, micro_batch_size, has_bn and exact_batchnorm, min_micro, opt_costs.update_bytes,
-                        opt_costs.state_bytes, _grad_bytes_missing(model), max_stages, use_cache,
-                        name or type(model).__name__, pager, optimizer, safety_margin,
-                        () if loss_norm.splittable else (
-                            "the loss is neither a mean nor a sum over samples on the example batch (split in "
-                            "two, its parts do not add up to the whole), so micro-batches could not reproduce "
-                            "its gradients",))
+            pager = Pager(page_dir, keep=list(model.parameters()))
+    analysis = Analysis(
+        model=model, inputs=inputs, env=env, targets=targets, loss_fn=loss_fn, batch=batch, fixed=fixed,
+        rss_start=rss_start, budget=budget, margin=margin, solver=solver, solver_kw=solver_kw,
+        micro_batch_size=micro_batch_size, prefer_full_batch=has_bn and cfg.exact_batchnorm, min_micro=min_micro,
+        update_bytes=opt_costs.update_bytes, state_bytes=opt_costs.state_bytes, grads=_grad_bytes_missing(model),
+        max_stages=cfg.max_stages, use_cache=cfg.use_cache, name=name or type(model).__name__, pager=pager,
+        optimizer=optimizer, margin_share=safety_margin,
+        whole_batch_reasons=() if loss_norm.splittable else (
+            "the loss is neither a mean nor a sum over samples on the example batch (split in two, its parts "
+            "do not add up to the whole), so micro-batches could not reproduce its gradients",))
     if plan is not None:
         chain = analysis.capture_chain()
         if costs is None or plan.num_stages != len(chain) or batch not in (plan.batch_size, costs.batch_size) \
@@ -539,10 +530,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         step._opt_state_bytes = opt_costs.state_bytes
     step.page_dir = page_dir
     if speedup is not None:
-        from .adapt.elastic import ElasticConfig, ElasticSelector
+        from .adapt.elastic import ElasticSelector
 
-        cfg = speedup if isinstance(speedup, ElasticConfig) else ElasticConfig(speedup=float(speedup))
+        elastic_cfg = speedup if isinstance(speedup, ElasticConfig) else ElasticConfig(speedup=float(speedup))
         probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))
-        step.elastic = ElasticSelector(cfg).attach(model, optimizer, probe, loss_fn)
+        step.elastic = ElasticSelector(elastic_cfg).attach(model, optimizer, probe, loss_fn)
         step.replan_for_selection()
     return step

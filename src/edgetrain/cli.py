@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .config import options
+
 __all__ = ["main"]
 
 log = logging.getLogger("edgetrain.cli")
@@ -155,7 +157,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                            channels=channels, seed=args.seed + epoch, layout=layout)
     example = next(iter(batches(0)))
     t0 = time.perf_counter()
-    step = edgetrain.prepare(model, opt, loss_fn, example, memory_budget=budget, solver=args.solver)
+    step = edgetrain.prepare(model, opt, loss_fn, example, memory_budget=budget, **options(solver=args.solver))
     out(f"prepared in {time.perf_counter() - t0:.1f} s\n" + step.plan.summary())
     first_epoch = 0
     if args.checkpoint and Path(args.checkpoint).exists():
@@ -262,10 +264,9 @@ def _kwargs(text: str) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
     from .planners import PLANNERS, solve
     from .units import parse_bytes
-
-    from .errors import ConfigError
 
     parse_bytes(args.budget)  # a bad size fails before any profiling
     solver = args.solver or ("poet" if args.device else "dp")

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from .config import options
+
 __all__ = ["Job", "JobResult", "run_isolated", "build_model_and_batch"]
 
 
@@ -200,9 +202,9 @@ def _worker(job: Job) -> JobResult:
     if job.mode == "edgetrain":
         try:
             step = edgetrain.prepare(model, opt, loss_fn, (x, y), memory_budget=job.budget,
-                                     micro_batch_size=job.micro_batch_size, solver=job.solver,
-                                     paging=job.paging, objective=job.objective,
-                                     exact_batchnorm=job.exact_batchnorm)
+                                     **options(micro_batch_size=job.micro_batch_size, solver=job.solver,
+                                               paging=job.paging, objective=job.objective,
+                                               exact_batchnorm=job.exact_batchnorm))
         except BudgetError as e:
             res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
             res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())

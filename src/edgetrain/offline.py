@@ -1,6 +1,6 @@
 """Planning without the device: cost a model (or a cost-graph file) for a named device profile and plan it.
 
-``edgetrain.plan(...)`` profiles the model here, rescales the costs to the target device (its compute
+``edgetrain.plan_for_device(...)`` profiles the model here, rescales the costs to the target device (its compute
 rate; FLOPs where the host is not the reference) with :func:`edgetrain.devices.scale_chain`, and solves
 the POET-style problem (keep / recompute / page per stage, energy or time objective, optional time
 budget). It returns the joint plan with the recompute-only and paging-only plans beside it, so the
@@ -15,12 +15,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .config import options
 from .errors import BudgetError
 from .graph import CostChain
 from .plan import Plan
 from .units import format_bytes, parse_bytes
 
-__all__ = ["plan", "plan_chain", "profile_costs", "DevicePlans"]
+__all__ = ["plan_for_device", "plan_chain", "profile_costs", "DevicePlans"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def profile_costs(model: nn.Module, example: Any, optimizer: torch.optim.Optimiz
     from .api import prepare
 
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-    step = prepare(model, opt, loss_fn or nn.CrossEntropyLoss(), example, solver=solver)
+    step = prepare(model, opt, loss_fn or nn.CrossEntropyLoss(), example, **options(solver=solver))
     try:
         return step.costs
     finally:
@@ -111,7 +112,7 @@ def plan_chain(costs: CostChain, memory_budget: int | str, *, device: Any = "rpi
     return DevicePlans(target.name, budget, out["joint"], out["recompute-only"], out["paging-only"], errors)
 
 
-def plan(model: nn.Module, example: Any, memory_budget: int | str, *, device: Any = "rpi4",
+def plan_for_device(model: nn.Module, example: Any, memory_budget: int | str, *, device: Any = "rpi4",
          objective: str = "energy", time_budget: float | None = None,
          optimizer: torch.optim.Optimizer | None = None) -> DevicePlans:
     """Profile ``model`` here and plan its training step for ``device`` (no training happens)."""

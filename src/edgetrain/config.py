@@ -1,0 +1,176 @@
+"""The option groups of :func:`edgetrain.prepare`, as frozen dataclasses.
+
+The core call is ``prepare(model, optimizer, loss_fn, example=..., memory_budget=...)``; everything else is
+a group with its own type, in the verb-plus-config style::
+
+    step = edgetrain.prepare(model, opt, loss_fn, example=(x, y), memory_budget="200MiB",
+                             planning=PlanConfig(micro_batch_size=8),
+                             paging=PagingConfig(directory="/mnt/sd", device="rpi4", objective="energy"))
+
+The opt-in approximations have their own types beside their code: ``speedup=`` takes a float or an
+:class:`~edgetrain.adapt.ElasticConfig`, ``grad_filter=`` a :class:`~edgetrain.adapt.GradFilter`.
+
+The keyword arguments ``prepare`` took before these groups existed (``micro_batch_size=``, ``solver=``,
+``page_dir=``, ``time_budget=``, ...) still work for one release: :func:`resolve_legacy` folds them into
+the groups and warns once per argument name with a ``DeprecationWarning``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .devices import DeviceProfile
+
+__all__ = ["PlanConfig", "PagingConfig", "options", "resolve_legacy", "LEGACY_KWARGS"]
+
+Objective = Literal["time", "energy"]
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How ``prepare`` plans and runs the step.
+
+    Attributes:
+        micro_batch_size: fix the micro-batch size; None lets the planner choose.
+        solver: planner name (``edgetrain.planners.PLANNERS``): ``"dp"`` (exact, default), ``"no_saving"``,
+            ``"recompute_all"``, ``"chen_sqrt"``, ``"checkpoint_sequential"``; the POET planners
+            (``"poet"``, ``"poet-milp"``) take a :class:`PagingConfig` (this field selects them too).
+        max_stages: upper bound on the number of stages the model is cut into.
+        exact_batchnorm: for models with BatchNorm in training mode, prefer plans without micro-batching
+            (identical to plain PyTorch) and micro-batch only if no such plan fits.
+        safety_margin: share of the budget held back for what validation cannot see of a real step
+            (allocator noise, code and heap a process touches that its fork did not); at least 1 MiB when
+            above 0.
+        use_cache: reuse stage profiles measured earlier on this machine.
+        tune_allocator: install edgetrain's CPU tensor pool (freed tensor memory is reused but never held
+            beyond the peak of live tensors) and fix glibc's mmap threshold for the rest (process-wide).
+    """
+
+    micro_batch_size: int | None = None
+    solver: str = "dp"
+    max_stages: int = 48
+    exact_batchnorm: bool = True
+    safety_margin: float = 0.03
+    use_cache: bool = True
+    tune_allocator: bool = True
+
+    def __post_init__(self) -> None:
+        m = self.micro_batch_size
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"micro_batch_size must be an integer >= 1 or None, got {m!r}")
+        if not 0 <= self.safety_margin < 0.5:
+            raise ValueError(f"safety_margin must be in [0, 0.5), got {self.safety_margin}")
+        if isinstance(self.max_stages, bool) or not isinstance(self.max_stages, int) or self.max_stages < 1:
+            raise ValueError(f"max_stages must be an integer >= 1, got {self.max_stages!r}")
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """POET-style planning: page saved tensors to storage as well as recompute, for a device profile.
+
+    Passing one to ``prepare(paging=...)`` switches to the POET planners, which minimise time or energy
+    under the memory budget and, optionally, a time budget.
+
+    Attributes:
+        directory: where the page file goes (CPU training; None: a temporary directory). Put it on the
+            storage you want to page to.
+        device: the device profile that costs transfers and energy: ``"host"`` (measured here), a bundled
+            profile name (``edgetrain.devices.list_profiles()``) or a ``DeviceProfile``.
+        objective: minimise ``"time"`` or ``"energy"``.
+        time_budget: at most this multiple of the fastest step's time (e.g. 1.3); None: no bound.
+        page: False plans recomputation only (device, objective and time budget still apply).
+        solver: ``"poet"`` (exact dynamic programme, default) or ``"poet-milp"`` (HiGHS MILP).
+    """
+
+    directory: str | None = None
+    device: "str | DeviceProfile" = "host"
+    objective: Objective = "time"
+    time_budget: float | None = None
+    page: bool = True
+    solver: Literal["poet", "poet-milp"] = "poet"
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("time", "energy"):
+            raise ValueError(f"objective must be 'time' or 'energy', got {self.objective!r}")
+        if self.solver not in ("poet", "poet-milp"):
+            raise ValueError(f"PagingConfig.solver must be 'poet' or 'poet-milp', got {self.solver!r}")
+        if self.time_budget is not None and not self.time_budget >= 1.0:
+            raise ValueError(f"time_budget is a multiple of the fastest step's time and must be >= 1, "
+                             f"got {self.time_budget!r}")
+
+
+_PLAN_FIELDS = {f.name for f in fields(PlanConfig)}
+#: old ``prepare`` keyword -> (group, field) it now lives in
+LEGACY_KWARGS: dict[str, tuple[str, str]] = {
+    **{n: ("planning", n) for n in _PLAN_FIELDS},
+    "paging": ("paging", "page"), "page_dir": ("paging", "directory"), "device": ("paging", "device"),
+    "objective": ("paging", "objective"), "time_budget": ("paging", "time_budget"),
+}
+_WARNED: set[str] = set()
+
+
+def _warn_once(name: str, group: str, field: str) -> None:
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    cls = "PlanConfig" if group == "planning" else "PagingConfig"
+    warnings.warn(f"prepare({name}=...) is deprecated and will be removed in the next release: pass "
+                  f"{group}=edgetrain.{cls}({field}=...) instead", DeprecationWarning, stacklevel=4)
+
+
+def options(**flat: Any) -> dict[str, Any]:
+    """``prepare``'s option groups from flat keywords (the old names), without a warning.
+
+    For tools whose options arrive flat, such as a command line: ``prepare(..., **options(solver="dp",
+    micro_batch_size=4))``.
+    """
+    planning, paging = resolve_legacy(None, flat.pop("paging", None), flat, warn=False)
+    return {"planning": planning, "paging": paging}
+
+
+def resolve_legacy(planning: PlanConfig | None, paging: "PagingConfig | bool | None",
+                   legacy: dict[str, Any], *, warn: bool = True) -> tuple[PlanConfig, PagingConfig | None]:
+    """Fold ``prepare``'s old keyword arguments into the option groups (warning once per name).
+
+    Args:
+        planning: the ``planning=`` group given, or None.
+        paging: the ``paging=`` group given; a bool is the old switch (True: page).
+        legacy: the other old keyword arguments.
+        warn: warn (once per name) that they are deprecated.
+
+    Returns:
+        The planning group and the paging group (None: no POET planning).
+
+    Raises:
+        TypeError: an unknown keyword argument, or an old one given beside its group.
+    """
+    unknown = sorted(set(legacy) - set(LEGACY_KWARGS))
+    if unknown:
+        raise TypeError(f"prepare() got unexpected keyword argument(s) {', '.join(unknown)}")
+    plan_kw: dict[str, Any] = {}
+    page_kw: dict[str, Any] = {}
+    if isinstance(paging, bool):
+        legacy = {**legacy, "paging": paging}
+        paging = None
+    for name, value in legacy.items():
+        group, field = LEGACY_KWARGS[name]
+        if (group == "planning" and planning is not None) or (group == "paging" and paging is not None):
+            raise TypeError(f"prepare() got {name}= beside {group}=: set {field} in the {group} config only")
+        if warn:
+            _warn_once(name, group, field)
+        (plan_kw if group == "planning" else page_kw)[field] = value
+    cfg = planning if planning is not None else PlanConfig(**plan_kw)
+    solver = cfg.solver
+    # The old call switched to the POET planners on paging=True, a time budget or a poet solver name.
+    wants_poet = bool(page_kw.get("page")) or page_kw.get("time_budget") is not None or solver.startswith("poet")
+    if paging is None and wants_poet:
+        page_kw.setdefault("page", False)
+        if solver.startswith("poet"):
+            page_kw["solver"] = solver
+        paging = PagingConfig(**page_kw)
+    elif paging is not None and solver.startswith("poet"):
+        paging = replace(paging, solver=solver)  # type: ignore[arg-type]
+    return cfg, paging
