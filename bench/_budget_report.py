@@ -15,7 +15,6 @@ from _common import ModelSpec, Table, mib, rate, ratio, render, secs
 
 from edgetrain.measure import JobResult
 
-
 #: edgetrain allowed to micro-batch BatchNorm (``prepare(exact_batchnorm=False)``), as accumulation does.
 EDGE_MBN = "edgetrain (BN per mb)"
 #: PyTorch's own planner: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``.

@@ -70,7 +70,7 @@ def _median_us(fn: Any, repeats: int) -> float:
 
 
 def bench_table(chain: Any, label: str, table: Table, quick: bool) -> None:
-    from edgetrain.planners import PlanTable
+    from edgetrain.adaptation import PlanTable
 
     built = PlanTable.build(chain, n_points=16 if quick else 64)
     lo, hi = built.budgets[0], built.budgets[-1]
@@ -108,8 +108,8 @@ def bench_adapt(spec: ModelSpec, progress: Progress, threads: int, repeats: int)
     import torch
 
     import edgetrain
+    from edgetrain.adaptation import PlanTable
     from edgetrain.measure import Job, build_model_and_batch
-    from edgetrain.planners import PlanTable
 
     if threads:
         torch.set_num_threads(threads)
@@ -117,13 +117,13 @@ def bench_adapt(spec: ModelSpec, progress: Progress, threads: int, repeats: int)
     model, x, y = build_model_and_batch(Job(spec.name, spec.input_shape, spec.batch_size, model_kwargs=spec.kwargs))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     micro = spec.batch_size // MICRO_BATCHES
-    step = edgetrain.prepare(model, opt, torch.nn.CrossEntropyLoss(), (x, y), micro_batch_size=micro,
-                             exact_batchnorm=False)
+    step = edgetrain.prepare(model, opt, torch.nn.CrossEntropyLoss(), (x, y),
+                             planning=edgetrain.PlanConfig(micro_batch_size=micro, exact_batchnorm=False))
     costs = step.costs
     # The table at this micro-batch: the high budget keeps everything, the low one recomputes.
     t0 = time.perf_counter()
     table = PlanTable.build(costs, n_points=32, micro_batch_sizes=[micro])
-    step._table = table
+    step.budget.table = table
     build_s = time.perf_counter() - t0
     high_plan = table.plans[-1]
     # The low budget: the table's plan that recomputes closest to half of the stages.
@@ -221,8 +221,8 @@ def frag_worker(spec_json: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import edgetrain
-    from edgetrain import memory
     from edgetrain.measure import Job, build_model_and_batch
+    from edgetrain.profile import memory
 
     d = json.loads(spec_json)
     torch.set_num_threads(d["threads"] or torch.get_num_threads())

@@ -44,13 +44,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: tests and --replay read them here)
+    CLAIM_FRACTION, COMPILE, EDGE_MBN, Claim, Entry, MaxBatchReport, ModelReport, budget_table, build_report,
+    claims_table, compile_table, fits, maxbatch_table, plans_table, reference_table, versus_line, versus_lines,
+)
 from _common import (  # noqa: E402
     FULL_MODELS, MNV2_KW, RN18_KW, TF_KW, ModelSpec, Progress, machine_info, mib, render, secs,
-)
-
-from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: tests and --replay read them here)
-    CLAIM_FRACTION, COMPILE, EDGE_MBN, Claim, Entry, MaxBatchReport, ModelReport, build_report, budget_table,
-    claims_table, compile_table, fits, maxbatch_table, plans_table, reference_table, versus_line, versus_lines,
 )
 
 from edgetrain.measure import Job, JobResult, run_isolated  # noqa: E402

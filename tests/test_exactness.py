@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from _models import convnet, mlp
 from torch import nn
 
 import edgetrain
-from _models import convnet, mlp
 
 
 def plain_step(model, opt, loss_fn, x, y, seed):

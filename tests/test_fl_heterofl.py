@@ -49,12 +49,13 @@ def test_heterofl_client_trains_the_width_sliced_block_and_keeps_the_rest_global
 
 
 def test_no_width_fitting_is_a_failure_reply():
+    from flwr.app import ArrayRecord
+
     from edgetrain.fl import BUDGET_ERROR_CODE
     from edgetrain.fl.apps import task_data_fn
     from edgetrain.fl.baseline_heterofl import heterofl_client_app
     from edgetrain.fl.settings import ClientSettings
     from edgetrain.fl.task import small_cnn
-    from flwr.app import ArrayRecord
 
     app = heterofl_client_app(task_data_fn(), lambda ctx, s: None, ClientSettings(memory_budget="1MiB"))
     reply = app(train_message(ArrayRecord(small_cnn().state_dict())), context({"partition-id": 0, "num-partitions": 8}))

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
+from _models import mlp
 from torch import nn
 
 import edgetrain
-from edgetrain import _fork, memory
 from edgetrain.errors import BudgetError
-from _models import mlp
+from edgetrain.profile import fork as _fork
+from edgetrain.profile import memory
 
 pytestmark = pytest.mark.skipif(not _fork.available(), reason="no fork() here")
 

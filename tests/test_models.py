@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from edgetrain.models import (MODEL_NAMES, get_model, mobilenet_v2, resnet18, transformer_classifier)
+from edgetrain.models import MODEL_NAMES, get_model, mobilenet_v2, resnet18, transformer_classifier
 
 
 @pytest.fixture(autouse=True)

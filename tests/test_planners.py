@@ -12,12 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edgetrain.adaptation import PlanTable
 from edgetrain.errors import BudgetError
 from edgetrain.graph import KEEP, RECOMPUTE, CostChain, Linear, StageCost, simulate
 from edgetrain.plan import Plan
 from edgetrain.planners import (
-    PLANNERS, PlanTable, min_feasible_bytes, solve, solve_checkpoint_sequential, solve_chen_sqrt, solve_dp,
-    solve_no_saving, solve_recompute_all,
+    PLANNERS, min_feasible_bytes, solve, solve_checkpoint_sequential, solve_chen_sqrt, solve_dp, solve_no_saving,
+    solve_recompute_all,
 )
 from edgetrain.planners._common import candidate_micro_batches
 from edgetrain.planners.baselines import checkpoint_sequential_pattern, equal_chunks
@@ -415,7 +416,7 @@ def test_plan_table_exact_on_small_chains() -> None:
 
 def test_elastic_suffix_keeps_carried_tensors() -> None:
     """Planning the trained suffix: a carried tensor the frozen prefix made is resident from the start."""
-    from edgetrain.adapt.elastic_memory import elastic_chain
+    from edgetrain.approx.elastic.memory import elastic_chain
 
     def st(out: int, carried: tuple = ()) -> StageCost:
         return StageCost("s", Linear(0, 1.0), Linear(0, 1.0), Linear(0, 1), Linear(0, out),

@@ -1,11 +1,11 @@
 """prepare() applies the opt-in approximations: elastic selection and gradient filtering."""
 
 import torch
+from _models import convnet, mlp
 from torch import nn
 
 import edgetrain
-from edgetrain.adapt import GradFilter
-from _models import convnet, mlp
+from edgetrain.approx import GradFilter
 
 
 def test_prepare_with_grad_filter_trains_only_filtered_tail():

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
+from _models import convnet, mlp
 from torch import nn
 
 import edgetrain
-from edgetrain import memory
+from edgetrain.profile import memory
 from edgetrain.report import measure_step
 from edgetrain.report._curves import planned_timeline
-from _models import convnet, mlp
 
 
 def _room(extra_mib=200):

@@ -69,3 +69,18 @@ def test_markdown_table_lists_every_setting():
     table = settings.markdown_table()
     for s in settings.SETTINGS:
         assert f"`{s.name}`" in table
+
+
+def test_override_sets_and_restores(monkeypatch):
+    monkeypatch.setenv("EDGETRAIN_FORK", "1")
+    monkeypatch.delenv("EDGETRAIN_NO_CACHE", raising=False)
+    with settings.override(FORK=False, NO_CACHE=True):
+        assert not settings.fork_enabled() and not settings.cache_enabled()
+    assert settings.fork_enabled() and settings.cache_enabled()
+    with pytest.raises(RuntimeError), settings.override(FORK=None):
+        assert settings.fork_enabled()  # unset: the default
+        raise RuntimeError
+    assert settings.fork_enabled()
+    with pytest.raises(KeyError, match="EDGETRAIN_FROK"):
+        with settings.override(FROK=0):
+            pass

@@ -12,6 +12,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.errors import InputError
+
 # timm's BatchNormAct2d in miniature: a BatchNorm2d subclass whose own forward calls F.batch_norm on its
 # buffers (the counter and the cumulative average included), then an activation
 from edgetrain.models.zoo import CountingBatchNorm as BatchNormAct2d

@@ -5,13 +5,13 @@ import csv
 
 import pytest
 import torch
+from _models import mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import edgetrain
 from edgetrain.errors import ConfigError
 from edgetrain.trainer import Callback, shuffle_seed
-from _models import mlp
 
 
 def _data(n=40, seed=1):

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _models import mlp
 from torch import nn
 
 import edgetrain
 from edgetrain.checkpoint import CheckpointError
 from edgetrain.trainer import Callback
-from _models import mlp
 
 CHILD = Path(__file__).with_name("_resume_child.py")
 

@@ -7,11 +7,11 @@ import types
 import warnings
 from typing import Any
 
-from . import memory  # noqa: F401  (records the budget baseline, tunes malloc)
-from .errors import BudgetError, CaptureError, ConfigError, EdgetrainError, InputError, ProfileError
 from .config import PagingConfig, PlanConfig
+from .errors import BudgetError, CaptureError, ConfigError, EdgetrainError, InputError, ProfileError
 from .graph import CostChain, Linear, StageCost, simulate
 from .plan import Plan
+from .profile import memory  # noqa: F401  (records the budget baseline, tunes malloc)
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -23,12 +23,11 @@ __all__ = [
 ]
 
 from .api import TrainStep, prepare  # noqa: E402
-from .memory import measure_peak  # noqa: E402
+from .approx import ElasticConfig, GradFilter  # noqa: E402
 from .offline import plan_for_device  # noqa: E402
-from .adapt import ElasticConfig, GradFilter  # noqa: E402
-from .verify import VerifyReport, verify  # noqa: E402
-
+from .profile.memory import measure_peak  # noqa: E402
 from .trainer import Trainer, TrainerConfig  # noqa: E402
+from .verify import VerifyReport, verify  # noqa: E402
 
 __all__ += ["TrainStep", "prepare", "measure_peak", "plan_for_device", "GradFilter", "ElasticConfig", "Trainer",
             "TrainerConfig", "verify", "VerifyReport"]

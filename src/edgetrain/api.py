@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from typing import Any, Callable
@@ -11,33 +10,31 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import memory
-from ._analysis import Analysis, Outcome, block_solver_options
-from ._fork import analyse_safely
-from ._guards import describe_change, loss_norm_safely, model_key
-from ._loss import LossNorm
-from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
 from ._state import batchnorm_modules
-from .adapt import ElasticConfig, GradFilter
+from .adaptation.controller import BudgetController, grad_bytes_missing
+from .adaptation.table import PlanTable
+from .approx import ElasticConfig, GradFilter
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
 from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
-from .profile import optimizer_costs
+from .planning.analysis import Analysis, Outcome, block_solver_options
+from .planning.guards import describe_change, loss_norm_safely, model_key
+from .planning.loss import LossNorm
+from .planning.planner import safety_margin_bytes
+from .profile import memory
+from .profile.fork import analyse_safely
+from .profile.stages import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import make_executor
-from .units import format_bytes, parse_bytes
+from .units import parse_bytes
 
 __all__ = ["prepare", "TrainStep"]
 
 log = logging.getLogger(__name__)
-
-
-def _grad_bytes_missing(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
 
 
 def _split_example(example: Any) -> tuple[Any, Any]:
@@ -74,21 +71,12 @@ class TrainStep:
         self._plan = plan
         self._pager = pager
         self._executor = make_executor(chain, plan, self._bn, pager)
-        self._table: Any = None
-        self._fixed_micro = False
         self.page_dir: str | None = None
         self.elastic: Any = None
         self.steps_done = 0
-        self._budget_source: Callable[[], int | str | None] | None = None
         self._full_plan: Plan | None = None  # with elastic selection: the plan for full backpropagation
-        # Runs a plan once on prepare's example and measures it (set by prepare when there is a budget).
-        self._validate: Callable[[Plan], Measured] | None = None
-        self._opt_state_bytes = 0  # optimizer state the first step creates
-        # Micro-batch sizes run in this process, and the most a size's first run has cost beyond the cost
-        # model (kernel caches for new shapes): a budget change to a size not yet run keeps that in hand.
-        self._seen_micro: set[int] = set()
-        self._micro_sizes: list[int] | None = None  # the sizes the model accepts (None: any)
-        self._first_run_bytes = 0
+        #: the budget while training: plan table, lookups, the process's drift, the budget source
+        self.budget = BudgetController(self)
         # Called once the whole batch's gradients are accumulated, just before optimizer.step() (the
         # Trainer clips gradients here); None: nothing.
         self.before_optimizer_step: Callable[[], None] | None = None
@@ -99,17 +87,22 @@ class TrainStep:
         return self._plan
 
     @property
+    def has_batchnorm(self) -> bool:
+        """Whether the model has BatchNorm layers in training mode (micro-batching then changes its maths)."""
+        return self._bn.has_batchnorm
+
+    @property
     def budget_source(self) -> Callable[[], int | str | None] | None:
         """Called before a step and between micro-batches; returns the budget in force (bytes or a size
         string) or None for "unchanged". Setting one builds the budget table at once (seconds), so that a
         change while training is a lookup (microseconds)."""
-        return self._budget_source
+        return self.budget.source
 
     @budget_source.setter
     def budget_source(self, source: Callable[[], int | str | None] | None) -> None:
         if source is not None:
-            self.budget_table()
-        self._budget_source = source
+            self.budget.build_table()
+        self.budget.source = source
 
     def __repr__(self) -> str:
         return (f"TrainStep(stages={len(self.chain)}, micro_batch={self._plan.micro_batch_size}/"
@@ -140,8 +133,8 @@ class TrainStep:
         of samples, so gradients equal those of the full batch.
         """
         n = self._check(inputs, targets)
-        self._poll_budget()
-        self._cap_pool()
+        self.budget.poll()
+        self.budget.cap_pool()
         if self.elastic is not None:
             if self.elastic.maybe_reselect(self.steps_done, (inputs, targets)):
                 self.replan_for_selection()
@@ -156,8 +149,7 @@ class TrainStep:
             raise InputError(f"non-tensor input(s) {', '.join(changed)} differ from the first step's "
                              f"({', '.join(f'{k}={self._constants.get(k)!r}' for k in changed)}): edgetrain traced the "
                              "model with them fixed. Prepare a step for each setting.")
-        new_sizes = not self._seen_micro.issuperset(micro_batch_sizes(n, self._plan.micro_batch_size))
-        held = self._held() if new_sizes and self.steps_done else None
+        held = self.budget.before_step(n)
         self.optimizer.zero_grad(set_to_none=True)
         accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
         self._bn.begin(accumulate)
@@ -185,7 +177,7 @@ class TrainStep:
                 if self._pager is not None:
                     self._pager.reset()  # raises PagingError (e.g. disk full) before the optimizer steps
                 if start < n:
-                    self._poll_budget()  # a budget change re-plans the samples still to run
+                    self.budget.poll()  # a budget change re-plans the samples still to run
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step()
         except BaseException:
@@ -197,9 +189,7 @@ class TrainStep:
         self.steps_done += 1
         if self.elastic is not None:
             self.elastic.record_step_time(time.perf_counter() - t_step, samples=n)
-        if held is not None:  # what this size's first run left behind bounds the next new size's
-            self._first_run_bytes = max(self._first_run_bytes, self._held() - held)
-        self._seen_micro.update(micro_batch_sizes(n, self._plan.micro_batch_size))
+        self.budget.after_step(n, held)
         return losses[0][0] if len(losses) == 1 else norm.combine(losses, total_weight)
 
     def set_plan(self, plan: Plan) -> None:
@@ -213,26 +203,9 @@ class TrainStep:
         self._executor = make_executor(self.chain, plan, self._bn, self._pager)
         self._plan = plan
 
-    def budget_table(self) -> Any:
-        """The :class:`~edgetrain.planners.PlanTable` a budget change looks plans up in (built once)."""
-        if self._table is None:
-            from .planners import PlanTable
-
-            # A budget change may change the micro-batch size, even one fixed at prepare().
-            table = PlanTable.build(self.costs, micro_batch_sizes=self._micro_sizes,
-                                    **block_solver_options(self.chain, "dp"))
-            if self._validate is not None and self.budget_bytes is not None:
-                # The last step's gradients are spent (the next step starts from zero); freeing them lets
-                # the measuring run allocate its own, as a step does.
-                self.optimizer.zero_grad(set_to_none=True)
-                room = self.budget_bytes - self.margin_bytes - self._drift()
-                probed = first_run_cost(table, self._seen_micro, self._validate, room, self.costs.fixed_bytes,
-                                        _grad_bytes_missing(self.model))
-                if probed is not None:  # replaces prepare's bound, which held every first-run effect
-                    self._seen_micro.add(probed[0])
-                    self._first_run_bytes = probed[1]
-            self._table = table
-        return self._table
+    def budget_table(self) -> PlanTable:
+        """The :class:`~edgetrain.adaptation.PlanTable` a budget change looks plans up in (built once)."""
+        return self.budget.build_table()
 
     def set_memory_budget(self, memory_budget: int | str) -> Plan:
         """Switch to the best plan for a new budget (a table lookup, microseconds once the table is built).
@@ -252,55 +225,22 @@ class TrainStep:
             BudgetError: no plan fits the new budget; the plan in force, the model and the optimizer are
                 left exactly as they were. ``min_feasible_bytes`` is what the process needs now plus 2%.
         """
-        budget = parse_bytes(memory_budget)
-        margin = safety_margin_bytes(budget, self.margin_share)
-        table = self.budget_table()  # built first: its measuring run adds to what the process holds
-        drift = self._drift()
+        return self.budget.set_budget(memory_budget)
 
-        batch = self._plan.batch_size
-        new = {m for m in {p.micro_batch_size for p in table.plans}
-               if not self._seen_micro.issuperset(micro_batch_sizes(batch, m))}
-
-        def need(i: int) -> int:  # plan budget table entry i needs, with the first run of a new size
-            extra = self._first_run_bytes if table.plans[i].micro_batch_size in new else 0
-            return table.budgets[i] + drift + extra
-
-        plan_budget = budget - margin
-        fits = [i for i in range(len(table)) if need(i) <= plan_budget]
-        if not fits:
-            # what this process needs now, plus 2%: kernel caches differ by a few hundred KiB from one
-            # process to the next, and a retry at the named budget in a fresh process must work
-            least = math.ceil(budget_for(min(need(i) for i in range(len(table))), self.margin_share) * 1.02)
-            raise BudgetError(
-                f"no plan fits the new budget {format_bytes(budget)}: the smallest this process can train in now "
-                f"is {format_bytes(least)} (it holds {format_bytes(drift)} more than when it was planned: kernel "
-                "caches of the shapes run since). The plan in force is unchanged; raise the budget to at least "
-                "that.", budget_bytes=budget, min_feasible_bytes=least)
-        plan = table.plans[fits[-1]]
-        if plan.micro_batch_size < self._plan.batch_size and self._bn.has_batchnorm:
-            plan = plan.replace(bn_micro_batched=True)
-        self.set_plan(plan.replace(budget_bytes=budget))
-        self.budget_bytes, self.margin_bytes = budget, margin
-        pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one
-        self._cap_pool()
-        if self.elastic is not None:
-            self._full_plan = None
-            self.replan_for_selection()
-        log.info("budget now %s: micro-batch %d, %d recomputed", format_bytes(budget), plan.micro_batch_size,
-                 plan.policies.count("recompute"))
-        return self._plan
-
-    def replan_for_selection(self) -> Plan:
+    def replan_for_selection(self, reset: bool = False) -> Plan:
         """After an elastic (re-)selection, plan only the trained suffix of the chain.
 
         Stages before the one holding the deepest selected tensor need no gradient, so autograd saves
         nothing there: they run forward only, and the budget they would have taken goes to the trained
         stages (fewer recomputed). The plan of the full chain, an upper bound for every selection, stays
-        in force when the suffix plan does not fit or there is no budget. Called by the step itself.
+        in force when the suffix plan does not fit or there is no budget. Called by the step itself;
+        ``reset`` after a budget change, whose new plan is the full chain's.
         """
+        if reset:
+            self._full_plan = None
         if self.elastic is None or self.budget_bytes is None or self._pager is not None:
             return self._plan
-        from .adapt.elastic_memory import elastic_chain, first_trained_stage
+        from .approx.elastic.memory import elastic_chain, first_trained_stage
         from .planners import solve
 
         if self._full_plan is None:
@@ -336,38 +276,6 @@ class TrainStep:
         log.info("elastic re-plan: %d frozen stages, %d of %d trained stages recomputed", first,
                  sub.policies.count("recompute"), len(sub.policies))
         return plan
-
-    def _drift(self) -> int:
-        """How much more the process holds at rest than the cost model's fixed bytes say.
-
-        Every new tensor shape leaves oneDNN kernels and caches behind, and allocators keep what they
-        freed; read now (resident memory less the pool's cache, plus the gradients and optimizer state a
-        step will still allocate), so that a budget change plans with it.
-        """
-        if self._validate is None:
-            return 0
-        missing = _grad_bytes_missing(self.model) + (0 if self.optimizer.state else self._opt_state_bytes)
-        return max(0, self._held() + missing - self.costs.fixed_bytes)
-
-    @staticmethod
-    def _held() -> int:
-        """Resident bytes above the import baseline, less what the tensor pool caches for reuse."""
-        return memory.rss_bytes() - memory.baseline_rss_bytes() - pool.stats().cached_bytes
-
-    def _cap_pool(self) -> None:
-        """Let the tensor pool cache only what the budget leaves beside the memory outside the pool."""
-        if not pool.installed() or self.budget_bytes is None:
-            return
-        st = pool.stats()
-        outside = memory.rss_bytes() - st.live_bytes - st.cached_bytes
-        pool.set_cap(self.budget_bytes - self.margin_bytes + memory.baseline_rss_bytes() - outside)
-
-    def _poll_budget(self) -> None:
-        if self.budget_source is None:
-            return
-        new = self.budget_source()
-        if new is not None and parse_bytes(new) != self.budget_bytes:
-            self.set_memory_budget(new)
 
     def report(self, path: str, batch: Any = None, **options: Any) -> Any:
         """Write the plan report (HTML with embedded figures, and the PNGs beside it) to ``path``.
@@ -414,11 +322,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             storage as well as recompute, costed for a device profile, minimising time or energy, with an
             optional time budget. None: recompute only, fastest plan.
         speedup: opt-in, approximate: train only the parameter tensors that matter most so a step is this
-            many times faster (ElasticTrainer); a float or an ``edgetrain.adapt.ElasticConfig``. Re-selects
+            many times faster (ElasticTrainer); a float or an ``edgetrain.approx.ElasticConfig``. Re-selects
             every ``interval_steps``; after each selection the memory plan is remade for the trained suffix
             of the chain (the frozen prefix runs forward only and saves nothing). The steps' own times
             correct the selector's target at each re-selection (closed-loop speed-up control).
-        grad_filter: opt-in, approximate: an ``edgetrain.adapt.GradFilter`` (gradient filtering on the
+        grad_filter: opt-in, approximate: an ``edgetrain.approx.GradFilter`` (gradient filtering on the
             last convolutions, earlier layers frozen); applied before profiling, so the plan sees the
             smaller saved activations and backward times.
         plan: reuse a plan an earlier ``prepare`` made for this model, example shape, budget and options
@@ -445,7 +353,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     inputs, targets = _split_example(example)
     batch = batch_size_of(inputs, targets)
     if grad_filter is not None:
-        from .adapt import apply_grad_filter
+        from .approx import apply_grad_filter
 
         probe = slice_batch(inputs, 0, min(batch, 2)) if isinstance(inputs, torch.Tensor) else None
         report = apply_grad_filter(model, grad_filter, example_input=probe)
@@ -459,7 +367,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     rss_start = memory.rss_bytes()
     in_use = max(0, rss_start - memory.baseline_rss_bytes())
     opt_costs = optimizer_costs(optimizer)
-    fixed = in_use + _grad_bytes_missing(model) + opt_costs.state_bytes
+    fixed = in_use + grad_bytes_missing(model) + opt_costs.state_bytes
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
     loss_norm = loss_norm_safely(model, env, loss_fn, targets, batch)
@@ -485,7 +393,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         model=model, inputs=inputs, env=env, targets=targets, loss_fn=loss_fn, batch=batch, fixed=fixed,
         rss_start=rss_start, budget=budget, margin=margin, solver=solver, solver_kw=solver_kw,
         micro_batch_size=micro_batch_size, prefer_full_batch=has_bn and cfg.exact_batchnorm, min_micro=min_micro,
-        update_bytes=opt_costs.update_bytes, state_bytes=opt_costs.state_bytes, grads=_grad_bytes_missing(model),
+        update_bytes=opt_costs.update_bytes, state_bytes=opt_costs.state_bytes, grads=grad_bytes_missing(model),
         max_stages=cfg.max_stages, use_cache=cfg.use_cache, name=name or type(model).__name__, pager=pager,
         optimizer=optimizer, margin_share=safety_margin,
         whole_batch_reasons=() if loss_norm.splittable else (
@@ -521,16 +429,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                      margin_share=0.0 if budget is None else safety_margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager,
                      loss_norm=loss_norm)
-    step._fixed_micro = micro_batch_size is not None
-    step._micro_sizes = outcome.sizes
+    step.budget.micro_sizes = outcome.sizes
     if budget is not None:
-        step._validate = analysis.validator(chain)
-        step._seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
-        step._first_run_bytes = outcome.first_run_bytes
-        step._opt_state_bytes = opt_costs.state_bytes
+        step.budget.validate = analysis.validator(chain)
+        step.budget.seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
+        step.budget.first_run_bytes = outcome.first_run_bytes
+        step.budget.opt_state_bytes = opt_costs.state_bytes
     step.page_dir = page_dir
     if speedup is not None:
-        from .adapt.elastic import ElasticSelector
+        from .approx.elastic.selector import ElasticSelector
 
         elastic_cfg = speedup if isinstance(speedup, ElasticConfig) else ElasticConfig(speedup=float(speedup))
         probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))

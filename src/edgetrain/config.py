@@ -8,7 +8,7 @@ a group with its own type, in the verb-plus-config style::
                              paging=PagingConfig(directory="/mnt/sd", device="rpi4", objective="energy"))
 
 The opt-in approximations have their own types beside their code: ``speedup=`` takes a float or an
-:class:`~edgetrain.adapt.ElasticConfig`, ``grad_filter=`` a :class:`~edgetrain.adapt.GradFilter`.
+:class:`~edgetrain.approx.ElasticConfig`, ``grad_filter=`` a :class:`~edgetrain.approx.GradFilter`.
 
 The keyword arguments ``prepare`` took before these groups existed (``micro_batch_size=``, ``solver=``,
 ``page_dir=``, ``time_budget=``, ...) still work for one release: :func:`resolve_legacy` folds them into
@@ -117,8 +117,9 @@ def _warn_once(name: str, group: str, field: str) -> None:
         return
     _WARNED.add(name)
     cls = "PlanConfig" if group == "planning" else "PagingConfig"
-    warnings.warn(f"prepare({name}=...) is deprecated and will be removed in the next release: pass "
-                  f"{group}=edgetrain.{cls}({field}=...) instead", DeprecationWarning, stacklevel=4)
+    new = f"{group}=edgetrain.{cls}()" if name == "paging" else f"{group}=edgetrain.{cls}({field}=...)"
+    warnings.warn(f"prepare({name}=...) is deprecated and will be removed in the next release: pass {new} "
+                  "instead", DeprecationWarning, stacklevel=4)
 
 
 def options(**flat: Any) -> dict[str, Any]:

@@ -189,8 +189,8 @@ def _worker(job: Job) -> JobResult:
     import torch
 
     import edgetrain
-    from edgetrain import memory
     from edgetrain.errors import BudgetError
+    from edgetrain.profile import memory
 
     if job.threads:
         torch.set_num_threads(job.threads)

@@ -65,7 +65,9 @@ class Plan:
         return len(self.policies)
 
     def replace(self, **changes: Any) -> "Plan":
+        """A new plan with ``changes``; the metadata dict is copied, never shared (a plan is never mutated)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["metadata"] = dict(self.metadata)
         d.update(changes)
         return Plan(**d)
 

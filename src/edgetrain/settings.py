@@ -10,12 +10,14 @@ variable, never silently read as the default.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 __all__ = ["Setting", "SETTINGS", "allocator", "cache_dir", "cache_enabled", "conv_chunk_bytes", "flag",
-           "fork_enabled", "huge_pages", "native_enabled", "markdown_table"]
+           "fork_enabled", "huge_pages", "native_enabled", "markdown_table", "override"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -129,6 +131,36 @@ def conv_chunk_bytes() -> int:
         raise ValueError(f"EDGETRAIN_CONV_CHUNK_BYTES must be a byte count (0 turns the lean convolution "
                          f"backward off); got {raw!r}") from None
     return max(0, value)
+
+
+@contextlib.contextmanager
+def override(**values: str | int | bool | None) -> Iterator[None]:
+    """Set switches for the code inside a ``with`` block, restoring them afterwards (also on error).
+
+    Names are given without the prefix: ``with settings.override(FORK=False, NO_CACHE=True): ...``. True
+    and False are written as ``1`` and ``0``; None unsets the variable (its default applies).
+
+    Raises:
+        KeyError: a name that is not a setting of :data:`SETTINGS`.
+    """
+    names = {f"EDGETRAIN_{k}": v for k, v in values.items()}
+    unknown = sorted(set(names) - set(_DEFAULTS))
+    if unknown:
+        raise KeyError(f"not an edgetrain setting: {', '.join(unknown)} (known: {', '.join(sorted(_DEFAULTS))})")
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        for k, v in names.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = str(int(v)) if isinstance(v, bool) else str(v)
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
 
 
 def markdown_table() -> str:

@@ -1,21 +1,16 @@
-"""Opt-in approximate adaptations of the computation: gradient filtering and elastic tensor selection."""
+"""Deprecated: the opt-in approximations moved to :mod:`edgetrain.approx` (this alias goes next release)."""
 
 from __future__ import annotations
 
-from .elastic import ElasticConfig, ElasticSelector, tensor_importance
-from .elastic_select import Selection, SpeedupPlan, plan_for_speedup, select_tensors, solve_units
-from .elastic_state import TrainingSnapshot
-from .elastic_timing import TensorTiming, measure_timing
-from .gradfilter import (
-    FilteredConv2d, GradFilter, GradFilterReport, LayerCost, apply_grad_filter, auto_grad_filter,
-    estimate_costs, filtered_conv2d, remove_grad_filter,
-)
-from ._gradfilter_auto import FilterTimings, GradFilterPlan, measure_filter_timings, plan_grad_filter
+import warnings
 
-__all__ = [
-    "FilteredConv2d", "GradFilter", "GradFilterReport", "LayerCost", "apply_grad_filter",
-    "auto_grad_filter", "estimate_costs", "filtered_conv2d", "remove_grad_filter",
-    "FilterTimings", "GradFilterPlan", "measure_filter_timings", "plan_grad_filter",
-    "ElasticConfig", "ElasticSelector", "tensor_importance", "Selection", "SpeedupPlan", "plan_for_speedup",
-    "select_tensors", "solve_units", "TrainingSnapshot", "TensorTiming", "measure_timing",
-]
+from ..approx import *  # noqa: F401,F403
+from ..approx import __all__ as _approx_all
+from ..approx.elastic import ElasticSelector  # noqa: F401
+from ..approx.gradfilter import LayerCost  # noqa: F401
+from ..approx.gradfilter.core import FilteredConv2d, filtered_conv2d  # noqa: F401
+
+__all__ = [*_approx_all, "ElasticSelector", "FilteredConv2d", "LayerCost", "filtered_conv2d"]
+
+warnings.warn("edgetrain.adapt is deprecated: import from edgetrain.approx (or edgetrain.approx.elastic / "
+              "edgetrain.approx.gradfilter)", DeprecationWarning, stacklevel=2)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 

@@ -16,12 +16,11 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from torch import nn
 
-from .. import memory
+from ..profile import memory
 from ..units import parse_bytes
 from .client import BUDGET_ERROR_CODE, ClientData, _message_scope, _server_round, _settings
 from .payload import TRAINED_KEY

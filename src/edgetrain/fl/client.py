@@ -28,14 +28,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch import nn
-
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from torch import nn
 
-from .. import memory
 from ..api import prepare
 from ..errors import BudgetError
+from ..profile import memory
 from ..runtime import pool
 from ..units import format_bytes, parse_bytes
 from .energy import RaplMeter, predicted_step_energy_j

@@ -22,9 +22,9 @@ __all__ = ["DEFAULT_TIERS", "SimulationConfig", "run", "tier_settings"]
 
 log = logging.getLogger(__name__)
 
-#: (device profile, memory budget) per tier, budgets 4x apart. Measured in fresh processes at batch 64
-#: (bench/RESULTS_FL.md): plain PyTorch peaks at 37.0 MiB for the width-1.0 CNN, 32.2 / 26.8 / 21.6 MiB at
-#: widths 0.75 / 0.5 / 0.25; edgetrain trains the full model in 24 MiB (4 micro-batches of 16).
+#: (device profile, memory budget) per tier: the smallest lies below plain PyTorch's own peak for the full
+#: CNN at batch 64 (edgetrain trains it there with micro-batches), the largest above it; the peaks of
+#: plain PyTorch and of each HeteroFL width are measured in bench/RESULTS_FL.md.
 DEFAULT_TIERS: tuple[tuple[str, str], ...] = (
     ("rpi4", "24MiB"), ("phone-2024", "28MiB"), ("jetson-nano", "34MiB"), ("jetson-tx2", "96MiB"))
 

@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg

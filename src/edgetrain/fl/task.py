@@ -32,7 +32,7 @@ def small_cnn(width: float = 1.0, num_classes: int = 10) -> nn.Sequential:
     """A two-convolution CNN after FedAvg's MNIST model (McMahan et al., 2017), smaller: 3x3 kernels, 32 and
     64 channels, a 64-unit hidden layer (56k parameters at width 1.0) for 28x28 grey digits.
 
-    (A 1568-input hidden layer, as in the original, makes the first step here take ~30 MiB more in
+    (A 1568-input hidden layer, as in the original, makes the first step take tens of MiB more in
     one-off buffers whatever the batch, which would leave the budgets nothing to bound.)
 
     Args:

@@ -2,8 +2,8 @@
 
 ``solve_dp`` is the exact keep/recompute planner; the baselines (``no_saving``, ``recompute_all``,
 ``chen_sqrt``, ``checkpoint_sequential``) and the POET-style paging planners (``poet``: exact DP,
-``poet-milp``: HiGHS MILP) return the same type for side-by-side comparison, and
-:class:`PlanTable` precomputes plans over a grid of budgets so a budget change is a lookup.
+``poet-milp``: HiGHS MILP) return the same type for side-by-side comparison. (The table of plans over a grid of budgets that makes a
+budget change a lookup is :class:`edgetrain.adaptation.PlanTable`.)
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from ..graph import CostChain
 from ..plan import Plan
 from .baselines import solve_checkpoint_sequential, solve_chen_sqrt, solve_no_saving, solve_recompute_all
 from .dp import min_feasible_bytes, solve_dp
-from .poet import solve_poet
-from .poet_dp import solve_poet_dp
-from .table import PlanTable
+from .poet import solve_poet_dp
+from .poet_milp import solve_poet
 
 __all__ = [
     "PLANNERS", "solve", "solve_dp", "min_feasible_bytes", "solve_no_saving", "solve_recompute_all",
-    "solve_chen_sqrt", "solve_checkpoint_sequential", "PlanTable", "solve_poet", "solve_poet_dp",
+    "solve_chen_sqrt", "solve_checkpoint_sequential", "solve_poet", "solve_poet_dp",
 ]
 
 #: Every planner by name; each is ``solver(chain, budget_bytes, **options) -> Plan``.

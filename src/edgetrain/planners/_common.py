@@ -20,7 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import KEEP, RECOMPUTE, CostChain, candidate_micro_batch_sizes, micro_batch_sizes, micro_batch_time, simulate
+from ..graph import (
+    KEEP, RECOMPUTE, CostChain, candidate_micro_batch_sizes, micro_batch_sizes, micro_batch_time, simulate,
+)
 
 __all__ = [
     "NESTED", "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",

@@ -51,8 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from ..devices import DeviceProfile
-from ..graph import (PAGE, RECOMPUTE, CostChain, _check_schedule, micro_batch_sizes, micro_batch_time,
-                     singleton_groups)
+from ..graph import PAGE, RECOMPUTE, CostChain, _check_schedule, micro_batch_sizes, micro_batch_time, singleton_groups
 
 __all__ = ["PagedScheduleCost", "simulate_paged", "stage_transfer_s", "pack_bytes", "PagingArrays",
            "paging_arrays"]

@@ -7,9 +7,9 @@ import contextlib
 import errno
 import logging
 import os
-import threading
 import queue
 import re
+import threading
 from pathlib import Path
 from typing import Any
 

@@ -1,20 +1,19 @@
 """edgetrain's CPU tensor pool: cached tensor memory whose resident size never exceeds a cap.
 
 glibc gives a training process two bad choices. Its heap keeps freed tensor memory and fragments, so
-resident memory follows the history of allocations (plain MobileNetV2 64x64 batch 32, one thread: 300 MiB
-peak where the exact-release setting needs 245 MiB); with a low mmap threshold every tensor is mapped afresh
-and page-faulted in (210k faults a step, 0.53 s instead of 0.30 s). The pool (``_pool.cpp``, a
+resident memory follows the history of allocations rather than the live tensors; with a low mmap threshold
+every tensor is mapped afresh and page-faulted in, which costs a large share of a CPU step. The pool (``_pool.cpp``, a
 ``c10::Allocator``) keeps freed blocks of 64 KiB or more mapped and reuses them best-fit: a reused block's
 tail stays cached as a block of its own, freed neighbours merge, a request larger than every cached block
 grows the largest in place (``mremap``: only the new pages fault), and blocks of 2 MiB or more ask for
 transparent huge pages (:func:`huge_pages`). It unmaps cached bytes, only as many as needed, whenever live +
 cached bytes would pass its cap: by default the highest live bytes seen (since :func:`reset_peak`), so the
 pool never holds more than the peak of live tensors, and never more than an optional cap (a step sets it
-from its memory budget). Measured on that model: 245.2 MiB, 450 faults, 0.28 s a step
-(``bench/RESULTS_ADAPT.md``, "Allocator share", ``python bench/bench_adapt.py --sections fragmentation``).
+from its memory budget). The measured effect is in ``bench/RESULTS_ADAPT.md`` ("Allocator share",
+``python bench/bench_adapt.py --sections fragmentation``).
 
 PyTorch has no Python hook for its CPU allocator, so the pool is C++: compiled on first use with the
-system's C++ compiler against the installed torch (about 3 s), cached under ``~/.cache/edgetrain/pool``,
+system's C++ compiler against the installed torch (seconds, once), cached under ``~/.cache/edgetrain/pool``,
 loaded with ctypes and installed with ``c10::SetCPUAllocator``. Without a compiler, edgetrain falls back to
 the low mmap threshold (logged once). ``EDGETRAIN_ALLOCATOR=tuned`` (mmap threshold only) or ``system``
 turn the pool off.
@@ -32,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._native import build_library
 from .. import settings
+from .native import build_library
 
 __all__ = ["PoolStats", "available", "huge_pages", "install", "installed", "stats", "set_cap", "release", "reset_peak"]
 
@@ -137,9 +136,8 @@ def install() -> bool:
 def huge_pages() -> bool:
     """Whether the pool asks for transparent huge pages on blocks of 2 MiB or more (``madvise``).
 
-    A page fault costs more than zeroing its 4 KiB here (MobileNetV2 64x64 batch 32, a plan recomputing
-    half its stages: 55k faults and 0.55 s a step with 4 KiB pages, 24k and 0.46 s with huge pages, same
-    peak). ``EDGETRAIN_HUGE_PAGES=0`` turns it off; the kernel ignores it where THP is disabled.
+    A page fault costs more than zeroing its 4 KiB, and a plan that recomputes maps its large blocks again
+    and again: huge pages cut the faults by about half at the same peak. ``EDGETRAIN_HUGE_PAGES=0`` turns it off; the kernel ignores it where THP is disabled.
     """
     return settings.huge_pages()
 

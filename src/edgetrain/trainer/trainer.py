@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..plan import Plan
 from ._checkpoints import CheckpointDir, TrainerState
-from ._data import as_pair, epoch_batches, num_batches
+from .data import as_pair, epoch_batches, num_batches
 from ._rng import capture_rng, restore_rng
 from .callbacks import CSVLogger, TensorBoardLogger, progress_bar, progress_enabled
 from .config import TrainerConfig
@@ -56,8 +56,8 @@ class Trainer:
             restored afterwards).
         resume: continue from the newest usable checkpoint in ``config.checkpoint_dir`` (a fresh start when
             there is none).
-        prepare_options: further keyword arguments of :func:`edgetrain.prepare` (``solver``,
-            ``micro_batch_size``, ``paging``, ...).
+        prepare_options: further keyword arguments of :func:`edgetrain.prepare` (``planning=PlanConfig(...)``,
+            ``paging=PagingConfig(...)``, ``speedup``, ``grad_filter``, ``name``).
 
     Raises:
         ConfigError: an option is invalid (``resume=True`` without a checkpoint directory, ...).

@@ -1,0 +1,135 @@
+"""The chain a model is cut into: its stages, the names of the values they pass, and the model inputs.
+
+Plain data plus the small amount of behaviour every consumer needs (running the stages in order, dropping
+values no later stage reads). Made by :mod:`edgetrain.capture.trace` (torch.fx) or
+:mod:`edgetrain.capture.modules` (the module tree); read by the profiler and executed by the runtime.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from ..errors import CaptureError
+
+__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers"]
+
+OUTPUT_KEY = "__output__"
+_BN = nn.modules.batchnorm._BatchNorm
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def managed_buffer(model: nn.Module, qualname: str) -> bool:
+    """Whether a buffer changed in forward is a BatchNorm running statistic, which edgetrain keeps exact
+    under recomputation and micro-batching (:mod:`edgetrain.runtime.batchnorm`). Every BatchNorm layer,
+    subclasses with a forward of their own included, runs as a module call (see :class:`_RetryTracer`),
+    so those mechanisms see each of its calls."""
+    owner, _, leaf = qualname.rpartition(".")
+    try:
+        mod = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return isinstance(mod, _BN) and mod.track_running_stats and leaf in _BN_BUFFERS
+
+
+def mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str, ...], Any]:
+    """Names of the buffers whose version counter ``run()`` advanced (an in-place write), and its result."""
+    bufs = list(model.named_buffers())
+    before = [b._version for _, b in bufs]
+    out = run()
+    return tuple(n for (n, b), v in zip(bufs, before) if b._version != v), out
+
+
+@dataclass
+class Stage:
+    """One stage of the chain: a callable over named values of the running environment.
+
+    Attributes:
+        index: position in the chain.
+        name: readable name (first and last module it covers).
+        fn: callable taking ``inputs`` positionally and returning a tuple of ``outputs``.
+        inputs: names of the values it reads.
+        outputs: names of the values it produces that later stages (or the loss) read.
+        modules: the submodules whose code runs inside the stage.
+        mutates: qualified names of the model buffers its forward changes in place (BatchNorm running
+            statistics, counters, power-iteration vectors), as seen on the example batch.
+    """
+
+    index: int
+    name: str
+    fn: Callable[..., tuple[Any, ...]]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    modules: tuple[nn.Module, ...] = ()
+    mutates: tuple[str, ...] = ()
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return self.fn(*args)
+
+
+@dataclass
+class Chain:
+    """A model as a chain of stages (the result of :func:`capture`)."""
+
+    stages: list[Stage]
+    input_names: tuple[str, ...]
+    method: str
+    leaf_modules: tuple[str, ...] = ()
+    last_use: dict[str, int] = field(default_factory=dict)
+    model: nn.Module | None = None
+    call_kwargs: dict[str, Any] = field(default_factory=dict)  # "modules" chains: extra keyword inputs
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @property
+    def unmanaged_mutations(self) -> tuple[str, ...]:
+        """Buffers changed in forward that edgetrain's BatchNorm mechanisms do not own (see
+        :func:`managed_buffer`): once per forward, so micro-batching would change them once per micro-batch."""
+        if self.model is None:
+            return ()
+        return tuple(n for st in self.stages for n in st.mutates if not managed_buffer(self.model, n))
+
+    def run(self, env: dict[str, Any]) -> Any:
+        """Run every stage plainly on an environment of model inputs and return the model output."""
+        for st in self.stages:
+            outs = st(*(env[k] for k in st.inputs))
+            env.update(zip(st.outputs, outs))
+            self.release(env, st.index)
+        return env[OUTPUT_KEY]
+
+    def release(self, env: dict[str, Any], stage_index: int) -> None:
+        """Drop values no stage after ``stage_index`` reads (so memory follows the plan)."""
+        for k in [k for k in env if k != OUTPUT_KEY and self.last_use.get(k, -1) <= stage_index]:
+            del env[k]
+
+
+def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
+    """Name the model inputs the way ``model.forward``'s signature does (tensor, tuple or dict)."""
+    sig = inspect.signature(model.forward)
+    try:
+        if isinstance(inputs, Mapping):
+            bound = sig.bind(**inputs)
+        elif isinstance(inputs, (tuple, list)):
+            bound = sig.bind(*inputs)
+        else:
+            bound = sig.bind(inputs)
+    except TypeError as e:
+        raise CaptureError(f"the inputs do not match {type(model).__name__}.forward{sig}: {e}. "
+                           "Pass a tensor, a tuple of positional inputs, or a dict of keyword inputs.") from e
+    bound.apply_defaults()
+    env: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            env.update(value)  # forward(x, **kwargs): the extra keywords are inputs of their own
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise CaptureError(f"{type(model).__name__}.forward{sig} takes *{name}; edgetrain passes inputs "
+                                   "by name: give the extra inputs as a dict of keyword inputs")
+        else:
+            env[name] = value
+    return env
