@@ -30,6 +30,13 @@ and re-runs its forward during backward. Walking the groups forward with a resid
   two-level checkpointing): the group's recomputation keeps only the stage outputs, then each stage is
   recomputed again while it runs backward: local peak ``P + max_t (sum_{s=i..t-1} out_s + saved_t + out_t
   + in_t + ws'_t)``; then ``P += add_ij``. Each of its stages runs forward three times.
+* selective stage ``i`` (policy ``selective:NAME``, one of the stage's :class:`SelectiveOption`): the stage
+  runs under a selective checkpoint that keeps only the outputs of some op classes (e.g. convolutions and
+  matrix products) and recomputes the rest from them in backward. It retains ``kept_i`` (the cached op
+  outputs) instead of ``saved_i``; its backward re-materialises every saved tensor, and the cached outputs
+  no backward node saves (``extra_i``) live until the replay has consumed them: local peak
+  ``P + saved_i + extra_i + out_i + in_i + ws'_i``; then ``P += kept_i + out_i``. Its recomputation adds
+  the option's ``recompute_s`` (the forward time of the ops it re-runs, with the dispatch overhead).
 * after the last group, the loss needs ``P + out_{n-1}``.
 
 The activation peak is the largest of these; the predicted step peak adds ``fixed_bytes`` (parameters,
@@ -51,12 +58,27 @@ from typing import Any, Sequence
 __all__ = [
     "Linear", "StageCost", "CostChain", "ScheduleCost", "simulate", "micro_batch_sizes",
     "KEEP", "RECOMPUTE", "PAGE", "POLICIES", "singleton_groups",
+    "SELECTIVE", "SelectiveOption", "selective_policy", "selective_name",
 ]
 
 KEEP = "keep"
 RECOMPUTE = "recompute"
 PAGE = "page"
 POLICIES = (KEEP, RECOMPUTE, PAGE)
+#: Prefix of a per-op (selective) policy: ``"selective:" + option name`` (:class:`SelectiveOption`).
+SELECTIVE = "selective"
+
+
+def selective_policy(name: str) -> str:
+    """The policy string of a stage run with its selective option ``name``."""
+    return f"{SELECTIVE}:{name}"
+
+
+def selective_name(policy: str) -> str | None:
+    """The option name of a selective policy string, else ``None``."""
+    if policy.startswith(SELECTIVE + ":"):
+        return policy[len(SELECTIVE) + 1:]
+    return None
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,26 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class SelectiveOption:
+    """A per-op recompute policy for one stage: keep the outputs of some op classes, recompute the rest.
+
+    Attributes:
+        name: the option's name, ``"+"``-joined op classes whose outputs are kept (e.g. ``"conv+mm"``).
+        kept_bytes: bytes of those outputs held from the stage's forward to its backward (storages of
+            the stage input, its output and the parameters excluded: they are resident anyway).
+        extra_bytes: the part of ``kept_bytes`` that no backward node saves (live only until the replay
+            has consumed it, so it adds to the stage's backward peak).
+        recompute_s: seconds the option adds to one micro-batch: the forward time of the ops it re-runs
+            plus the selective checkpoint's per-op dispatch in forward and in the replay.
+    """
+
+    name: str
+    kept_bytes: Linear
+    extra_bytes: Linear = Linear()
+    recompute_s: Linear = Linear()
+
+
+@dataclass(frozen=True)
 class StageCost:
     """Measured costs of one stage of the chain.
 
@@ -116,6 +158,7 @@ class StageCost:
         bwd_input_s: the input-gradient part of ``bwd_s`` where measured (else 0).
         carried: the other tensors crossing the cut after this stage, as ``(index of the stage that
             made them, bytes)`` (a residual block's skip input; empty at a single-tensor cut).
+        selective: the per-op recompute options measured for this stage (empty: none applies).
     """
 
     name: str
@@ -127,6 +170,19 @@ class StageCost:
     flops: Linear = Linear()
     bwd_input_s: Linear = Linear()
     carried: tuple[tuple[int, Linear], ...] = ()
+    selective: tuple[SelectiveOption, ...] = ()
+
+    def option(self, name: str) -> SelectiveOption:
+        """The selective option called ``name``.
+
+        Raises:
+            ValueError: the stage has no such option.
+        """
+        for o in self.selective:
+            if o.name == name:
+                return o
+        raise ValueError(f"stage {self.name!r} has no selective option {name!r} "
+                         f"(it has {[o.name for o in self.selective]})")
 
     def carried_at(self, m: int) -> list[tuple[int, int]]:
         """``carried`` in whole bytes at micro-batch ``m``."""
@@ -175,10 +231,16 @@ class CostChain:
         def lin(x: Any) -> Linear:
             return x if isinstance(x, Linear) else Linear(**x)
 
+        def option(o: dict[str, Any] | SelectiveOption) -> SelectiveOption:
+            if isinstance(o, SelectiveOption):
+                return o
+            return SelectiveOption(name=o["name"], **{k: lin(v) for k, v in o.items() if k != "name"})
+
         def stage(s: dict[str, Any]) -> StageCost:
             carried = tuple((int(p), lin(b)) for p, b in s.get("carried", ()))
-            return StageCost(name=s["name"], carried=carried,
-                             **{k: lin(v) for k, v in s.items() if k not in ("name", "carried")})
+            sel = tuple(option(o) for o in s.get("selective", ()))
+            return StageCost(name=s["name"], carried=carried, selective=sel,
+                             **{k: lin(v) for k, v in s.items() if k not in ("name", "carried", "selective")})
 
         stages = tuple(stage(s) for s in d["stages"])
         return CostChain(stages=stages, batch_size=int(d["batch_size"]), input_bytes=lin(d["input_bytes"]),
@@ -236,9 +298,12 @@ def _group_spans(groups: Sequence[int]) -> list[tuple[int, int]]:
 def _check_schedule(chain: CostChain, policies: Sequence[str], groups: Sequence[int]) -> list[tuple[int, int]]:
     if len(policies) != chain.n or len(groups) != chain.n:
         raise ValueError(f"schedule has {len(policies)} policies / {len(groups)} groups for {chain.n} stages")
-    for p in policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r}; expected one of {POLICIES}")
+    for t, p in enumerate(policies):
+        name = selective_name(p)
+        if name is not None:
+            chain.stages[t].option(name)  # raises for an option the stage does not have
+        elif p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; expected one of {POLICIES} or {SELECTIVE}:NAME")
     if any(b < a for a, b in zip(groups, groups[1:])):
         raise ValueError("group ids must be non-decreasing along the chain")
     spans = _group_spans(groups)
@@ -270,7 +335,13 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
     peak = 0
     locals_: list[int] = []
     for i, j in spans:
-        if policies[i] != RECOMPUTE:
+        name = selective_name(policies[i])
+        if name is not None:
+            opt = st[i].option(name)
+            local = saved[i] + math.ceil(opt.extra_bytes.at(m)) + out[i] + inp[i] + ws[i]
+            peak = max(peak, prefix + local)
+            prefix += math.ceil(opt.kept_bytes.at(m)) + out[i]
+        elif policies[i] != RECOMPUTE:
             local = saved[i] + out[i] + inp[i] + ws[i]
             peak = max(peak, prefix + local)
             prefix += saved[i] + out[i]
@@ -300,6 +371,10 @@ def micro_batch_time(chain: CostChain, m: int, policies: Sequence[str],
     base = sum(s.fwd_s.at(m) + s.bwd_s.at(m) for s in chain.stages) + chain.loss_s.at(m)
     rec = sum(s.fwd_s.at(m) for s, p in zip(chain.stages, policies) if p == RECOMPUTE)
     rec += sum(chain.stages[t].fwd_s.at(m) for t in nested_stages)
+    for s, p in zip(chain.stages, policies):
+        name = selective_name(p)
+        if name is not None:
+            rec += s.option(name).recompute_s.at(m)
     return base + rec, rec
 
 
@@ -311,7 +386,7 @@ def simulate(chain: CostChain, micro_batch_size: int, policies: Sequence[str],
         chain: the profiled chain.
         micro_batch_size: the largest micro-batch; the logical batch is split as
             :func:`micro_batch_sizes` says.
-        policies: one of ``keep``/``recompute``/``page`` per stage.
+        policies: one of ``keep``/``recompute``/``page``/``selective:NAME`` per stage.
         groups: group id per stage (non-decreasing); consecutive stages with equal ids form one
             recompute segment. ``None`` puts every stage in its own group.
         nested_groups: ids of recompute groups run with two-level checkpointing (module doc).

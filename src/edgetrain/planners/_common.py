@@ -7,7 +7,8 @@ For one micro-batch size ``m`` a schedule is a path through the *group boundarie
 with ``P + keep_add[t]``; a recompute group ``t..j`` needs ``P + seg_local[t, j] <= A`` and moves to
 ``j+1`` with ``P + seg_add[t, j]`` (its output plus the carried tensors made inside it); at ``n`` the
 loss needs ``P + out[n-1] <= A``. ``A`` is the budget minus the
-chain's fixed bytes.
+chain's fixed bytes. A stage with per-op (selective) options adds, per option ``k``, one more single-stage
+move: ``P + sel_local[t, k] <= A``, then ``t+1`` with ``P + sel_add[t, k]``, at the option's recompute cost.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import KEEP, RECOMPUTE, CostChain, micro_batch_sizes, micro_batch_time, simulate
+from ..graph import (
+    KEEP, RECOMPUTE, CostChain, micro_batch_sizes, micro_batch_time, selective_name, selective_policy, simulate,
+)
 
 __all__ = [
     "NESTED", "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
     "keep_time_s", "schedule_from_groups", "min_prefix_path", "min_peak_schedule", "better",
-    "hashable",
+    "hashable", "selective_costs", "without_selective",
 ]
 
 #: Step times within this relative distance count as ties (then fewer recomputed stages win, then a
@@ -53,6 +56,9 @@ class Sizes:
         nseg_local, nseg_worst: the same for the group run with two-level checkpointing (only its
             stages' outputs re-materialised at once; ``_BIG`` on and below the diagonal, where it equals
             the one-level group).
+        sel_local, sel_add: ``[t, k]`` local peak and prefix growth of stage ``t`` run with its ``k``-th
+            selective option (``_BIG`` where the stage has fewer options); shape ``(n, K)``, ``K >= 0``.
+        sel_names: per stage, the names of its selective options in order.
     """
 
     m: int
@@ -65,6 +71,9 @@ class Sizes:
     seg_worst: np.ndarray
     nseg_local: np.ndarray | None = None
     nseg_worst: np.ndarray | None = None
+    sel_local: np.ndarray | None = None
+    sel_add: np.ndarray | None = None
+    sel_names: tuple[tuple[str, ...], ...] = ()
 
     @property
     def n(self) -> int:
@@ -77,6 +86,8 @@ class Sizes:
                  self.seg_add[self.seg_add < _BIG]]
         if self.nseg_local is not None:
             parts.append(self.nseg_local[self.nseg_local < _BIG])
+        if self.sel_local is not None:
+            parts += [self.sel_local[self.sel_local < _BIG], self.sel_add[self.sel_add < _BIG]]
         return int(np.gcd.reduce(np.concatenate(parts)))
 
 
@@ -185,9 +196,37 @@ def _sizes_at(chain: CostChain, m: int) -> Sizes:
     nworst = np.maximum.accumulate(fnm, axis=1) - o_pref[:-1, None]
     nseg_worst = np.where(strict, nworst, _BIG)
     nseg_local = np.where(strict, nworst, _BIG)
-    for a in (out, keep_add, keep_local, seg_add, seg_local, seg_worst, nseg_local, nseg_worst):
+    # Selective options: keep-like moves that retain the kept op outputs instead of every saved tensor.
+    names = tuple(tuple(o.name for o in s.selective) for s in st)
+    k_max = max((len(x) for x in names), default=0)
+    sel_local = np.full((n, k_max), _BIG, dtype=np.int64)
+    sel_add = np.full((n, k_max), _BIG, dtype=np.int64)
+    for t, s in enumerate(st):
+        for k, o in enumerate(s.selective):
+            sel_local[t, k] = keep_local[t] + math.ceil(o.extra_bytes.at(m))
+            sel_add[t, k] = math.ceil(o.kept_bytes.at(m)) + out[t]
+    for a in (out, keep_add, keep_local, seg_add, seg_local, seg_worst, nseg_local, nseg_worst, sel_local, sel_add):
         a.setflags(write=False)
-    return Sizes(m, inp0, keep_local, keep_add, out, seg_add, seg_local, seg_worst, nseg_local, nseg_worst)
+    return Sizes(m, inp0, keep_local, keep_add, out, seg_add, seg_local, seg_worst, nseg_local, nseg_worst,
+                 sel_local, sel_add, names)
+
+
+def selective_costs(chain: CostChain, m: int) -> np.ndarray:
+    """``[t, k]``: seconds per step that stage ``t``'s ``k``-th selective option adds (``inf`` where none)."""
+    sizes = micro_batch_sizes(chain.batch_size, m)
+    k_max = max((len(s.selective) for s in chain.stages), default=0)
+    out = np.full((chain.n, k_max), np.inf)
+    for t, s in enumerate(chain.stages):
+        for k, o in enumerate(s.selective):
+            out[t, k] = sum(o.recompute_s.at(mb) for mb in sizes)
+    return out
+
+
+def without_selective(chain: CostChain) -> CostChain:
+    """``chain`` with every stage's selective options removed (whole-stage policies only)."""
+    if not any(s.selective for s in chain.stages):
+        return chain
+    return dataclasses.replace(chain, stages=tuple(dataclasses.replace(s, selective=()) for s in chain.stages))
 
 
 def recompute_costs(chain: CostChain, m: int) -> np.ndarray:
@@ -218,6 +257,8 @@ def schedule_from_groups(m: int, n: int, spans: Sequence[tuple[int, int, str]]) 
         if pol == NESTED:
             nested.append(gid)
             pol = RECOMPUTE
+        if selective_name(pol) is not None and j != i:
+            raise AssertionError(f"a selective span covers stages {i}..{j}")
         policies.extend([pol] * (j - i + 1))
         groups.extend([gid] * (j - i + 1))
     if len(policies) != n:
@@ -242,6 +283,8 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
     pred = np.full(n + 1, -1, dtype=np.int64)   # start boundary of the group ending at each boundary
     pkeep = np.zeros(n + 1, dtype=bool)
     pnest = np.zeros(n + 1, dtype=bool)
+    psel = np.full(n + 1, -1, dtype=np.int64)   # selective option of the keep-like group ending there
+    k_max = 0 if sz.sel_local is None else sz.sel_local.shape[1]
     for s in range(n):
         p = pmin[s]
         if p >= _BIG:
@@ -259,16 +302,25 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
             pnest[s + 1:][better_] = ~flat_ok[better_]
         elif p + sz.seg_local[s, s] <= act_budget and p + sz.seg_add[s, s] < pmin[s + 1]:
             pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.seg_add[s, s], s, False
-        # Keep wins ties against a recompute group ending at s (fewer recomputed stages).
+        for k in range(k_max):  # selective options beat recompute groups ending at s on ties
+            if p + sz.sel_local[s, k] <= act_budget and p + sz.sel_add[s, k] <= pmin[s + 1]:
+                pmin[s + 1], pred[s + 1], pkeep[s + 1], pnest[s + 1] = p + sz.sel_add[s, k], s, True, False
+                psel[s + 1] = k
+        # Keep wins ties against a recompute group or a selective option ending at s.
         if p + sz.keep_local[s] <= act_budget and p + sz.keep_add[s] <= pmin[s + 1]:
             pmin[s + 1], pred[s + 1], pkeep[s + 1], pnest[s + 1] = p + sz.keep_add[s], s, True, False
+            psel[s + 1] = -1
     if pmin[n] + sz.out[-1] > act_budget:
         return None
     spans: list[tuple[int, int, str]] = []
     t = n
     while t > 0:
         s = int(pred[t])
-        spans.append((s, t - 1, KEEP if pkeep[t] else NESTED if pnest[t] else RECOMPUTE))
+        if pkeep[t]:
+            kind = KEEP if psel[t] < 0 else selective_policy(sz.sel_names[s][int(psel[t])])
+        else:
+            kind = NESTED if pnest[t] else RECOMPUTE
+        spans.append((s, t - 1, kind))
         t = s
     return schedule_from_groups(sz.m, n, spans[::-1])
 
