@@ -30,18 +30,19 @@ def plain_step(model, opt, loss_fn, x, y, seed):
     return loss.item()
 
 
-def force(step, option: str, every: int = 1, allow_micro: bool = False) -> None:
-    """Run every ``every``-th stage with ``option`` (the rest kept), on the step's own micro-batching."""
+def force(step, option: str, group: int = 1) -> None:
+    """Run the stages as selective groups of ``group`` stages with ``option``, the last stage kept."""
     n = step.plan.num_stages
-    pol = tuple(selective_policy(option) if t % every == 0 else KEEP for t in range(n))
-    step.set_plan(step.plan.replace(policies=pol, groups=tuple(range(n)), nested_groups=()))
+    pol = tuple(selective_policy(option) for _ in range(n - 1)) + (KEEP,)
+    groups = tuple(t // group for t in range(n - 1)) + ((n - 2) // group + 1,)
+    step.set_plan(step.plan.replace(policies=pol, groups=groups, nested_groups=()))
 
 
-def run_twins(make, example, loss_fn, option, *, micro=None, steps=3, seed_inputs=True, every=1):
+def run_twins(make, example, loss_fn, option, *, micro=None, steps=3, group=1):
     ref, opt_r, ours, opt_o = twins(make, lr=0.05, momentum=0.9)
     x, y = example
     step = edgetrain.prepare(ours, opt_o, loss_fn, (x, y), solver="no_saving", micro_batch_size=micro)
-    force(step, option, every)
+    force(step, option, group)
     assert any(selective_name(p) for p in step.plan.policies)
     for i in range(steps):
         lr = plain_step(ref, opt_r, loss_fn, x, y, i)
@@ -51,16 +52,16 @@ def run_twins(make, example, loss_fn, option, *, micro=None, steps=3, seed_input
     return ref, ours
 
 
-@pytest.mark.parametrize("option", ["conv+mm", "conv", "mm+norm"])
-def test_convnet_batchnorm_dropout_bit_exact(option):
+@pytest.mark.parametrize("option,group", [("conv+mm", 1), ("conv", 3), ("mm+norm", 2), ("conv+mm+norm", 100)])
+def test_convnet_batchnorm_dropout_bit_exact(option, group):
     x, y = torch.randn(12, 3, 16, 16), torch.randint(0, 5, (12,))
-    ref, ours = run_twins(convnet, (x, y), nn.CrossEntropyLoss(), option)
+    ref, ours = run_twins(convnet, (x, y), nn.CrossEntropyLoss(), option, group=group)
     assert_state_close(ours, ref, rtol=0)  # running stats, num_batches_tracked, weights, momentum
 
 
 def test_mlp_dropout_layernorm_bit_exact():
     x, y = torch.randn(16, 16), torch.randint(0, 5, (16,))
-    ref, ours = run_twins(lambda: mlp(dropout=0.3), (x, y), nn.CrossEntropyLoss(), "mm+norm")
+    ref, ours = run_twins(lambda: mlp(dropout=0.3), (x, y), nn.CrossEntropyLoss(), "mm+norm", group=2)
     assert_state_close(ours, ref, rtol=0)
 
 
@@ -73,7 +74,7 @@ def test_micro_batched_batchnorm_selective_matches_recompute_all():
         sa = edgetrain.prepare(a, opt_a, loss_fn, (x, y), solver="recompute_all", micro_batch_size=4)
     with pytest.warns(UserWarning, match="micro-batch"):
         sb = edgetrain.prepare(b, opt_b, loss_fn, (x, y), solver="recompute_all", micro_batch_size=4)
-    force(sb, "conv+mm")
+    force(sb, "conv+mm", group=2)
     for i in range(2):
         torch.manual_seed(i)
         la = sa(x, y)
@@ -118,7 +119,8 @@ def test_hugging_face_models_bit_exact(name):
     if name == "bert":  # dropout on: its masks must be replayed
         model.train()
     option = "mm+norm" if name == "bert" else "conv+mm"
-    ref, ours = run_twins(lambda: case.build().train(), (x, y), case.loss_fn, option, steps=2)
+    ref, ours = run_twins(lambda: case.build().train(), (x, y), case.loss_fn, option, steps=2,
+                          group=1 if name == "bert" else 2)
     assert_state_close(ours, ref, rtol=0)
 
 

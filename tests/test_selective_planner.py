@@ -20,28 +20,53 @@ from test_planners import RTOL, all_schedules, hundred_stage_chain, small_chain
 
 
 def with_options(rng: random.Random, chain: CostChain, integer: bool = True) -> CostChain:
-    """Give about half the stages one or two selective options that keep part of their saved bytes."""
+    """Give stages options ``a`` and/or ``b`` that keep part of their saved bytes (some keep their
+    output too), and let some stages write their input in place."""
     stages = []
     for s in chain.stages:
         opts = []
-        for k in range(rng.choice((0, 0, 1, 2))):
-            frac = rng.uniform(0.1, 0.8)
+        for name in ("a", "b"):
+            if rng.random() < 0.35:
+                continue
+            frac = rng.uniform(0.0, 0.8)
             kept = Linear(int(s.saved_bytes.fixed * frac), int(s.saved_bytes.per_sample * frac)) if integer \
                 else s.saved_bytes.scaled(frac)
             extra = Linear(0, rng.randint(0, 2)) if integer else Linear(0, rng.uniform(0, 2))
-            opts.append(SelectiveOption(f"o{k}", kept_bytes=kept, extra_bytes=extra,
-                                        recompute_s=s.fwd_s.scaled(rng.uniform(0.0, 0.6))))
-        stages.append(dataclasses.replace(s, selective=tuple(opts)))
+            opts.append(SelectiveOption(name, kept_bytes=kept, extra_bytes=extra,
+                                        recompute_s=s.fwd_s.scaled(rng.uniform(0.0, 0.6)),
+                                        keeps_output=rng.random() < 0.4))
+        stages.append(dataclasses.replace(s, selective=tuple(opts), mutates_input=rng.random() < 0.15))
     return dataclasses.replace(chain, stages=tuple(stages))
 
 
 def all_selective_schedules(chain: CostChain):
-    """Every schedule of ``all_schedules`` with each kept stage optionally run with one of its options."""
+    """Every schedule of ``all_schedules``, and each group run as a selective group of any option all its
+    stages have (the ones simulate refuses, for a stage writing its input in place, left out)."""
     for pol, grp, nested in all_schedules(chain.n):
-        choices = [[p] + ([selective_policy(o.name) for o in chain.stages[t].selective] if p == KEEP else [])
-                   for t, p in enumerate(pol)]
+        spans = []
+        for t, g in enumerate(grp):
+            if spans and spans[-1][2] == g:
+                spans[-1][1] = t
+            else:
+                spans.append([t, t, g])
+        choices = []
+        for i, j, g in spans:
+            names = set.intersection(*[{o.name for o in chain.stages[t].selective} for t in range(i, j + 1)])
+            base = pol[i] if g not in nested else "nested"
+            choices.append([base] + [selective_policy(nm) for nm in sorted(names)])
         for c in itertools.product(*choices):
-            yield tuple(c), grp, nested
+            policies, groups_, nest = [], [], []
+            for (i, j, g), p in zip(spans, c):
+                if p == "nested":
+                    nest.append(g)
+                    p = RECOMPUTE
+                policies += [p] * (j - i + 1)
+                groups_ += [g] * (j - i + 1)
+            try:
+                simulate(chain, 1, policies, groups_, nest)
+            except ValueError:
+                continue
+            yield tuple(policies), tuple(groups_), tuple(nest)
 
 
 def rows_of(chain: CostChain):
@@ -76,6 +101,21 @@ def test_simulate_selective_stage() -> None:
     # stage a: prefix 2 (input); keep adds 20 + 6, selective 8 + 6; stage b's local 12 + 4 + 6
     assert keep.per_stage_peak_bytes == (20 + 6 + 2, 12 + 4 + 6)
     assert sel.per_stage_peak_bytes == (20 + 2 + 6 + 2, 12 + 4 + 6)
+    # a group of both stages under the option: a's kept bytes and, since a kept op made it, a's output
+    both = StageCost("b", Linear(0, 1.0), Linear(0, 2.0), Linear(0, 6), Linear(0, 2), selective=(
+        SelectiveOption("conv", kept_bytes=Linear(0, 0), recompute_s=Linear(0, 0.5)),))
+    a_keeps = dataclasses.replace(a, selective=(dataclasses.replace(opt, keeps_output=True),))
+    chain2 = CostChain((a_keeps, both), 2, Linear(0, 1), 100)
+    grp = simulate(chain2, 2, [selective_policy("conv")] * 2, [0, 0])
+    rec = simulate(chain2, 2, [RECOMPUTE] * 2, [0, 0])
+    assert grp.per_stage_peak_bytes[0] == rec.per_stage_peak_bytes[0] + 2
+    assert grp.activation_peak_bytes == max(2 + rec.per_stage_peak_bytes[0] + 2, 2 + 4 + 8 + 6 + 4)
+    assert grp.step_time_s == pytest.approx(rec.step_time_s - (2.0 + 2.0) + (0.5 + 1.0))  # fwd vs recompute_s
+    mut = dataclasses.replace(chain2, stages=(a_keeps, dataclasses.replace(both, mutates_input=True)))
+    with pytest.raises(ValueError, match="in place"):
+        simulate(mut, 2, [selective_policy("conv")] * 2, [0, 0])
+    with pytest.raises(ValueError, match="in place"):
+        simulate(mut, 2, [selective_policy("conv"), KEEP], [0, 1])
     assert keep.activation_peak_bytes == 2 + 26 + 22
     assert sel.activation_peak_bytes == max(2 + 30, 2 + 14 + 22, 2 + 14 + 16 + 4)
     assert sel.step_time_s == pytest.approx(keep.step_time_s + 0.5)

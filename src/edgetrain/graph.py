@@ -30,13 +30,17 @@ and re-runs its forward during backward. Walking the groups forward with a resid
   two-level checkpointing): the group's recomputation keeps only the stage outputs, then each stage is
   recomputed again while it runs backward: local peak ``P + max_t (sum_{s=i..t-1} out_s + saved_t + out_t
   + in_t + ws'_t)``; then ``P += add_ij``. Each of its stages runs forward three times.
-* selective stage ``i`` (policy ``selective:NAME``, one of the stage's :class:`SelectiveOption`): the stage
-  runs under a selective checkpoint that keeps only the outputs of some op classes (e.g. convolutions and
-  matrix products) and recomputes the rest from them in backward. It retains ``kept_i`` (the cached op
-  outputs) instead of ``saved_i``; its backward re-materialises every saved tensor, and the cached outputs
-  no backward node saves (``extra_i``) live until the replay has consumed them: local peak
-  ``P + saved_i + extra_i + out_i + in_i + ws'_i``; then ``P += kept_i + out_i``. Its recomputation adds
-  the option's ``recompute_s`` (the forward time of the ops it re-runs, with the dispatch overhead).
+* selective group ``i..j`` (policy ``selective:NAME`` on each of its stages, every one of which has the
+  :class:`SelectiveOption` ``NAME``): a recompute group run under one selective checkpoint that keeps the
+  outputs of some op classes (e.g. convolutions and matrix products) and re-runs the rest from them in
+  backward. Besides ``add_ij`` it retains each stage's ``kept_s`` (cached op outputs inside the stage) and
+  the outputs of the stages ``s < j`` that a kept op made (``keeps_output``); its backward is that of the
+  recompute group plus the cached outputs no backward node saves (``extra_s``, live until the replay has
+  consumed them): local peak as the recompute group's ``+ sum_{s=i..j} extra_s``; then
+  ``P += add_ij + sum_s kept_s + sum_{s<j, keeps_output_s} out_s``. Its stages re-run only their other
+  ops: each adds its option's ``recompute_s`` instead of ``fwd_s``. A stage that writes its input in place
+  (``mutates_input``) never follows a stage of the same selective group, nor a selective group's last
+  stage (that input may be a cached output, which must not change).
 * after the last group, the loss needs ``P + out_{n-1}``.
 
 The activation peak is the largest of these; the predicted step peak adds ``fixed_bytes`` (parameters,
@@ -133,12 +137,15 @@ class SelectiveOption:
             has consumed it, so it adds to the stage's backward peak).
         recompute_s: seconds the option adds to one micro-batch: the forward time of the ops it re-runs
             plus the selective checkpoint's per-op dispatch in forward and in the replay.
+        keeps_output: a kept op makes the stage's output (so a selective group retains it when the stage
+            is not the group's last).
     """
 
     name: str
     kept_bytes: Linear
     extra_bytes: Linear = Linear()
     recompute_s: Linear = Linear()
+    keeps_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,7 @@ class StageCost:
         carried: the other tensors crossing the cut after this stage, as ``(index of the stage that
             made them, bytes)`` (a residual block's skip input; empty at a single-tensor cut).
         selective: the per-op recompute options measured for this stage (empty: none applies).
+        mutates_input: the stage writes one of its inputs in place (module doc: selective groups).
     """
 
     name: str
@@ -171,6 +179,7 @@ class StageCost:
     bwd_input_s: Linear = Linear()
     carried: tuple[tuple[int, Linear], ...] = ()
     selective: tuple[SelectiveOption, ...] = ()
+    mutates_input: bool = False
 
     def option(self, name: str) -> SelectiveOption:
         """The selective option called ``name``.
@@ -234,13 +243,16 @@ class CostChain:
         def option(o: dict[str, Any] | SelectiveOption) -> SelectiveOption:
             if isinstance(o, SelectiveOption):
                 return o
-            return SelectiveOption(name=o["name"], **{k: lin(v) for k, v in o.items() if k != "name"})
+            return SelectiveOption(name=o["name"], keeps_output=bool(o.get("keeps_output", False)),
+                                   **{k: lin(v) for k, v in o.items() if k not in ("name", "keeps_output")})
 
         def stage(s: dict[str, Any]) -> StageCost:
             carried = tuple((int(p), lin(b)) for p, b in s.get("carried", ()))
             sel = tuple(option(o) for o in s.get("selective", ()))
             return StageCost(name=s["name"], carried=carried, selective=sel,
-                             **{k: lin(v) for k, v in s.items() if k not in ("name", "carried", "selective")})
+                             mutates_input=bool(s.get("mutates_input", False)),
+                             **{k: lin(v) for k, v in s.items()
+                                if k not in ("name", "carried", "selective", "mutates_input")})
 
         stages = tuple(stage(s) for s in d["stages"])
         return CostChain(stages=stages, batch_size=int(d["batch_size"]), input_bytes=lin(d["input_bytes"]),
@@ -311,8 +323,13 @@ def _check_schedule(chain: CostChain, policies: Sequence[str], groups: Sequence[
         kinds = {policies[t] for t in range(i, j + 1)}
         if len(kinds) != 1:
             raise ValueError(f"stages {i}..{j} share a group but have different policies {sorted(kinds)}")
-        if j > i and policies[i] != RECOMPUTE:
+        if j > i and policies[i] != RECOMPUTE and selective_name(policies[i]) is None:
             raise ValueError(f"only recompute groups may span several stages (stages {i}..{j} are {policies[i]!r})")
+        if selective_name(policies[i]) is not None:
+            for t in range(i + 1, min(j + 2, chain.n)):
+                if chain.stages[t].mutates_input:
+                    raise ValueError(f"stage {t} writes its input in place, so it cannot follow stage {t - 1} "
+                                     f"of the selective group {i}..{j}")
     return spans
 
 
@@ -336,19 +353,14 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
     locals_: list[int] = []
     for i, j in spans:
         name = selective_name(policies[i])
-        if name is not None:
-            opt = st[i].option(name)
-            local = saved[i] + math.ceil(opt.extra_bytes.at(m)) + out[i] + inp[i] + ws[i]
-            peak = max(peak, prefix + local)
-            prefix += math.ceil(opt.kept_bytes.at(m)) + out[i]
-        elif policies[i] != RECOMPUTE:
+        if policies[i] != RECOMPUTE and name is None:
             local = saved[i] + out[i] + inp[i] + ws[i]
             peak = max(peak, prefix + local)
             prefix += saved[i] + out[i]
         else:
             run = 0
             worst = 0
-            two_level = groups[i] in nested
+            two_level = groups[i] in nested and name is None
             for t in range(i, j + 1):
                 if two_level:
                     worst = max(worst, run + saved[t] + out[t] + inp[t] + ws[t])
@@ -358,6 +370,11 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
                 run += out[t]
             retained = out[j] + sum(b for p, b in carried[j] if p >= i)
             local = worst
+            if name is not None:  # selective group: the cached op outputs too
+                opts = [st[t].option(name) for t in range(i, j + 1)]
+                local += sum(math.ceil(o.extra_bytes.at(m)) for o in opts)
+                retained += sum(math.ceil(o.kept_bytes.at(m)) for o in opts)
+                retained += sum(out[t] for t, o in zip(range(i, j), opts) if o.keeps_output)
             peak = max(peak, prefix + local)
             prefix += retained
         locals_.append(local)

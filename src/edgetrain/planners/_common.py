@@ -7,8 +7,9 @@ For one micro-batch size ``m`` a schedule is a path through the *group boundarie
 with ``P + keep_add[t]``; a recompute group ``t..j`` needs ``P + seg_local[t, j] <= A`` and moves to
 ``j+1`` with ``P + seg_add[t, j]`` (its output plus the carried tensors made inside it); at ``n`` the
 loss needs ``P + out[n-1] <= A``. ``A`` is the budget minus the
-chain's fixed bytes. A stage with per-op (selective) options adds, per option ``k``, one more single-stage
-move: ``P + sel_local[t, k] <= A``, then ``t+1`` with ``P + sel_add[t, k]``, at the option's recompute cost.
+chain's fixed bytes. Per-op (selective) options add, per option ``k`` of the chain, a selective group
+``t..j`` (every stage in it has option ``k``): ``P + sel_local[k, t, j] <= A``, then ``j+1`` with
+``P + sel_add[k, t, j]``, at the cost of the stages' ``recompute_s`` for that option.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..graph import (
-    KEEP, RECOMPUTE, CostChain, micro_batch_sizes, micro_batch_time, selective_name, selective_policy, simulate,
+    KEEP, RECOMPUTE, CostChain, StageCost, micro_batch_sizes, micro_batch_time, selective_name, selective_policy,
+    simulate,
 )
 
 __all__ = [
     "NESTED", "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
     "keep_time_s", "schedule_from_groups", "min_prefix_path", "min_peak_schedule", "better",
-    "hashable", "selective_costs", "without_selective",
+    "hashable", "selective_costs", "selective_names", "without_selective",
 ]
 
 #: Step times within this relative distance count as ties (then fewer recomputed stages win, then a
@@ -56,9 +58,9 @@ class Sizes:
         nseg_local, nseg_worst: the same for the group run with two-level checkpointing (only its
             stages' outputs re-materialised at once; ``_BIG`` on and below the diagonal, where it equals
             the one-level group).
-        sel_local, sel_add: ``[t, k]`` local peak and prefix growth of stage ``t`` run with its ``k``-th
-            selective option (``_BIG`` where the stage has fewer options); shape ``(n, K)``, ``K >= 0``.
-        sel_names: per stage, the names of its selective options in order.
+        sel_local, sel_add: ``[k, t, j]`` local peak and prefix growth of the selective group ``t..j`` run
+            with option ``sel_names[k]`` (``_BIG`` where not allowed); shape ``(K, n, n)``, ``K >= 0``.
+        sel_names: the chain's selective option names (every name some stage has).
     """
 
     m: int
@@ -73,7 +75,7 @@ class Sizes:
     nseg_worst: np.ndarray | None = None
     sel_local: np.ndarray | None = None
     sel_add: np.ndarray | None = None
-    sel_names: tuple[tuple[str, ...], ...] = ()
+    sel_names: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:
@@ -196,29 +198,68 @@ def _sizes_at(chain: CostChain, m: int) -> Sizes:
     nworst = np.maximum.accumulate(fnm, axis=1) - o_pref[:-1, None]
     nseg_worst = np.where(strict, nworst, _BIG)
     nseg_local = np.where(strict, nworst, _BIG)
-    # Selective options: keep-like moves that retain the kept op outputs instead of every saved tensor.
-    names = tuple(tuple(o.name for o in s.selective) for s in st)
-    k_max = max((len(x) for x in names), default=0)
-    sel_local = np.full((n, k_max), _BIG, dtype=np.int64)
-    sel_add = np.full((n, k_max), _BIG, dtype=np.int64)
-    for t, s in enumerate(st):
-        for k, o in enumerate(s.selective):
-            sel_local[t, k] = keep_local[t] + math.ceil(o.extra_bytes.at(m))
-            sel_add[t, k] = math.ceil(o.kept_bytes.at(m)) + out[t]
+    names, sel_local, sel_add = _selective_sizes(st, m, out, seg_add, seg_local)
     for a in (out, keep_add, keep_local, seg_add, seg_local, seg_worst, nseg_local, nseg_worst, sel_local, sel_add):
         a.setflags(write=False)
     return Sizes(m, inp0, keep_local, keep_add, out, seg_add, seg_local, seg_worst, nseg_local, nseg_worst,
                  sel_local, sel_add, names)
 
 
+def selective_names(stages: Sequence[StageCost]) -> tuple[str, ...]:
+    """Every selective option name some stage has, in first-seen order."""
+    return tuple(dict.fromkeys(o.name for s in stages for o in s.selective))
+
+
+def _option_table(stages: Sequence[StageCost], name: str, value: Callable[[Any], float]) -> np.ndarray:
+    """Per stage ``value(option)`` of option ``name`` (nan where the stage lacks it)."""
+    out = np.full(len(stages), np.nan)
+    for t, s in enumerate(stages):
+        for o in s.selective:
+            if o.name == name:
+                out[t] = value(o)
+    return out
+
+
+def _selective_sizes(st: Sequence[StageCost], m: int, out: np.ndarray, seg_add: np.ndarray,
+                     seg_local: np.ndarray) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """``sel_local``, ``sel_add`` of :class:`Sizes` (graph's memory model of a selective group)."""
+    n = len(st)
+    names = selective_names(st)
+    sel_local = np.full((len(names), n, n), _BIG, dtype=np.int64)
+    sel_add = np.full((len(names), n, n), _BIG, dtype=np.int64)
+    mut = np.array([s.mutates_input for s in st] + [False], dtype=bool)
+    tri = np.triu(np.ones((n, n), dtype=bool))
+    for k, name in enumerate(names):
+        kept = _option_table(st, name, lambda o: math.ceil(o.kept_bytes.at(m)))
+        extra = _option_table(st, name, lambda o: math.ceil(o.extra_bytes.at(m)))
+        keeps = _option_table(st, name, lambda o: float(o.keeps_output))
+        has = ~np.isnan(kept)
+        kept, extra = np.nan_to_num(kept).astype(np.int64), np.nan_to_num(extra).astype(np.int64)
+        outk = np.where(np.nan_to_num(keeps) > 0, out, 0).astype(np.int64)
+        k_pref = np.concatenate([[0], np.cumsum(kept)])
+        e_pref = np.concatenate([[0], np.cumsum(extra)])
+        o_pref = np.concatenate([[0], np.cumsum(outk)])
+        missing = np.concatenate([[0], np.cumsum(~has)])
+        # group t..j: every stage has the option, and no stage in t+1..j+1 writes its input in place
+        muts = np.concatenate([[0], np.cumsum(mut[1:])])   # muts[u] = # mutating stages in 1..u
+        t_idx, j_idx = np.arange(n)[:, None], np.arange(n)[None, :]
+        ok = tri & (missing[j_idx + 1] - missing[t_idx] == 0) & (muts[j_idx + 1] - muts[t_idx] == 0)
+        add = seg_add + (k_pref[j_idx + 1] - k_pref[t_idx]) + (o_pref[j_idx] - o_pref[t_idx])
+        loc = seg_local + (e_pref[j_idx + 1] - e_pref[t_idx])
+        sel_add[k] = np.where(ok, add, _BIG)
+        sel_local[k] = np.where(ok, loc, _BIG)
+    return names, sel_local, sel_add
+
+
 def selective_costs(chain: CostChain, m: int) -> np.ndarray:
-    """``[t, k]``: seconds per step that stage ``t``'s ``k``-th selective option adds (``inf`` where none)."""
+    """``[k, t]``: seconds per step that stage ``t`` adds run with the chain's ``k``-th selective option
+    (:func:`selective_names`; ``inf`` where the stage lacks it)."""
     sizes = micro_batch_sizes(chain.batch_size, m)
-    k_max = max((len(s.selective) for s in chain.stages), default=0)
-    out = np.full((chain.n, k_max), np.inf)
-    for t, s in enumerate(chain.stages):
-        for k, o in enumerate(s.selective):
-            out[t, k] = sum(o.recompute_s.at(mb) for mb in sizes)
+    names = selective_names(chain.stages)
+    out = np.full((len(names), chain.n), np.inf)
+    for k, name in enumerate(names):
+        out[k] = np.nan_to_num(_option_table(chain.stages, name, lambda o: sum(o.recompute_s.at(mb) for mb in sizes)),
+                               nan=np.inf)
     return out
 
 
@@ -257,8 +298,6 @@ def schedule_from_groups(m: int, n: int, spans: Sequence[tuple[int, int, str]]) 
         if pol == NESTED:
             nested.append(gid)
             pol = RECOMPUTE
-        if selective_name(pol) is not None and j != i:
-            raise AssertionError(f"a selective span covers stages {i}..{j}")
         policies.extend([pol] * (j - i + 1))
         groups.extend([gid] * (j - i + 1))
     if len(policies) != n:
@@ -283,8 +322,8 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
     pred = np.full(n + 1, -1, dtype=np.int64)   # start boundary of the group ending at each boundary
     pkeep = np.zeros(n + 1, dtype=bool)
     pnest = np.zeros(n + 1, dtype=bool)
-    psel = np.full(n + 1, -1, dtype=np.int64)   # selective option of the keep-like group ending there
-    k_max = 0 if sz.sel_local is None else sz.sel_local.shape[1]
+    psel = np.full(n + 1, -1, dtype=np.int64)   # selective option of the group ending there (-1: none)
+    k_max = 0 if sz.sel_local is None else sz.sel_local.shape[0]
     for s in range(n):
         p = pmin[s]
         if p >= _BIG:
@@ -300,13 +339,19 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
             pred[s + 1:][better_] = s
             pkeep[s + 1:][better_] = False
             pnest[s + 1:][better_] = ~flat_ok[better_]
+            psel[s + 1:][better_] = -1
         elif p + sz.seg_local[s, s] <= act_budget and p + sz.seg_add[s, s] < pmin[s + 1]:
-            pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.seg_add[s, s], s, False
-        for k in range(k_max):  # selective options beat recompute groups ending at s on ties
-            if p + sz.sel_local[s, k] <= act_budget and p + sz.sel_add[s, k] <= pmin[s + 1]:
-                pmin[s + 1], pred[s + 1], pkeep[s + 1], pnest[s + 1] = p + sz.sel_add[s, k], s, True, False
-                psel[s + 1] = k
-        # Keep wins ties against a recompute group or a selective option ending at s.
+            pmin[s + 1], pred[s + 1], pkeep[s + 1], psel[s + 1] = p + sz.seg_add[s, s], s, False, -1
+        end = n if allow_segments else s + 1
+        for k in range(k_max):  # selective groups s..j
+            cand = np.where(p + sz.sel_local[k, s, s:end] <= act_budget, p + sz.sel_add[k, s, s:end], _BIG)
+            better_ = cand < pmin[s + 1:end + 1]
+            pmin[s + 1:end + 1] = np.where(better_, cand, pmin[s + 1:end + 1])
+            pred[s + 1:end + 1][better_] = s
+            pkeep[s + 1:end + 1][better_] = False
+            pnest[s + 1:end + 1][better_] = False
+            psel[s + 1:end + 1][better_] = k
+        # Keep wins ties against a recompute or selective group ending at s (fewer recomputed stages).
         if p + sz.keep_local[s] <= act_budget and p + sz.keep_add[s] <= pmin[s + 1]:
             pmin[s + 1], pred[s + 1], pkeep[s + 1], pnest[s + 1] = p + sz.keep_add[s], s, True, False
             psel[s + 1] = -1
@@ -316,8 +361,10 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
     t = n
     while t > 0:
         s = int(pred[t])
-        if pkeep[t]:
-            kind = KEEP if psel[t] < 0 else selective_policy(sz.sel_names[s][int(psel[t])])
+        if psel[t] >= 0:
+            kind = selective_policy(sz.sel_names[int(psel[t])])
+        elif pkeep[t]:
+            kind = KEEP
         else:
             kind = NESTED if pnest[t] else RECOMPUTE
         spans.append((s, t - 1, kind))

@@ -85,12 +85,15 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
     nsl, nsw = (q(sz.nseg_local), q(sz.nseg_worst)) if nested else (sl, sw)
     cum = np.concatenate([[0.0], np.cumsum(costs)]).tolist()
     xcum = np.concatenate([[0.0], np.cumsum(costs if extra_costs is None else extra_costs)]).tolist()
-    n_sel = 0 if sel_costs is None or sz.sel_local is None else sz.sel_local.shape[1]
+    n_sel = 0 if sel_costs is None or sz.sel_local is None else sz.sel_local.shape[0]
     if n_sel:
         big = np.int64(cap + 1) * g
-        sel_l = q(np.minimum(sz.sel_local, big)).tolist()
-        sel_a = q(np.minimum(sz.sel_add, big)).tolist()
-        sel_c = np.asarray(sel_costs, dtype=np.float64).tolist()
+        sel_l = q(np.minimum(sz.sel_local, big))
+        sel_a = q(np.minimum(sz.sel_add, big))
+        # cumulative per-stage costs of each option: group t..j costs scum[k][j+1] - scum[k][t]
+        # (a stage without the option costs 0 here: sel_local already forbids every group holding it)
+        costs_k = np.where(np.isfinite(sel_costs), sel_costs, 0.0)
+        scum = [np.concatenate([[0.0], np.cumsum(c)]).tolist() for c in costs_k]
     table = np.full((n + 1, cap + 1), np.inf)
     table[n, : cap - last + 1] = 0.0
     buf = np.empty(cap + 1)
@@ -99,12 +102,6 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
         if kl[t] <= cap:
             w = cap - kl[t] + 1
             np.minimum(row[:w], table[t + 1, ka[t]: ka[t] + w], out=row[:w])
-        for k in range(n_sel):  # selective options: keep-like, fewer bytes retained, some ops re-run
-            if sel_l[t][k] > cap or sel_a[t][k] > cap or not np.isfinite(sel_c[t][k]):
-                continue
-            w = cap - max(sel_l[t][k], sel_a[t][k]) + 1   # a prefix above cap is infeasible anyway
-            np.add(table[t + 1, sel_a[t][k]: sel_a[t][k] + w], sel_c[t][k], out=buf[:w])
-            np.minimum(row[:w], buf[:w], out=row[:w])
         j_end = n if allow_segments else t + 1
         sl_t, sw_t, sa_t = sl[t].tolist(), sw[t].tolist(), sa[t]
         for j in range(t, j_end):
@@ -115,6 +112,17 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
             w = cap - sl_t[j] + 1
             np.add(table[j + 1, sa_t[j]: sa_t[j] + w], cum[j + 1] - cum[t], out=buf[:w])
             np.minimum(row[:w], buf[:w], out=row[:w])
+        for k in range(n_sel):  # selective groups t..j: some op outputs kept, the rest re-run
+            sl_k, sa_k, sc = sel_l[k, t].tolist(), sel_a[k, t].tolist(), scum[k]
+            for j in range(t, j_end):
+                if sw_t[j] > cap:
+                    break
+                reach = max(sl_k[j], sa_k[j])   # a prefix above cap is infeasible anyway
+                if reach > cap:
+                    continue
+                w = cap - reach + 1
+                np.add(table[j + 1, sa_k[j]: sa_k[j] + w], sc[j + 1] - sc[t], out=buf[:w])
+                np.minimum(row[:w], buf[:w], out=row[:w])
         if nested:  # two-level groups: less memory, their stages' forward once more
             nsl_t, nsw_t = nsl[t].tolist(), nsw[t].tolist()
             for j in range(t + 1, n):
@@ -139,18 +147,21 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
             spans.append((t, t, KEEP))
             t, p = t + 1, p + ka[t]
             continue
-        chosen = next((k for k in range(n_sel) if max(sel_l[t][k], sel_a[t][k]) + p <= cap
-                       and np.isfinite(sel_c[t][k]) and table[t + 1, p + sel_a[t][k]] + sel_c[t][k] == val), None)
-        if chosen is not None:
-            spans.append((t, t, selective_policy(sz.sel_names[t][chosen])))
-            t, p = t + 1, p + sel_a[t][chosen]
-            continue
         for j in range(t, n if allow_segments else t + 1):
             if int(sl[t, j]) + p <= cap and table[j + 1, p + sa[t][j]] + (cum[j + 1] - cum[t]) == val:
                 spans.append((t, j, RECOMPUTE))
                 t, p = j + 1, p + sa[t][j]
                 break
         else:
+            chosen = next(((k, j) for k in range(n_sel) for j in range(t, n if allow_segments else t + 1)
+                           if max(int(sel_l[k, t, j]), int(sel_a[k, t, j])) + p <= cap
+                           and table[j + 1, p + int(sel_a[k, t, j])] + (scum[k][j + 1] - scum[k][t]) == val), None)
+            if chosen is not None:
+                k, j = chosen
+                spans.append((t, j, selective_policy(sz.sel_names[k])))
+                t, p = j + 1, p + int(sel_a[k, t, j])
+                continue
+
             for j in range(t + 1, n if nested else t + 1):
                 if (int(nsl[t, j]) + p <= cap and int(nsl[t, j]) < int(sl[t, j])
                         and table[j + 1, p + sa[t][j]] + ((cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t])) == val):

@@ -5,8 +5,9 @@ A ``keep`` group runs its stage as written. A ``recompute`` group (one or more c
 each of its stages again inside, so its replay keeps only the stage outputs): saved tensors are dropped during
 forward and rebuilt by re-running the group when backward first needs one. The CPU (and CUDA) RNG state is
 replayed so dropout masks are identical, and a :class:`RecomputeGuard` undoes BatchNorm running-statistics
-updates made by the replay. A ``selective:NAME`` stage runs under the same checkpoint with a selective
-policy that keeps the outputs of the op classes in ``NAME`` and re-runs the rest (:mod:`.selective`).
+updates made by the replay. A ``selective:NAME`` group (one or more stages) runs under the same checkpoint
+with a selective policy that keeps the outputs of the op classes in ``NAME`` and re-runs the rest
+(:mod:`.selective`).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class Executor:
 
     def _group_fn(self, g: _Group) -> Callable[..., tuple[Any, ...]]:
         stages = self.chain.stages[g.first:g.last + 1]
-        two_level = self.plan.groups[g.first] in set(self.plan.nested_groups)
+        two_level = self.plan.groups[g.first] in set(self.plan.nested_groups) and g.policy == RECOMPUTE
 
         def run(*args: Any) -> tuple[Any, ...]:
             env = dict(zip(g.inputs, args))
@@ -147,17 +148,15 @@ class Executor:
                     self.chain.release(env, g.last)
                     continue
                 option = selective_name(g.policy)
-                if option is not None:  # one stage: keep some op outputs, re-run the rest in backward
-                    st = self.chain.stages[g.first]
+                if option is not None:  # one checkpoint: some op outputs kept, the rest re-run in backward
+                    def guard(g: _Group = g) -> tuple[Any, Any]:
+                        return self._guard(g.first, g.last, g.modules)
 
-                    def guard(st: Any = st) -> tuple[Any, Any]:
-                        return self._guard(st.index, st.index, st.modules)
-
-                    outs = checkpoint(st, *(env[k] for k in st.inputs), use_reentrant=False,
+                    outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
                                       preserve_rng_state=True, context_fn=selective_context_fn(option, guard))
-                    env.update(zip(st.outputs, outs))
+                    env.update(zip(g.outputs, outs))
                     del outs
-                    self.chain.release(env, st.index)
+                    self.chain.release(env, g.last)
                     continue
                 for st in self.chain.stages[g.first:g.last + 1]:
                     if g.policy == PAGE:
