@@ -150,3 +150,47 @@ def test_replay_reruns_only_the_ops_outside_the_kept_classes():
         runs[name] = c.seen
     assert runs["conv"].count("conv") == 0 and runs["conv"].count("norm") == 1
     assert runs["whole"].count("conv") == 2 and runs["whole"].count("norm") == 1
+
+
+def test_lean_sliced_convolution_kept_whole(monkeypatch):
+    """Convolutions computed in batch slices (edgetrain's lean convolution) are one kept output: the
+    selective run equals whole-stage recomputation on the same path bit for bit, and its replay runs no
+    convolution kernel."""
+    monkeypatch.setenv("EDGETRAIN_CONV_CHUNK_BYTES", "16384")
+    x, y = torch.randn(12, 3, 16, 16), torch.randint(0, 5, (12,))
+    loss_fn = nn.CrossEntropyLoss()
+    a, opt_a, b, opt_b = twins(convnet, lr=0.05, momentum=0.9)
+    sa = edgetrain.prepare(a, opt_a, loss_fn, (x, y), solver="recompute_all")
+    sb = edgetrain.prepare(b, opt_b, loss_fn, (x, y), solver="recompute_all")
+    force(sb, "conv+mm", group=3)
+    for i in range(2):
+        torch.manual_seed(i)
+        la = sa(x, y)
+        torch.manual_seed(i)
+        assert sb(x, y) == la
+    assert_state_close(b, a, rtol=0)
+    from edgetrain.runtime.lean import lean_conv2d
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(op_class(func))
+            return func(*args, **(kwargs or {}))
+
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    xi = torch.randn(8, 3, 16, 16, requires_grad=True)
+
+    def f(v):
+        return torch.relu(lean_conv2d(v, w, None, (1, 1), (1, 1), (1, 1), 1, limit=4096))
+
+    out = checkpoint(f, xi, use_reentrant=False, context_fn=selective_context_fn("conv"))
+    with Count() as c:
+        out.sum().backward()
+    assert c.seen.count("conv") == 0
+    ref_g = torch.autograd.grad(f(xi).sum(), (xi, w))
+    assert torch.equal(xi.grad, ref_g[0]) and torch.equal(w.grad, ref_g[1])

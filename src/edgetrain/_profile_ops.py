@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from .graph import Linear, SelectiveOption
-from .runtime.selective import OP_CLASSES, op_class, option_name, selective_context_fn
+from .runtime.selective import OP_CLASSES, op_class, option_name, recording, selective_context_fn
 
-__all__ = ["OpSample", "record_ops", "candidate_options", "option_is_exact", "fit_options"]
+__all__ = ["OpSample", "record_ops", "candidate_options", "option_is_exact", "fit_option", "selective_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,12 @@ class OpSample:
     kept: dict[str, dict[int, int]] = field(default_factory=dict)  # class -> storage -> bytes
     saved: set[int] = field(default_factory=set)
     resident: set[int] = field(default_factory=set)
+    outputs: set[int] = field(default_factory=set)
+    mutates_input: bool = False
+
+    def keeps_output(self, classes: Sequence[str]) -> bool:
+        """Whether a kept op made (a storage of) the stage's output."""
+        return any(k in self.kept.get(c, {}) for c in classes for k in self.outputs)
 
     def bytes_of(self, classes: Sequence[str]) -> tuple[int, int]:
         """(kept bytes, the part of them autograd does not save) of an option keeping ``classes``."""
@@ -79,6 +85,11 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.sample = sample
         self.hold: list[torch.Tensor] = []  # kept-class outputs stay referenced: no storage key reused
+        self.frame: Any = None              # the composite-op frame (its kernels' outputs are not kept)
+
+    def kept(self, cls: str, t: torch.Tensor) -> None:
+        self.sample.kept.setdefault(cls, {}).setdefault(_key(t), t.untyped_storage().nbytes())
+        self.hold.append(t)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         t0 = time.perf_counter()
@@ -88,12 +99,10 @@ class _Recorder(TorchDispatchMode):
         s = self.sample
         s.seconds[cls] = s.seconds.get(cls, 0.0) + dt
         s.calls += 1
-        if cls in OP_CLASSES:
-            per = s.kept.setdefault(cls, {})
+        if cls in OP_CLASSES and not (self.frame is not None and self.frame.suppress):
             for t in _tensors(out):
                 if t.device.type != "meta":
-                    per.setdefault(_key(t), t.untyped_storage().nbytes())
-                    self.hold.append(t)
+                    self.kept(cls, t)
         return out
 
 
@@ -112,11 +121,16 @@ def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int]) 
         return t
 
     rec = _Recorder(sample)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    ins = _tensors(list(inputs))
+    versions = [t._version for t in ins]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recording(rec.kept) as frame:
+        rec.frame = frame
         with rec:
             outs = run()
     outs_t = _tensors(outs)
-    sample.resident = set(params) | {_key(t) for t in _tensors(list(inputs))} | {_key(t) for t in outs_t}
+    sample.mutates_input = any(t._version != v for t, v in zip(ins, versions))
+    sample.outputs = {_key(t) for t in outs_t}
+    sample.resident = set(params) | {_key(t) for t in ins} | sample.outputs
     rec.hold.clear()
     diff = [o for o in outs_t if o.requires_grad]
     if diff:
@@ -124,10 +138,13 @@ def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int]) 
     return sample
 
 
-def candidate_options(sample: OpSample) -> list[tuple[str, ...]]:
-    """Kept-class sets to try: growing prefixes of :data:`OP_CLASSES` among the classes the stage runs."""
-    present = [c for c in OP_CLASSES if sample.kept.get(c)]
-    return [tuple(present[:k]) for k in range(1, len(present) + 1)]
+def candidate_options(samples: Sequence[OpSample]) -> list[tuple[str, ...]]:
+    """Kept-class sets to offer across a chain: its convolutions and matrix products, then those and its
+    normalisations (the classes some stage runs; an empty or repeated set is left out)."""
+    present = {c for s in samples for c in OP_CLASSES if s.kept.get(c)}
+    heavy = tuple(c for c in OP_CLASSES if c in present and c != "norm")
+    both = tuple(c for c in OP_CLASSES if c in present)
+    return [c for c in dict.fromkeys((heavy, both)) if c]
 
 
 def option_is_exact(run: Callable[..., Any], args: Sequence[Any], grad_inputs: Sequence[torch.Tensor],
@@ -182,27 +199,16 @@ def dispatch_overhead_s() -> float:
     return sorted(rounds)[2]
 
 
-def fit_options(lo: int, s_lo: OpSample, fwd_lo: float, hi: int, s_hi: OpSample, fwd_hi: float,
-                saved: Linear, exact: Callable[[str], bool]) -> tuple[SelectiveOption, ...]:
-    """The stage's selective options fitted over two micro-batch sizes.
-
-    An option is offered when it keeps fewer bytes than the stage saves at both sizes and ``exact(name)``.
-    """
+def fit_option(classes: Sequence[str], lo: int, s_lo: OpSample, fwd_lo: float, hi: int, s_hi: OpSample,
+               fwd_hi: float) -> SelectiveOption:
+    """One stage's option keeping ``classes``, fitted over two micro-batch sizes."""
     overhead = dispatch_overhead_s()
-    out = []
-    for classes in candidate_options(s_hi):
-        name = option_name(classes)
-        (k_lo, x_lo), (k_hi, x_hi) = s_lo.bytes_of(classes), s_hi.bytes_of(classes)
-        if k_hi >= saved.at(hi) or k_lo >= saved.at(lo):
-            continue
-        r_lo = fwd_lo * s_lo.rerun_share(classes) + 2 * overhead * s_lo.calls
-        r_hi = fwd_hi * s_hi.rerun_share(classes) + 2 * overhead * s_hi.calls
-        if not exact(name):
-            continue
-        out.append(SelectiveOption(name, kept_bytes=Linear.fit(lo, k_lo, hi, k_hi),
-                                   extra_bytes=Linear.fit(lo, x_lo, hi, x_hi),
-                                   recompute_s=Linear.fit(lo, r_lo, hi, r_hi)))
-    return tuple(out)
+    (k_lo, x_lo), (k_hi, x_hi) = s_lo.bytes_of(classes), s_hi.bytes_of(classes)
+    r_lo = fwd_lo * s_lo.rerun_share(classes) + 2 * overhead * s_lo.calls
+    r_hi = fwd_hi * s_hi.rerun_share(classes) + 2 * overhead * s_hi.calls
+    return SelectiveOption(option_name(classes), kept_bytes=Linear.fit(lo, k_lo, hi, k_hi),
+                           extra_bytes=Linear.fit(lo, x_lo, hi, x_hi), recompute_s=Linear.fit(lo, r_lo, hi, r_hi),
+                           keeps_output=s_lo.keeps_output(classes) or s_hi.keeps_output(classes))
 
 
 def _fx_stage_inputs(chain: Any, inputs_env: dict[str, Any], m: int) -> list[tuple[list[Any], list[torch.Tensor]]]:
@@ -290,8 +296,8 @@ def selective_stages(chain: Any, inputs_env: dict[str, Any], lo: int, hi: int, p
     blocks = chain.method == "modules"
     grab = _block_inputs if blocks else _fx_stage_inputs
     at_lo, at_hi = grab(chain, inputs_env, lo), grab(chain, inputs_env, hi)
-    out = []
-    for t, (st, cost) in enumerate(zip(chain.stages, stages)):
+    runs, samples = [], []
+    for t, st in enumerate(chain.stages):
         fn = st.modules[0] if blocks else st
         if blocks:
             def run(args: Any, kwargs: Any, fn: Any = fn) -> Any:
@@ -299,12 +305,15 @@ def selective_stages(chain: Any, inputs_env: dict[str, Any], lo: int, hi: int, p
         else:
             def run(*args: Any, fn: Any = fn) -> Any:
                 return fn(*args)
-        samples = []
-        for args, _ in (at_lo[t], at_hi[t]):
-            samples.append(record_ops(lambda a=args: run(*a), args, params))
+        runs.append(run)
+        samples.append([record_ops(lambda a=args, run=run: run(*a), args, params) for args, _ in (at_lo[t], at_hi[t])])
+    options = candidate_options([s for pair in samples for s in pair])
+    out = []
+    for t, (st, cost) in enumerate(zip(chain.stages, stages)):
         args_lo, leaves_lo = at_lo[t]
         stage_params = [p for mod in st.modules for p in mod.parameters() if p.requires_grad]
-        opts = fit_options(lo, samples[0], fwd_lo[t], hi, samples[1], fwd_hi[t], cost.saved_bytes,
-                           lambda name: option_is_exact(run, args_lo, leaves_lo, stage_params, name))
-        out.append(replace(cost, selective=opts) if opts else cost)
+        opts = tuple(fit_option(c, lo, samples[t][0], fwd_lo[t], hi, samples[t][1], fwd_hi[t]) for c in options
+                     if option_is_exact(runs[t], args_lo, leaves_lo, stage_params, option_name(c)))
+        out.append(replace(cost, selective=opts,
+                           mutates_input=samples[t][0].mutates_input or samples[t][1].mutates_input))
     return out

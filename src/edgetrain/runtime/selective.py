@@ -19,20 +19,26 @@ every other op re-runs. Exactness rests on three rules:
   the count of calls per op, and the ops in between may differ between forward and replay (a
   ``momentum=None`` BatchNorm reads ``num_batches_tracked`` with ``.item()`` in a replay, but not in a
   micro-batched forward, where :class:`FullBatchStats` sets the momentum); as in whole-stage
-  recomputation, what must match is the saved tensors, which the checkpoint checks.
+  recomputation, what must match is the saved tensors, which the checkpoint checks;
+* a composite op made of several kernels (the lean convolution's batch slices written into one output)
+  registers itself with :func:`composite`: under a selective checkpoint that keeps its class, its kernels
+  run uncached in forward, its one output is cached (with its version, checked in the replay: a mutated
+  entry raises), and the replay hands that output back without running the composite at all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["OP_CLASSES", "op_class", "option_classes", "option_name", "selective_context_fn"]
+__all__ = ["OP_CLASSES", "op_class", "option_classes", "option_name", "selective_context_fn", "composite",
+           "recording"]
 
 #: Op classes whose outputs an option may keep, cheapest to keep (most expensive to recompute) first.
 OP_CLASSES = ("conv", "mm", "norm")
@@ -83,16 +89,90 @@ def _policy(keep: frozenset[str], ctx: Any, func: Any, *args: Any, **kwargs: Any
     return CheckpointPolicy.MUST_SAVE if op_class(func) in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _Frame:
+    """One active selective forward, replay or profiler recording, seen by :func:`composite`."""
+
+    def __init__(self, mode: str, keep: frozenset[str], cache: list[Any], on_kept: Any = None) -> None:
+        self.mode = mode           # "forward", "replay" or "record"
+        self.keep = keep
+        self.cache = cache         # composite outputs, shared by a checkpoint's forward and replay
+        self.on_kept = on_kept     # record mode: called with (class, output)
+        self.suppress = 0          # > 0 inside a composite: its kernels are not cached one by one
+
+
+_LOCAL = threading.local()
+
+
+def _frames() -> list[_Frame]:
+    if not hasattr(_LOCAL, "frames"):
+        _LOCAL.frames = []
+    return _LOCAL.frames
+
+
+def composite(cls: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run ``compute()`` (several kernels making one tensor of op class ``cls``) as one kept unit.
+
+    Outside a selective checkpoint that keeps ``cls`` this is ``compute()``. Inside its forward the
+    kernels run uncached and the output is cached; inside its replay the cached output comes back
+    (``RuntimeError`` if it was mutated in place since) and ``compute`` does not run.
+    """
+    frames = _frames()
+    f = frames[-1] if frames else None
+    if f is None or cls not in f.keep or f.suppress:
+        return compute()
+    if f.mode == "replay":
+        if not f.cache:
+            raise RuntimeError("selective recompute: a composite op ran in the replay but not in the forward")
+        t, version = f.cache.pop(0)
+        if t._version != version:
+            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
+        return t
+    f.suppress += 1
+    try:
+        out = compute()
+    finally:
+        f.suppress -= 1
+    if f.mode == "forward":
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            f.cache.append((out.detach(), out._version))
+    elif f.on_kept is not None:
+        f.on_kept(cls, out)
+    return out
+
+
+@contextlib.contextmanager
+def recording(on_kept: Callable[[str, torch.Tensor], None]) -> Iterator[_Frame]:
+    """Profiler hook: composites report their one output as kept (``on_kept(cls, out)``) and mark their
+    kernels (``frame.suppress``) so the recorder counts their time but not their outputs."""
+    frame = _Frame("record", frozenset(OP_CLASSES), [], on_kept)
+    _frames().append(frame)
+    try:
+        yield frame
+    finally:
+        _frames().remove(frame)
+
+
 class _KeptOnly(TorchDispatchMode):
     """Hands the ops of the kept classes to a selective-checkpoint mode; every other op just runs."""
 
-    def __init__(self, keep: frozenset[str], sac_mode: TorchDispatchMode) -> None:
+    def __init__(self, keep: frozenset[str], sac_mode: TorchDispatchMode, frame: _Frame) -> None:
         super().__init__()
         self.keep = keep
         self.sac_mode = sac_mode
+        self.frame = frame
+
+    def __enter__(self) -> "_KeptOnly":
+        _frames().append(self.frame)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _frames().remove(self.frame)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if op_class(func) in self.keep:
+        if op_class(func) in self.keep and not self.frame.suppress:
             return self.sac_mode.__torch_dispatch__(func, types, args, kwargs)
         return func(*args, **(kwargs or {}))
 
@@ -123,7 +203,9 @@ def selective_context_fn(name: str, guard_fn: Callable[[], tuple[Any, Any]] | No
 
     def context_fn() -> tuple[Any, Any]:
         sac_fwd, sac_rec = create_selective_checkpoint_contexts(policy)
-        fwd, rec = _KeptOnly(keep, sac_fwd), _KeptOnly(keep, sac_rec)
+        cache: list[Any] = []
+        fwd = _KeptOnly(keep, sac_fwd, _Frame("forward", keep, cache))
+        rec = _KeptOnly(keep, sac_rec, _Frame("replay", keep, cache))
         if guard_fn is None:
             return fwd, rec
         g_fwd, g_rec = guard_fn()
