@@ -371,7 +371,7 @@ def _min_samples(runs: list[list[StageSample]]) -> list[StageSample]:
 def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], targets: Any,
                   loss_fn: Callable[..., torch.Tensor], *, batch_size: int, fixed_bytes: int,
                   budget_bytes: int | None = None, repeats: int = 2, use_cache: bool = True,
-                  name: str = "", min_micro_batch: int = 1, selective: bool = True) -> CostChain:
+                  name: str = "", min_micro_batch: int = 1, selective: bool | None = None) -> CostChain:
     """Profile ``chain`` on this machine and return its :class:`CostChain`.
 
     Args:
@@ -389,7 +389,8 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
         min_micro_batch: the smallest micro-batch the model accepts (2 with training-mode BatchNorm,
             which cannot normalise a single sample of 1x1 maps).
         selective: also measure each stage's per-op (selective) recompute options, each checked bit-exact
-            against a plain run of the stage (:mod:`edgetrain._profile_ops`).
+            against a plain run of the stage (:mod:`edgetrain._profile_ops`); ``None`` reads
+            ``EDGETRAIN_SELECTIVE`` (on unless ``0``).
 
     Returns:
         The fitted cost chain.
@@ -397,6 +398,10 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
     Raises:
         ProfileError: a stage failed to run forward or backward.
     """
+    if selective is None:
+        from .runtime.selective import enabled
+
+        selective = enabled()
     params = {_storage_key(p) for p in model.parameters()}
     with preserved_model_state(model):
         try:

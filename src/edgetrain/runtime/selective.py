@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from typing import Any, Callable, Iterator
 
@@ -38,7 +39,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = ["OP_CLASSES", "op_class", "option_classes", "option_name", "selective_context_fn", "composite",
-           "recording"]
+           "recording", "enabled"]
+
+
+def enabled() -> bool:
+    """Whether the profiler measures selective options (``EDGETRAIN_SELECTIVE=0`` turns them off, so
+    plans use whole-stage policies only; for A/B measurements)."""
+    return os.environ.get("EDGETRAIN_SELECTIVE", "1").lower() not in ("0", "false", "no", "off")
 
 #: Op classes whose outputs an option may keep, cheapest to keep (most expensive to recompute) first.
 OP_CLASSES = ("conv", "mm", "norm")
