@@ -203,3 +203,18 @@ def test_dp_with_selective_on_100_stages_is_fast_and_near_optimal() -> None:
         assert plan.optimality_gap is not None and plan.optimality_gap < 0.01
         assert plan.step_time_s <= solve_dp(chain, budget, selective=False).step_time_s * (1 + RTOL)
     assert RECOMPUTE  # the whole-stage policies stay in the space
+
+
+def test_device_scaling_keeps_the_options_share_of_the_forward() -> None:
+    from edgetrain.devices import list_profiles, load_profile, scale_chain
+
+    names = list_profiles()
+    src, dst = load_profile(names[0]), load_profile(names[-1])
+    opt = SelectiveOption("conv", Linear(0, 4), recompute_s=Linear(0.0, 0.25))
+    st = StageCost("a", Linear(0, 1.0), Linear(0, 2.0), Linear(0, 10), Linear(0, 3), flops=Linear(0, 1e9),
+                   selective=(opt,))
+    chain = CostChain((st,), 2, Linear(0, 1), 0)
+    for scaled in (scale_chain(chain, src, dst), scale_chain(chain, None, dst)):
+        s = scaled.stages[0]
+        assert s.selective[0].recompute_s.at(2) == pytest.approx(0.25 * s.fwd_s.at(2), rel=1e-9)
+        assert s.selective[0].kept_bytes == opt.kept_bytes
