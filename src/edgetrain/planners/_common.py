@@ -22,10 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..graph import (
-    KEEP, RECOMPUTE, CostChain, StageCost, micro_batch_sizes, micro_batch_time, selective_name, selective_policy,
-    simulate,
-)
+from ..graph import KEEP, RECOMPUTE, CostChain, StageCost, micro_batch_sizes, micro_batch_time, simulate
 
 __all__ = [
     "NESTED", "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
@@ -310,7 +307,9 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
 
     Because every constraint is ``P + local <= A`` and ``P`` only grows, a smaller prefix at a group
     boundary is never worse for the rest of the chain; so the smallest reachable prefix at each
-    boundary (a shortest path over boundaries, ``O(n^2)``) decides feasibility exactly.
+    boundary (a shortest path over boundaries, ``O(n^2)``) decides feasibility exactly. Selective groups
+    never enter: each retains and holds at least what the plain recompute group over the same stages does,
+    so they never reach a boundary with a smaller prefix (they only save time).
 
     Returns:
         The schedule reaching the last boundary with the smallest prefix, or ``None`` if none fits.
@@ -322,8 +321,6 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
     pred = np.full(n + 1, -1, dtype=np.int64)   # start boundary of the group ending at each boundary
     pkeep = np.zeros(n + 1, dtype=bool)
     pnest = np.zeros(n + 1, dtype=bool)
-    psel = np.full(n + 1, -1, dtype=np.int64)   # selective option of the group ending there (-1: none)
-    k_max = 0 if sz.sel_local is None else sz.sel_local.shape[0]
     for s in range(n):
         p = pmin[s]
         if p >= _BIG:
@@ -339,35 +336,18 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
             pred[s + 1:][better_] = s
             pkeep[s + 1:][better_] = False
             pnest[s + 1:][better_] = ~flat_ok[better_]
-            psel[s + 1:][better_] = -1
         elif p + sz.seg_local[s, s] <= act_budget and p + sz.seg_add[s, s] < pmin[s + 1]:
-            pmin[s + 1], pred[s + 1], pkeep[s + 1], psel[s + 1] = p + sz.seg_add[s, s], s, False, -1
-        end = n if allow_segments else s + 1
-        for k in range(k_max):  # selective groups s..j
-            cand = np.where(p + sz.sel_local[k, s, s:end] <= act_budget, p + sz.sel_add[k, s, s:end], _BIG)
-            better_ = cand < pmin[s + 1:end + 1]
-            pmin[s + 1:end + 1] = np.where(better_, cand, pmin[s + 1:end + 1])
-            pred[s + 1:end + 1][better_] = s
-            pkeep[s + 1:end + 1][better_] = False
-            pnest[s + 1:end + 1][better_] = False
-            psel[s + 1:end + 1][better_] = k
-        # Keep wins ties against a recompute or selective group ending at s (fewer recomputed stages).
+            pmin[s + 1], pred[s + 1], pkeep[s + 1] = p + sz.seg_add[s, s], s, False
+        # Keep wins ties against a recompute group ending at s (fewer recomputed stages).
         if p + sz.keep_local[s] <= act_budget and p + sz.keep_add[s] <= pmin[s + 1]:
             pmin[s + 1], pred[s + 1], pkeep[s + 1], pnest[s + 1] = p + sz.keep_add[s], s, True, False
-            psel[s + 1] = -1
     if pmin[n] + sz.out[-1] > act_budget:
         return None
     spans: list[tuple[int, int, str]] = []
     t = n
     while t > 0:
         s = int(pred[t])
-        if psel[t] >= 0:
-            kind = selective_policy(sz.sel_names[int(psel[t])])
-        elif pkeep[t]:
-            kind = KEEP
-        else:
-            kind = NESTED if pnest[t] else RECOMPUTE
-        spans.append((s, t - 1, kind))
+        spans.append((s, t - 1, KEEP if pkeep[t] else NESTED if pnest[t] else RECOMPUTE))
         t = s
     return schedule_from_groups(sz.m, n, spans[::-1])
 

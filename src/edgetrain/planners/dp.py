@@ -118,7 +118,8 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
                 if sw_t[j] > cap:
                     break
                 reach = max(sl_k[j], sa_k[j])   # a prefix above cap is infeasible anyway
-                if reach > cap:
+                # never better than the plain recompute group t..j, which retains and holds no more
+                if reach > cap or sc[j + 1] - sc[t] >= cum[j + 1] - cum[t]:
                     continue
                 w = cap - reach + 1
                 np.add(table[j + 1, sa_k[j]: sa_k[j] + w], sc[j + 1] - sc[t], out=buf[:w])
