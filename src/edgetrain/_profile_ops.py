@@ -170,11 +170,15 @@ def option_is_exact(run: Callable[..., Any], args: Sequence[Any], grad_inputs: S
     try:
         plain, sel = once(False), once(True)
     except Exception as e:  # a kept output mutated in place, an op sequence that differs in the replay
-        log.debug("selective option %s refused: %s: %s", name, type(e).__name__, e)
+        log.info("selective option %s refused (whole-stage policies stay): %s: %s", name, type(e).__name__, e)
         return False
-    return len(plain) == len(sel) and all(
+    same = len(plain) == len(sel) and all(
         (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
         for a, b in zip(plain, sel))
+    if not same:
+        log.info("selective option %s refused (whole-stage policies stay): outputs or gradients differ from a "
+                 "plain run", name)
+    return same
 
 
 @functools.lru_cache(maxsize=1)
