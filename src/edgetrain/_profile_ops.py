@@ -5,8 +5,9 @@ class (:func:`edgetrain.runtime.selective.op_class`), its seconds and the storag
 ``saved_tensors_hooks`` recording what autograd saves. An option keeping classes ``C`` then keeps the
 outputs of the ops in ``C`` (storages of the stage input, its outputs and the parameters excluded: they are
 resident anyway), of which those autograd does not save only add to the backward peak; its replay re-runs
-every other op, whose share of the op time scales the stage's measured forward seconds, plus the
-selective checkpoint's per-op dispatch (measured once per process) in forward and in the replay.
+every other op, whose share of the op time scales the stage's measured forward seconds, plus what the
+selective checkpoint's machinery costs per op in forward and replay (measured once per process against
+whole-stage recomputation of a chain of tiny ops).
 
 Each option is then run once for real, forward and backward under the selective checkpoint, against a
 plain run from the same RNG state: an option whose outputs or gradients differ in any bit, or that raises
@@ -183,24 +184,27 @@ def option_is_exact(run: Callable[..., Any], args: Sequence[Any], grad_inputs: S
 
 @functools.lru_cache(maxsize=1)
 def dispatch_overhead_s() -> float:
-    """Seconds a Python dispatch mode adds to one op call on this machine (median of 5 rounds of 200 calls)."""
-    class Passthrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            return func(*args, **(kwargs or {}))
+    """Seconds the selective checkpoint adds per op of a region, forward and replay together, on this
+    machine: a chain of 64 tiny matrix products and ReLUs under it against whole-stage recomputation of
+    the same chain (which re-runs every op, so the difference is the machinery; best of 5 rounds)."""
+    x = torch.randn(2, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
 
-    x = torch.zeros(1)
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(200):
-            torch.neg(x)
-        t1 = time.perf_counter()
-        with Passthrough():
-            for _ in range(200):
-                torch.neg(x)
-        t2 = time.perf_counter()
-        rounds.append(max(0.0, ((t2 - t1) - (t1 - t0)) / 200))
-    return sorted(rounds)[2]
+    def chain(v: torch.Tensor) -> torch.Tensor:
+        for _ in range(32):
+            v = torch.relu(v @ w)
+        return v
+
+    def once(selective: bool) -> float:
+        kw = {"context_fn": selective_context_fn("mm")} if selective else {}
+        t0 = time.process_time()   # this process's CPU time: robust to other processes on the machine
+        for _ in range(8):
+            checkpoint(chain, x, use_reentrant=False, **kw).sum().backward()
+        return (time.process_time() - t0) / 8
+
+    once(True), once(False)
+    sel, whole = min(once(True) for _ in range(5)), min(once(False) for _ in range(5))
+    return max(0.0, (sel - whole) / 64)
 
 
 def fit_option(classes: Sequence[str], lo: int, s_lo: OpSample, fwd_lo: float, hi: int, s_hi: OpSample,
@@ -208,8 +212,8 @@ def fit_option(classes: Sequence[str], lo: int, s_lo: OpSample, fwd_lo: float, h
     """One stage's option keeping ``classes``, fitted over two micro-batch sizes."""
     overhead = dispatch_overhead_s()
     (k_lo, x_lo), (k_hi, x_hi) = s_lo.bytes_of(classes), s_hi.bytes_of(classes)
-    r_lo = fwd_lo * s_lo.rerun_share(classes) + 2 * overhead * s_lo.calls
-    r_hi = fwd_hi * s_hi.rerun_share(classes) + 2 * overhead * s_hi.calls
+    r_lo = fwd_lo * s_lo.rerun_share(classes) + overhead * s_lo.calls
+    r_hi = fwd_hi * s_hi.rerun_share(classes) + overhead * s_hi.calls
     return SelectiveOption(option_name(classes), kept_bytes=Linear.fit(lo, k_lo, hi, k_hi),
                            extra_bytes=Linear.fit(lo, x_lo, hi, x_hi), recompute_s=Linear.fit(lo, r_lo, hi, r_hi),
                            keeps_output=s_lo.keeps_output(classes) or s_hi.keeps_output(classes))
