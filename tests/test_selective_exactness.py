@@ -65,7 +65,8 @@ def test_mlp_dropout_layernorm_bit_exact():
     assert_state_close(ours, ref, rtol=0)
 
 
-def test_micro_batched_batchnorm_selective_matches_recompute_all():
+@pytest.mark.parametrize("option", ["conv+mm", "conv+mm+norm"])
+def test_micro_batched_batchnorm_selective_matches_recompute_all(option):
     """Micro-batched: selective stages give the same result as whole-stage recomputation (BN full-batch)."""
     x, y = torch.randn(12, 3, 16, 16), torch.randint(0, 5, (12,))
     loss_fn = nn.CrossEntropyLoss()
@@ -74,7 +75,7 @@ def test_micro_batched_batchnorm_selective_matches_recompute_all():
         sa = edgetrain.prepare(a, opt_a, loss_fn, (x, y), solver="recompute_all", micro_batch_size=4)
     with pytest.warns(UserWarning, match="micro-batch"):
         sb = edgetrain.prepare(b, opt_b, loss_fn, (x, y), solver="recompute_all", micro_batch_size=4)
-    force(sb, "conv+mm", group=2)
+    force(sb, option, group=2)
     for i in range(2):
         torch.manual_seed(i)
         la = sa(x, y)
