@@ -5,8 +5,8 @@ Run: ``python bench/bench_selective.py fresh|ab [--out FILE.json]``
 * ``fresh``: one fresh process per job (:func:`edgetrain.measure.run_isolated`, profile cache off), ResNet-18
   (32x32) and MobileNetV2 (64x64) at batch 32 under fixed budgets, with ``EDGETRAIN_SELECTIVE`` on and
   off: measured peak against the plan's predicted peak and the budget, and the plan's shape.
-* ``ab``: in one process, one prepared step runs its own plan (selective options on) and the DP's plan
-  for the same profiled chain and micro-batch size without them, in turn (A B A B ...); the step time is
+* ``ab``: per case one process and one prepared step, which runs the DP's plans for its own profiled chain,
+  budget and micro-batch size with and without the selective options, in turn (A B A B ...); the step time is
   this process's CPU time (``time.process_time``, one torch thread), which other processes on a shared
   machine do not inflate the way they inflate wall time; reported as the median ratio of the pairs.
 """
@@ -47,6 +47,22 @@ def fresh() -> list[dict[str, Any]]:
 
 
 def ab(rounds: int = 4) -> list[dict[str, Any]]:
+    """Every case in its own process (a prepared step's memory stays resident in the process it ran in,
+    and would count in the next case's fixed bytes)."""
+    import subprocess
+
+    rows = []
+    for i in range(len(CASES)):
+        out = subprocess.run([sys.executable, __file__, "ab-one", "--case", str(i), "--rounds", str(rounds)],
+                             capture_output=True, text=True, check=False)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        row = json.loads(lines[-1]) if lines else {"case": CASES[i][:1] + CASES[i][2:], "error": out.stderr[-500:]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def ab_one(case: int, rounds: int) -> dict[str, Any]:
     import torch
     from torch import nn
 
@@ -55,41 +71,44 @@ def ab(rounds: int = 4) -> list[dict[str, Any]]:
     from edgetrain.planners import solve_dp
 
     torch.set_num_threads(1)
-    rows = []
-    for name, spec, mib in CASES:
-        model, x, y = build_model_and_batch(Job(**spec, batch_size=32, mode="edgetrain"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget=int(mib * MIB))
-        sel = step.plan
-        whole = solve_dp(step.costs, sel.budget_bytes or int(mib * MIB), selective=False,
-                         micro_batch_sizes=[sel.micro_batch_size])
-        times: dict[str, list[float]] = {"sel": [], "whole": []}
-        for _ in range(rounds):
-            for key, plan in (("sel", sel), ("whole", whole)):
-                step.set_plan(plan)
-                step(x, y)  # warm-up of this plan
-                t0 = time.process_time()
-                step(x, y)
-                step(x, y)
-                times[key].append((time.process_time() - t0) / 2)
-        step.set_plan(sel)
-        ratios = [a / b for a, b in zip(times["sel"], times["whole"])]
-        rows.append(dict(model=name, budget_mib=mib, micro_batch=sel.micro_batch_size,
-                         selective_stages=sum(p.startswith("selective:") for p in sel.policies),
-                         recomputed_sel=sel.policies.count("recompute"), recomputed_whole=whole.policies.count("recompute"),
-                         pred_ratio=sel.step_time_s / whole.step_time_s, cpu_s_sel=times["sel"],
-                         cpu_s_whole=times["whole"], ratio_median=statistics.median(ratios),
-                         ratio_min=min(ratios), ratio_max=max(ratios)))
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+    name, spec, mib = CASES[case]
+    model, x, y = build_model_and_batch(Job(**spec, batch_size=32, mode="edgetrain"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget=int(mib * MIB))
+    # both plans from the step's own profiled chain, its budget and micro-batch size
+    room, sizes = step.plan.budget_bytes or int(mib * MIB), [step.plan.micro_batch_size]
+    sel = solve_dp(step.costs, room, micro_batch_sizes=sizes)
+    whole = solve_dp(step.costs, room, selective=False, micro_batch_sizes=sizes)
+    times: dict[str, list[float]] = {"sel": [], "whole": []}
+    for _ in range(rounds):
+        for key, plan in (("sel", sel), ("whole", whole)):
+            step.set_plan(plan)
+            step(x, y)  # warm-up of this plan
+            t0 = time.process_time()
+            step(x, y)
+            step(x, y)
+            times[key].append((time.process_time() - t0) / 2)
+    ratios = [a / b for a, b in zip(times["sel"], times["whole"])]
+    row = dict(model=name, budget_mib=mib, micro_batch=sel.micro_batch_size,
+               selective_stages=sum(p.startswith("selective:") for p in sel.policies),
+               recomputed_sel=sel.policies.count("recompute"), recomputed_whole=whole.policies.count("recompute"),
+               pred_ratio=sel.step_time_s / whole.step_time_s, cpu_s_sel=times["sel"],
+               cpu_s_whole=times["whole"], ratio_median=statistics.median(ratios),
+               ratio_min=min(ratios), ratio_max=max(ratios))
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("fresh", "ab"))
+    p.add_argument("what", choices=("fresh", "ab", "ab-one"))
+    p.add_argument("--case", type=int, default=0, help="ab-one: index into CASES")
     p.add_argument("--rounds", type=int, default=4, help="A/B pairs per case (ab)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    if args.what == "ab-one":
+        ab_one(args.case, args.rounds)
+        return 0
     rows = fresh() if args.what == "fresh" else ab(args.rounds)
     if args.out:
         with open(args.out, "w") as f:
