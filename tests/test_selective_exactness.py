@@ -170,7 +170,7 @@ def test_lean_sliced_convolution_kept_whole(monkeypatch):
         torch.manual_seed(i)
         assert sb(x, y) == la
     assert_state_close(b, a, rtol=0)
-    from edgetrain.runtime.lean import lean_conv2d
+    from edgetrain.capture.lean import lean_conv2d
     from torch.utils.checkpoint import checkpoint
     from torch.utils._python_dispatch import TorchDispatchMode
 
