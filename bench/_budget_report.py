@@ -254,8 +254,9 @@ def plans_table(rep: ModelReport) -> Table:
             continue
         p = r.plan
         rec = sum(x == "recompute" for x in p["policies"])
+        sel = sum(x.startswith("selective:") for x in p["policies"])
         t.add(f"{frac:.0%} ({mib(budget)} MiB)", f"{p['micro_batch_size']} of {p['batch_size']}",
-              f"{rec}/{len(p['policies'])}", mib(p["peak_bytes"]), mib(r.peak_bytes),
+              f"{rec}/{len(p['policies'])}" + (f" (+{sel} selective)" if sel else ""), mib(p["peak_bytes"]), mib(r.peak_bytes),
               ratio(r.peak_bytes / p["peak_bytes"]) if p["peak_bytes"] else "-", secs(p["step_time_s"], 3),
               secs(r.step_time_s, 3), ratio(r.step_time_s / p["step_time_s"]) if p["step_time_s"] else "-",
               secs(r.prepare_time_s, 1))

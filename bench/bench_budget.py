@@ -436,7 +436,9 @@ def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int, m
     e = Entry(method, budget, batch_size, result=r)
     if r.ok and r.plan:
         rec = sum(p == "recompute" for p in r.plan.get("policies", ()))
-        e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp"
+        sel = sum(p.startswith("selective:") for p in r.plan.get("policies", ()))
+        e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp" \
+            + (f", {sel} selective" if sel else "")
     elif r.error_type == "BudgetError":
         e.note = f"infeasible, min {mib(r.min_feasible_bytes)} MiB"
         if r.peak_bytes > budget:  # prepare() must stay inside the budget even when it gives up
@@ -483,7 +485,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    f"{','.join(FULL_MODELS)}")
     p.add_argument("--batch-mult", type=int, default=1, help="multiply every model's batch (budget section)")
     p.add_argument("--budgets", default=None, help="comma-separated fractions of P, e.g. 0.2,0.5,1")
-    p.add_argument("--sections", default="budgets,maxbatch", help="budgets and/or maxbatch")
+    p.add_argument("--sections", default="budgets,maxbatch,solve", help="budgets, maxbatch and/or solve "
+                   "(DP solve time on 100+-stage chains with the selective space)")
+    p.add_argument("--solve-chains", default="", help="with the solve section: comma-separated CostChain JSON "
+                   "files (e.g. from edgetrain profile), tiled to 100+ stages beside the synthetic chains")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per job (first is warm-up)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved re-measurements for the 50%% claim")
     p.add_argument("--versus-repeats", type=int, default=None,
@@ -557,6 +562,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     maxb = None
     if "maxbatch" in sections and s.maxbatch.name in names:
         maxb = bench_maxbatch(s, run, reports)
+    solve_lines: list[str] = []
+    if "solve" in sections:
+        from _solve_report import solve_rows, solve_table_lines, synthetic_chain, tiled_chain
+
+        from edgetrain.graph import CostChain
+
+        chains = [synthetic_chain(100), synthetic_chain(200, seed=1)]
+        chains += [tiled_chain(CostChain.from_json(Path(f).read_text()))
+                   for f in args.solve_chains.split(",") if f.strip()]
+        solve_lines = solve_table_lines(solve_rows(chains))
+        print("\n" + "\n".join(solve_lines), flush=True)
     if replay is None:
         meta += [("load average at end", machine_info()["loadavg (1/5/15 min)"]),
                  ("wall time", f"{progress.elapsed_s() / 60:.1f} min, {len(run.log)} jobs")]
@@ -572,7 +588,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.json}")
     print("\n" + build_report(reports, maxb, meta, markdown=False))
     if args.out:
-        Path(args.out).write_text(build_report(reports, maxb, meta, markdown=True))
+        Path(args.out).write_text(build_report(reports, maxb, meta, markdown=True)
+                                  + ("\n\n" + "\n".join(solve_lines) + "\n" if solve_lines else ""))
         print(f"wrote {args.out}")
     print(f"total wall time {progress.elapsed_s() / 60:.1f} min")
     return 0

@@ -375,6 +375,16 @@ def measure_host(page_dir: str | os.PathLike[str] | None = None, *, storage_byte
 # Planning for a device we are not running on
 
 
+def _rescaled_options(options: tuple[Any, ...], old_fwd: Any, new_fwd: Any) -> tuple[Any, ...]:
+    """Selective options whose re-run time keeps its share of the stage's forward (at each size's line
+    ends: the share is measured, the forward is the FLOP estimate)."""
+    out = []
+    for o in options:
+        shares = [o.recompute_s.at(m) / old_fwd.at(m) if old_fwd.at(m) > 0 else 1.0 for m in (1, 2)]
+        out.append(replace(o, recompute_s=type(new_fwd).fit(1, shares[0] * new_fwd.at(1), 2, shares[1] * new_fwd.at(2))))
+    return tuple(out)
+
+
 def scale_chain(chain: CostChain, from_profile: DeviceProfile | None, to_profile: DeviceProfile) -> CostChain:
     """The chain's costs as they would be on ``to_profile`` (bytes unchanged; times rescaled).
 
@@ -399,7 +409,9 @@ def scale_chain(chain: CostChain, from_profile: DeviceProfile | None, to_profile
     if from_profile is not None:
         f = from_profile.compute_flops_per_s / rate
         stages = tuple(replace(s, fwd_s=s.fwd_s.scaled(f), bwd_s=s.bwd_s.scaled(f),
-                               bwd_input_s=s.bwd_input_s.scaled(f)) for s in chain.stages)
+                               bwd_input_s=s.bwd_input_s.scaled(f),
+                               selective=tuple(replace(o, recompute_s=o.recompute_s.scaled(f)) for o in s.selective))
+                       for s in chain.stages)
         loss_s, step_s = chain.loss_s.scaled(f), chain.step_fixed_s * f
     else:
         missing = [s.name for s in chain.stages if s.flops.fixed <= 0 and s.flops.per_sample <= 0]
@@ -407,7 +419,9 @@ def scale_chain(chain: CostChain, from_profile: DeviceProfile | None, to_profile
             raise ProfileError(f"stages {missing[:5]} have no FLOP count; pass from_profile (the device the "
                                "chain was measured on) to scale by compute rate instead")
         stages = tuple(replace(s, fwd_s=s.flops.scaled(1 / rate), bwd_s=s.flops.scaled(2 / rate),
-                               bwd_input_s=s.flops.scaled(1 / rate)) for s in chain.stages)
+                               bwd_input_s=s.flops.scaled(1 / rate),
+                               selective=_rescaled_options(s.selective, s.fwd_s, s.flops.scaled(1 / rate)))
+                       for s in chain.stages)
         loss_s, step_s = chain.loss_s, chain.step_fixed_s
     name = f"{chain.name}@{to_profile.name}" if chain.name else f"@{to_profile.name}"
     return CostChain(stages=stages, batch_size=chain.batch_size, input_bytes=chain.input_bytes,

@@ -30,6 +30,17 @@ and re-runs its forward during backward. Walking the groups forward with a resid
   two-level checkpointing): the group's recomputation keeps only the stage outputs, then each stage is
   recomputed again while it runs backward: local peak ``P + max_t (sum_{s=i..t-1} out_s + saved_t + out_t
   + in_t + ws'_t)``; then ``P += add_ij``. Each of its stages runs forward three times.
+* selective group ``i..j`` (policy ``selective:NAME`` on each of its stages, every one of which has the
+  :class:`SelectiveOption` ``NAME``): a recompute group run under one selective checkpoint that keeps the
+  outputs of some op classes (e.g. convolutions and matrix products) and re-runs the rest from them in
+  backward. Besides ``add_ij`` it retains each stage's ``kept_s`` (cached op outputs inside the stage) and
+  the outputs of the stages ``s < j`` that a kept op made (``keeps_output``); its backward is that of the
+  recompute group plus the cached outputs no backward node saves (``extra_s``, live until the replay has
+  consumed them): local peak as the recompute group's ``+ sum_{s=i..j} extra_s``; then
+  ``P += add_ij + sum_s kept_s + sum_{s<j, keeps_output_s} out_s``. Its stages re-run only their other
+  ops: each adds its option's ``recompute_s`` instead of ``fwd_s``. A stage that writes its input in place
+  (``mutates_input``) never follows a stage of the same selective group, nor a selective group's last
+  stage (that input may be a cached output, which must not change).
 * after the last group, the loss needs ``P + out_{n-1}``.
 
 The activation peak is the largest of these; the predicted step peak adds ``fixed_bytes`` (parameters,
@@ -52,12 +63,27 @@ from typing import Any, Sequence
 __all__ = [
     "Linear", "StageCost", "CostChain", "ScheduleCost", "simulate", "micro_batch_sizes", "candidate_micro_batch_sizes",
     "KEEP", "RECOMPUTE", "PAGE", "POLICIES", "singleton_groups",
+    "SELECTIVE", "SelectiveOption", "selective_policy", "selective_name",
 ]
 
 KEEP = "keep"
 RECOMPUTE = "recompute"
 PAGE = "page"
 POLICIES = (KEEP, RECOMPUTE, PAGE)
+#: Prefix of a per-op (selective) policy: ``"selective:" + option name`` (:class:`SelectiveOption`).
+SELECTIVE = "selective"
+
+
+def selective_policy(name: str) -> str:
+    """The policy string of a stage run with its selective option ``name``."""
+    return f"{SELECTIVE}:{name}"
+
+
+def selective_name(policy: str) -> str | None:
+    """The option name of a selective policy string, else ``None``."""
+    if policy.startswith(SELECTIVE + ":"):
+        return policy[len(SELECTIVE) + 1:]
+    return None
 
 
 @dataclass(frozen=True)
@@ -101,6 +127,29 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class SelectiveOption:
+    """A per-op recompute policy for one stage: keep the outputs of some op classes, recompute the rest.
+
+    Attributes:
+        name: the option's name, ``"+"``-joined op classes whose outputs are kept (e.g. ``"conv+mm"``).
+        kept_bytes: bytes of those outputs held from the stage's forward to its backward (storages of
+            the stage input, its output and the parameters excluded: they are resident anyway).
+        extra_bytes: the part of ``kept_bytes`` that no backward node saves (live only until the replay
+            has consumed it, so it adds to the stage's backward peak).
+        recompute_s: seconds the option adds to one micro-batch: the forward time of the ops it re-runs
+            plus the selective checkpoint's per-op dispatch in forward and in the replay.
+        keeps_output: a kept op makes the stage's output (so a selective group retains it when the stage
+            is not the group's last).
+    """
+
+    name: str
+    kept_bytes: Linear
+    extra_bytes: Linear = Linear()
+    recompute_s: Linear = Linear()
+    keeps_output: bool = False
+
+
+@dataclass(frozen=True)
 class StageCost:
     """Measured costs of one stage of the chain.
 
@@ -117,6 +166,8 @@ class StageCost:
         bwd_input_s: the input-gradient part of ``bwd_s`` where measured (else 0).
         carried: the other tensors crossing the cut after this stage, as ``(index of the stage that
             made them, bytes)`` (a residual block's skip input; empty at a single-tensor cut).
+        selective: the per-op recompute options measured for this stage (empty: none applies).
+        mutates_input: the stage writes one of its inputs in place (module doc: selective groups).
     """
 
     name: str
@@ -128,6 +179,20 @@ class StageCost:
     flops: Linear = Linear()
     bwd_input_s: Linear = Linear()
     carried: tuple[tuple[int, Linear], ...] = ()
+    selective: tuple[SelectiveOption, ...] = ()
+    mutates_input: bool = False
+
+    def option(self, name: str) -> SelectiveOption:
+        """The selective option called ``name``.
+
+        Raises:
+            ValueError: the stage has no such option.
+        """
+        for o in self.selective:
+            if o.name == name:
+                return o
+        raise ValueError(f"stage {self.name!r} has no selective option {name!r} "
+                         f"(it has {[o.name for o in self.selective]})")
 
     def carried_at(self, m: int) -> list[tuple[int, int]]:
         """``carried`` in whole bytes at micro-batch ``m``."""
@@ -176,10 +241,19 @@ class CostChain:
         def lin(x: Any) -> Linear:
             return x if isinstance(x, Linear) else Linear(**x)
 
+        def option(o: dict[str, Any] | SelectiveOption) -> SelectiveOption:
+            if isinstance(o, SelectiveOption):
+                return o
+            return SelectiveOption(name=o["name"], keeps_output=bool(o.get("keeps_output", False)),
+                                   **{k: lin(v) for k, v in o.items() if k not in ("name", "keeps_output")})
+
         def stage(s: dict[str, Any]) -> StageCost:
             carried = tuple((int(p), lin(b)) for p, b in s.get("carried", ()))
-            return StageCost(name=s["name"], carried=carried,
-                             **{k: lin(v) for k, v in s.items() if k not in ("name", "carried")})
+            sel = tuple(option(o) for o in s.get("selective", ()))
+            return StageCost(name=s["name"], carried=carried, selective=sel,
+                             mutates_input=bool(s.get("mutates_input", False)),
+                             **{k: lin(v) for k, v in s.items()
+                                if k not in ("name", "carried", "selective", "mutates_input")})
 
         stages = tuple(stage(s) for s in d["stages"])
         return CostChain(stages=stages, batch_size=int(d["batch_size"]), input_bytes=lin(d["input_bytes"]),
@@ -260,9 +334,12 @@ def _group_spans(groups: Sequence[int]) -> list[tuple[int, int]]:
 def _check_schedule(chain: CostChain, policies: Sequence[str], groups: Sequence[int]) -> list[tuple[int, int]]:
     if len(policies) != chain.n or len(groups) != chain.n:
         raise ValueError(f"schedule has {len(policies)} policies / {len(groups)} groups for {chain.n} stages")
-    for p in policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r}; expected one of {POLICIES}")
+    for t, p in enumerate(policies):
+        name = selective_name(p)
+        if name is not None:
+            chain.stages[t].option(name)  # raises for an option the stage does not have
+        elif p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; expected one of {POLICIES} or {SELECTIVE}:NAME")
     if any(b < a for a, b in zip(groups, groups[1:])):
         raise ValueError("group ids must be non-decreasing along the chain")
     spans = _group_spans(groups)
@@ -270,8 +347,13 @@ def _check_schedule(chain: CostChain, policies: Sequence[str], groups: Sequence[
         kinds = {policies[t] for t in range(i, j + 1)}
         if len(kinds) != 1:
             raise ValueError(f"stages {i}..{j} share a group but have different policies {sorted(kinds)}")
-        if j > i and policies[i] != RECOMPUTE:
+        if j > i and policies[i] != RECOMPUTE and selective_name(policies[i]) is None:
             raise ValueError(f"only recompute groups may span several stages (stages {i}..{j} are {policies[i]!r})")
+        if selective_name(policies[i]) is not None:
+            for t in range(i + 1, min(j + 2, chain.n)):
+                if chain.stages[t].mutates_input:
+                    raise ValueError(f"stage {t} writes its input in place, so it cannot follow stage {t - 1} "
+                                     f"of the selective group {i}..{j}")
     return spans
 
 
@@ -294,14 +376,15 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
     peak = 0
     locals_: list[int] = []
     for i, j in spans:
-        if policies[i] != RECOMPUTE:
+        name = selective_name(policies[i])
+        if policies[i] != RECOMPUTE and name is None:
             local = saved[i] + out[i] + inp[i] + ws[i]
             peak = max(peak, prefix + local)
             prefix += saved[i] + out[i]
         else:
             run = 0
             worst = 0
-            two_level = groups[i] in nested
+            two_level = groups[i] in nested and name is None
             for t in range(i, j + 1):
                 if two_level:
                     worst = max(worst, run + saved[t] + out[t] + inp[t] + ws[t])
@@ -311,6 +394,11 @@ def activation_profile(chain: CostChain, m: int, policies: Sequence[str],
                 run += out[t]
             retained = out[j] + sum(b for p, b in carried[j] if p >= i)
             local = worst
+            if name is not None:  # selective group: the cached op outputs too
+                opts = [st[t].option(name) for t in range(i, j + 1)]
+                local += sum(math.ceil(o.extra_bytes.at(m)) for o in opts)
+                retained += sum(math.ceil(o.kept_bytes.at(m)) for o in opts)
+                retained += sum(out[t] for t, o in zip(range(i, j), opts) if o.keeps_output)
             peak = max(peak, prefix + local)
             prefix += retained
         locals_.append(local)
@@ -324,6 +412,10 @@ def micro_batch_time(chain: CostChain, m: int, policies: Sequence[str],
     base = sum(s.fwd_s.at(m) + s.bwd_s.at(m) for s in chain.stages) + chain.loss_s.at(m)
     rec = sum(s.fwd_s.at(m) for s, p in zip(chain.stages, policies) if p == RECOMPUTE)
     rec += sum(chain.stages[t].fwd_s.at(m) for t in nested_stages)
+    for s, p in zip(chain.stages, policies):
+        name = selective_name(p)
+        if name is not None:
+            rec += s.option(name).recompute_s.at(m)
     return base + rec, rec
 
 
@@ -335,7 +427,7 @@ def simulate(chain: CostChain, micro_batch_size: int, policies: Sequence[str],
         chain: the profiled chain.
         micro_batch_size: the largest micro-batch; the logical batch is split as
             :func:`micro_batch_sizes` says.
-        policies: one of ``keep``/``recompute``/``page`` per stage.
+        policies: one of ``keep``/``recompute``/``page``/``selective:NAME`` per stage.
         groups: group id per stage (non-decreasing); consecutive stages with equal ids form one
             recompute segment. ``None`` puts every stage in its own group.
         nested_groups: ids of recompute groups run with two-level checkpointing (module doc).

@@ -20,8 +20,10 @@ class Plan:
         batch_size: logical batch size the plan trains per step.
         micro_batch_size: largest micro-batch; the batch is split as
             :func:`edgetrain.graph.micro_batch_sizes` says.
-        policies: per stage, ``"keep"``, ``"recompute"`` or ``"page"``.
-        groups: per stage, a group id; consecutive recompute stages with one id are one checkpoint.
+        policies: per stage, ``"keep"``, ``"recompute"``, ``"page"`` or ``"selective:NAME"`` (a per-op
+            policy: the outputs of the op classes in ``NAME`` kept, the rest recomputed in backward).
+        groups: per stage, a group id; consecutive recompute (or selective) stages with one id are one
+            checkpoint.
         peak_bytes: predicted peak memory of the step (the quantity the budget bounds).
         step_time_s: predicted seconds of one step.
         solver: which planner made the plan.

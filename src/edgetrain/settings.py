@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["Setting", "SETTINGS", "allocator", "cache_dir", "cache_enabled", "conv_chunk_bytes", "flag",
-           "fork_enabled", "huge_pages", "native_enabled", "markdown_table", "override"]
+           "fork_enabled", "huge_pages", "native_enabled", "selective_enabled", "markdown_table", "override"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -51,6 +51,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EDGETRAIN_NO_CACHE", "0", "`1`: never read or write the profile cache (profile afresh each time)"),
     Setting("EDGETRAIN_NATIVE", "1", "gradient filtering's compiled kernels; `0` runs the PyTorch "
             "formulation (same gradients, slower)"),
+    Setting("EDGETRAIN_SELECTIVE", "1", "per-op (selective) recompute options inside stages are profiled and "
+            "planned; `0` plans whole-stage keep / recompute only"),
     Setting("EDGETRAIN_CONV_CHUNK_BYTES", str(DEFAULT_CONV_CHUNK_BYTES), "slice size of the lean "
             "convolution backward (bytes); `0` turns the lean path off"),
 )
@@ -103,6 +105,11 @@ def fork_enabled() -> bool:
 def native_enabled() -> bool:
     """``EDGETRAIN_NATIVE``: gradient filtering may compile and use its C kernels (default on)."""
     return flag("EDGETRAIN_NATIVE")
+
+
+def selective_enabled() -> bool:
+    """``EDGETRAIN_SELECTIVE``: the profiler measures selective recompute options (default on)."""
+    return flag("EDGETRAIN_SELECTIVE")
 
 
 def cache_enabled() -> bool:

@@ -76,7 +76,15 @@ def _sliced_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
                     groups: int, rows: int) -> torch.Tensor:
     """``F.conv2d`` computed ``rows`` samples at a time into one output (the forward's blocked copy of
-    the input is then one slice big too)."""
+    the input is then one slice big too). One convolution to a selective checkpoint (its output kept
+    whole, its slices never re-run in a replay: :func:`edgetrain.capture.composite.composite`)."""
+    from .composite import composite
+
+    return composite("conv", lambda: _slices(x, weight, bias, stride, padding, dilation, groups, rows))
+
+
+def _slices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, int],
+            padding: tuple[int, int], dilation: tuple[int, int], groups: int, rows: int) -> torch.Tensor:
     first = F.conv2d(x[:rows], weight, bias, stride, padding, dilation, groups)
     out = first.new_empty((x.shape[0],) + tuple(first.shape[1:]))
     out[:rows] = first

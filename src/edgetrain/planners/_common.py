@@ -7,7 +7,9 @@ For one micro-batch size ``m`` a schedule is a path through the *group boundarie
 with ``P + keep_add[t]``; a recompute group ``t..j`` needs ``P + seg_local[t, j] <= A`` and moves to
 ``j+1`` with ``P + seg_add[t, j]`` (its output plus the carried tensors made inside it); at ``n`` the
 loss needs ``P + out[n-1] <= A``. ``A`` is the budget minus the
-chain's fixed bytes.
+chain's fixed bytes. Per-op (selective) options add, per option ``k`` of the chain, a selective group
+``t..j`` (every stage in it has option ``k``): ``P + sel_local[k, t, j] <= A``, then ``j+1`` with
+``P + sel_add[k, t, j]``, at the cost of the stages' ``recompute_s`` for that option.
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..graph import (
-    KEEP, RECOMPUTE, CostChain, candidate_micro_batch_sizes, micro_batch_sizes, micro_batch_time, simulate,
+    KEEP, RECOMPUTE, CostChain, StageCost, candidate_micro_batch_sizes, micro_batch_sizes, micro_batch_time, simulate,
 )
 
 __all__ = [
     "NESTED", "TIME_RTOL", "Sizes", "Schedule", "candidate_micro_batches", "sizes_at", "recompute_costs",
     "keep_time_s", "schedule_from_groups", "min_prefix_path", "min_peak_schedule", "better",
-    "hashable",
+    "hashable", "selective_costs", "selective_names", "without_selective",
 ]
 
 #: Step times within this relative distance count as ties (then fewer recomputed stages win, then a
@@ -55,6 +57,9 @@ class Sizes:
         nseg_local, nseg_worst: the same for the group run with two-level checkpointing (only its
             stages' outputs re-materialised at once; ``_BIG`` on and below the diagonal, where it equals
             the one-level group).
+        sel_local, sel_add: ``[k, t, j]`` local peak and prefix growth of the selective group ``t..j`` run
+            with option ``sel_names[k]`` (``_BIG`` where not allowed); shape ``(K, n, n)``, ``K >= 0``.
+        sel_names: the chain's selective option names (every name some stage has).
     """
 
     m: int
@@ -67,6 +72,9 @@ class Sizes:
     seg_worst: np.ndarray
     nseg_local: np.ndarray | None = None
     nseg_worst: np.ndarray | None = None
+    sel_local: np.ndarray | None = None
+    sel_add: np.ndarray | None = None
+    sel_names: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:
@@ -79,6 +87,8 @@ class Sizes:
                  self.seg_add[self.seg_add < _BIG]]
         if self.nseg_local is not None:
             parts.append(self.nseg_local[self.nseg_local < _BIG])
+        if self.sel_local is not None:
+            parts += [self.sel_local[self.sel_local < _BIG], self.sel_add[self.sel_add < _BIG]]
         return int(np.gcd.reduce(np.concatenate(parts)))
 
 
@@ -165,9 +175,76 @@ def _sizes_at(chain: CostChain, m: int) -> Sizes:
     nworst = np.maximum.accumulate(fnm, axis=1) - o_pref[:-1, None]
     nseg_worst = np.where(strict, nworst, _BIG)
     nseg_local = np.where(strict, nworst, _BIG)
-    for a in (out, keep_add, keep_local, seg_add, seg_local, seg_worst, nseg_local, nseg_worst):
+    names, sel_local, sel_add = _selective_sizes(st, m, out, seg_add, seg_local)
+    for a in (out, keep_add, keep_local, seg_add, seg_local, seg_worst, nseg_local, nseg_worst, sel_local, sel_add):
         a.setflags(write=False)
-    return Sizes(m, inp0, keep_local, keep_add, out, seg_add, seg_local, seg_worst, nseg_local, nseg_worst)
+    return Sizes(m, inp0, keep_local, keep_add, out, seg_add, seg_local, seg_worst, nseg_local, nseg_worst,
+                 sel_local, sel_add, names)
+
+
+def selective_names(stages: Sequence[StageCost]) -> tuple[str, ...]:
+    """Every selective option name some stage has, in first-seen order."""
+    return tuple(dict.fromkeys(o.name for s in stages for o in s.selective))
+
+
+def _option_table(stages: Sequence[StageCost], name: str, value: Callable[[Any], float]) -> np.ndarray:
+    """Per stage ``value(option)`` of option ``name`` (nan where the stage lacks it)."""
+    out = np.full(len(stages), np.nan)
+    for t, s in enumerate(stages):
+        for o in s.selective:
+            if o.name == name:
+                out[t] = value(o)
+    return out
+
+
+def _selective_sizes(st: Sequence[StageCost], m: int, out: np.ndarray, seg_add: np.ndarray,
+                     seg_local: np.ndarray) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """``sel_local``, ``sel_add`` of :class:`Sizes` (graph's memory model of a selective group)."""
+    n = len(st)
+    names = selective_names(st)
+    sel_local = np.full((len(names), n, n), _BIG, dtype=np.int64)
+    sel_add = np.full((len(names), n, n), _BIG, dtype=np.int64)
+    mut = np.array([s.mutates_input for s in st] + [False], dtype=bool)
+    tri = np.triu(np.ones((n, n), dtype=bool))
+    for k, name in enumerate(names):
+        kept = _option_table(st, name, lambda o: math.ceil(o.kept_bytes.at(m)))
+        extra = _option_table(st, name, lambda o: math.ceil(o.extra_bytes.at(m)))
+        keeps = _option_table(st, name, lambda o: float(o.keeps_output))
+        has = ~np.isnan(kept)
+        kept, extra = np.nan_to_num(kept).astype(np.int64), np.nan_to_num(extra).astype(np.int64)
+        outk = np.where(np.nan_to_num(keeps) > 0, out, 0).astype(np.int64)
+        k_pref = np.concatenate([[0], np.cumsum(kept)])
+        e_pref = np.concatenate([[0], np.cumsum(extra)])
+        o_pref = np.concatenate([[0], np.cumsum(outk)])
+        missing = np.concatenate([[0], np.cumsum(~has)])
+        # group t..j: every stage has the option, and no stage in t+1..j+1 writes its input in place
+        muts = np.concatenate([[0], np.cumsum(mut[1:])])   # muts[u] = # mutating stages in 1..u
+        t_idx, j_idx = np.arange(n)[:, None], np.arange(n)[None, :]
+        ok = tri & (missing[j_idx + 1] - missing[t_idx] == 0) & (muts[j_idx + 1] - muts[t_idx] == 0)
+        add = seg_add + (k_pref[j_idx + 1] - k_pref[t_idx]) + (o_pref[j_idx] - o_pref[t_idx])
+        loc = seg_local + (e_pref[j_idx + 1] - e_pref[t_idx])
+        sel_add[k] = np.where(ok, add, _BIG)
+        sel_local[k] = np.where(ok, loc, _BIG)
+    return names, sel_local, sel_add
+
+
+def selective_costs(chain: CostChain, m: int) -> np.ndarray:
+    """``[k, t]``: seconds per step that stage ``t`` adds run with the chain's ``k``-th selective option
+    (:func:`selective_names`; ``inf`` where the stage lacks it)."""
+    sizes = micro_batch_sizes(chain.batch_size, m)
+    names = selective_names(chain.stages)
+    out = np.full((len(names), chain.n), np.inf)
+    for k, name in enumerate(names):
+        out[k] = np.nan_to_num(_option_table(chain.stages, name, lambda o: sum(o.recompute_s.at(mb) for mb in sizes)),
+                               nan=np.inf)
+    return out
+
+
+def without_selective(chain: CostChain) -> CostChain:
+    """``chain`` with every stage's selective options removed (whole-stage policies only)."""
+    if not any(s.selective for s in chain.stages):
+        return chain
+    return dataclasses.replace(chain, stages=tuple(dataclasses.replace(s, selective=()) for s in chain.stages))
 
 
 def recompute_costs(chain: CostChain, m: int) -> np.ndarray:
@@ -210,7 +287,9 @@ def min_prefix_path(sz: Sizes, act_budget: int, allow_segments: bool = True) -> 
 
     Because every constraint is ``P + local <= A`` and ``P`` only grows, a smaller prefix at a group
     boundary is never worse for the rest of the chain; so the smallest reachable prefix at each
-    boundary (a shortest path over boundaries, ``O(n^2)``) decides feasibility exactly.
+    boundary (a shortest path over boundaries, ``O(n^2)``) decides feasibility exactly. Selective groups
+    never enter: each retains and holds at least what the plain recompute group over the same stages does,
+    so they never reach a boundary with a smaller prefix (they only save time).
 
     Returns:
         The schedule reaching the last boundary with the smallest prefix, or ``None`` if none fits.

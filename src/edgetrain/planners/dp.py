@@ -22,12 +22,12 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import BudgetError
-from ..graph import KEEP, RECOMPUTE, CostChain, simulate
+from ..graph import KEEP, RECOMPUTE, CostChain, selective_policy, simulate
 from ..plan import Plan, plan_from_schedule
 from ..units import format_bytes
 from ._common import (
     NESTED, TIME_RTOL, Schedule, Sizes, better, candidate_micro_batches, hashable, keep_time_s, min_peak_schedule,
-    min_prefix_path, recompute_costs, schedule_from_groups, sizes_at,
+    min_prefix_path, recompute_costs, schedule_from_groups, selective_costs, sizes_at, without_selective,
 )
 
 __all__ = ["solve_dp", "min_feasible_bytes"]
@@ -56,7 +56,8 @@ def _bucket_size(sz: Sizes, max_buckets: int) -> tuple[int, bool]:
 
 
 def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments: bool,
-           round_up: bool = True, extra_costs: np.ndarray | None = None) -> tuple[Schedule | None, float]:
+           round_up: bool = True, extra_costs: np.ndarray | None = None,
+           sel_costs: np.ndarray | None = None) -> tuple[Schedule | None, float]:
     """Minimum total recompute cost at one micro-batch size on the ``g``-byte grid.
 
     Rounding every size up (``round_up``) makes each constraint stricter, so a schedule found is
@@ -64,6 +65,7 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
 
     A two-level group costs its stages' ``costs`` plus their ``extra_costs`` (default ``costs``): the
     second forward, without a second tie-breaking epsilon, so ties still go to fewer recomputed stages.
+    ``sel_costs[t, k]`` is the cost of stage ``t``'s ``k``-th selective option (``None``: none is used).
 
     Returns:
         The optimal schedule (``None`` when nothing fits on the grid) and its cost.
@@ -83,6 +85,15 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
     nsl, nsw = (q(sz.nseg_local), q(sz.nseg_worst)) if nested else (sl, sw)
     cum = np.concatenate([[0.0], np.cumsum(costs)]).tolist()
     xcum = np.concatenate([[0.0], np.cumsum(costs if extra_costs is None else extra_costs)]).tolist()
+    n_sel = 0 if sel_costs is None or sz.sel_local is None else sz.sel_local.shape[0]
+    if n_sel:
+        big = np.int64(cap + 1) * g
+        sel_l = q(np.minimum(sz.sel_local, big))
+        sel_a = q(np.minimum(sz.sel_add, big))
+        # cumulative per-stage costs of each option: group t..j costs scum[k][j+1] - scum[k][t]
+        # (a stage without the option costs 0 here: sel_local already forbids every group holding it)
+        costs_k = np.where(np.isfinite(sel_costs), sel_costs, 0.0)
+        scum = [np.concatenate([[0.0], np.cumsum(c)]).tolist() for c in costs_k]
     table = np.full((n + 1, cap + 1), np.inf)
     table[n, : cap - last + 1] = 0.0
     buf = np.empty(cap + 1)
@@ -101,6 +112,18 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
             w = cap - sl_t[j] + 1
             np.add(table[j + 1, sa_t[j]: sa_t[j] + w], cum[j + 1] - cum[t], out=buf[:w])
             np.minimum(row[:w], buf[:w], out=row[:w])
+        for k in range(n_sel):  # selective groups t..j: some op outputs kept, the rest re-run
+            sl_k, sa_k, sc = sel_l[k, t].tolist(), sel_a[k, t].tolist(), scum[k]
+            for j in range(t, j_end):
+                if sw_t[j] > cap:
+                    break
+                reach = max(sl_k[j], sa_k[j])   # a prefix above cap is infeasible anyway
+                # never better than the plain recompute group t..j, which retains and holds no more
+                if reach > cap or sc[j + 1] - sc[t] >= cum[j + 1] - cum[t]:
+                    continue
+                w = cap - reach + 1
+                np.add(table[j + 1, sa_k[j]: sa_k[j] + w], sc[j + 1] - sc[t], out=buf[:w])
+                np.minimum(row[:w], buf[:w], out=row[:w])
         if nested:  # two-level groups: less memory, their stages' forward once more
             nsl_t, nsw_t = nsl[t].tolist(), nsw[t].tolist()
             for j in range(t + 1, n):
@@ -131,6 +154,15 @@ def _dp_at(sz: Sizes, costs: np.ndarray, act_budget: int, g: int, allow_segments
                 t, p = j + 1, p + sa[t][j]
                 break
         else:
+            chosen = next(((k, j) for k in range(n_sel) for j in range(t, n if allow_segments else t + 1)
+                           if max(int(sel_l[k, t, j]), int(sel_a[k, t, j])) + p <= cap
+                           and table[j + 1, p + int(sel_a[k, t, j])] + (scum[k][j + 1] - scum[k][t]) == val), None)
+            if chosen is not None:
+                k, j = chosen
+                spans.append((t, j, selective_policy(sz.sel_names[k])))
+                t, p = j + 1, p + int(sel_a[k, t, j])
+                continue
+
             for j in range(t + 1, n if nested else t + 1):
                 if (int(nsl[t, j]) + p <= cap and int(nsl[t, j]) < int(sl[t, j])
                         and table[j + 1, p + sa[t][j]] + ((cum[j + 1] - cum[t]) + (xcum[j + 1] - xcum[t])) == val):
@@ -163,13 +195,14 @@ def _budget_error(chain: CostChain, budget_bytes: int, cands: list[int], allow_s
 
 
 def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence[int] | None = None,
-             allow_segments: bool = True, max_buckets: int = 4096) -> Plan:
+             allow_segments: bool = True, max_buckets: int = 4096, selective: bool = True) -> Plan:
     """Fastest keep/recompute schedule under a memory budget, by dynamic programming (exact).
 
     Algorithm: for every candidate micro-batch size ``m`` (pruned once even its recompute-free time
     cannot beat the best plan found), a backward dynamic programme over (group boundary ``t``, resident
     prefix bytes ``P``) chooses per stage keep or recompute and the recompute segments ``i..j``
-    (module doc). Complexity ``O(#m * n^2 * K)`` time and ``O(n * K)`` memory with segments,
+    (module doc), and for stages with per-op options (``StageCost.selective``) whether to run one of them.
+    Complexity ``O(#m * n^2 * K)`` time and ``O(n * K)`` memory with segments,
     ``O(#m * n * K)`` without, where ``K <= max_buckets`` is the number of byte buckets.
 
     Bytes are counted in buckets of ``g`` bytes, with every size rounded up, so a plan found always fits
@@ -187,6 +220,8 @@ def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence
             number of micro-batches ``k``.
         allow_segments: allow recompute groups of several stages (else every group is one stage).
         max_buckets: byte buckets of the budget axis (accuracy vs time and memory).
+        selective: plan the stages' per-op (selective) recompute options where the chain has them
+            (``False``: whole-stage policies only).
 
     Returns:
         The plan (``solver="dp"``), its predictions from :func:`edgetrain.graph.simulate`.
@@ -199,7 +234,7 @@ def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence
     if max_buckets < 16:
         raise ValueError(f"max_buckets must be >= 16, got {max_buckets}")
     budget_bytes = int(budget_bytes)
-    chain = hashable(chain)
+    chain = hashable(chain if selective else without_selective(chain))
     cands = candidate_micro_batches(chain, micro_batch_sizes)
     act_budget = budget_bytes - chain.fixed_bytes
     best: tuple[float, int, int, Schedule] | None = None
@@ -221,7 +256,9 @@ def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence
                 costs = recompute_costs(chain, m)
                 # An epsilon per recomputed stage makes the DP prefer fewer of them among near-ties.
                 eps = TIME_RTOL * base / (10 * (chain.n + 1))
-                sched, _ = _dp_at(sz, costs + eps, act_budget, g, allow_segments, extra_costs=costs)
+                sel = selective_costs(chain, m)
+                sched, _ = _dp_at(sz, costs + eps, act_budget, g, allow_segments, extra_costs=costs,
+                                  sel_costs=sel + eps)
                 found = [] if sched is None else [sched]
                 if exact:
                     lower = min(lower, base if sched is None else
@@ -229,7 +266,7 @@ def solve_dp(chain: CostChain, budget_bytes: int, *, micro_batch_sizes: Sequence
                 else:
                     all_exact = False
                     found.append(min_peak_schedule(chain, m, allow_segments)[1])
-                    _, relaxed = _dp_at(sz, costs, act_budget, g, allow_segments, round_up=False)
+                    _, relaxed = _dp_at(sz, costs, act_budget, g, allow_segments, round_up=False, sel_costs=sel)
                     lower = min(lower, base + relaxed)
             for s in found:
                 t_s = simulate(chain, s.m, s.policies, s.groups, s.nested_groups).step_time_s

@@ -276,9 +276,25 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
     return samples, time.perf_counter() - t0, 0
 
 
-def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...]) -> str:
+def _with_selective(chain: Chain, inputs_env: dict[str, Any], lo: int, hi: int, params: set[int],
+                    stages: list[StageCost], s_lo: list[StageSample], s_hi: list[StageSample]) -> list[StageCost]:
+    """``stages`` with their per-op (selective) recompute options (:mod:`edgetrain.profile.ops`); best
+    effort: a chain whose options cannot be measured keeps whole-stage policies only."""
+    from .ops import selective_stages
+
+    try:
+        return selective_stages(chain, inputs_env, lo, hi, params, stages,
+                                [s.fwd_s for s in s_lo], [s.fwd_s for s in s_hi])
+    except Exception as e:
+        log.info("selective recompute options not measured (%s: %s); whole-stage policies only",
+                 type(e).__name__, e)
+        return stages
+
+
+def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...],
+               selective: bool = True) -> str:
     h = hashlib.sha256()
-    parts = ["v4", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+    parts = ["v5" if selective else "v4", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}"]  # both change measured costs
@@ -345,7 +361,7 @@ def _min_samples(runs: list[list[StageSample]]) -> list[StageSample]:
 def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], targets: Any,
                   loss_fn: Callable[..., torch.Tensor], *, batch_size: int, fixed_bytes: int,
                   budget_bytes: int | None = None, repeats: int = 2, use_cache: bool = True,
-                  name: str = "", min_micro_batch: int = 1) -> CostChain:
+                  name: str = "", min_micro_batch: int = 1, selective: bool | None = None) -> CostChain:
     """Profile ``chain`` on this machine and return its :class:`CostChain`.
 
     Args:
@@ -362,6 +378,9 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
         name: model name for reports.
         min_micro_batch: the smallest micro-batch the model accepts (2 with training-mode BatchNorm,
             which cannot normalise a single sample of 1x1 maps).
+        selective: also measure each stage's per-op (selective) recompute options, each checked bit-exact
+            against a plain run of the stage (:mod:`edgetrain.profile.ops`); ``None`` reads
+            ``EDGETRAIN_SELECTIVE`` (on unless ``0``).
 
     Returns:
         The fitted cost chain.
@@ -369,6 +388,10 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
     Raises:
         ProfileError: a stage failed to run forward or backward.
     """
+    if selective is None:
+        from ..runtime.selective import enabled
+
+        selective = enabled()
     params = {_storage_key(p) for p in model.parameters()}
     with preserved_model_state(model):
         try:
@@ -390,7 +413,7 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
                 hi = max(m0, hi // 2)
         lo = min(m1, hi)  # reuse a size already run: every new shape costs kernel-cache memory
         sizes = (lo, hi)
-        key = _cache_key(chain, model, inputs_env, sizes)
+        key = _cache_key(chain, model, inputs_env, sizes, selective)
         cached = _load_cached(key) if use_cache else None
         if cached is None:
             try:
@@ -402,6 +425,8 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
             s_lo, s_hi = _min_samples([r[0] for r in runs_lo]), _min_samples([r[0] for r in runs_hi])
             loss_lo, loss_hi = min(r[1] for r in runs_lo), min(r[1] for r in runs_hi)
             stages = _fit(chain, lo, s_lo, hi, s_hi)
+            if selective:
+                stages = _with_selective(chain, inputs_env, lo, hi, params, stages, s_lo, s_hi)
             resident = Linear.fit(lo, max(r[2] for r in runs_lo), hi, max(r[2] for r in runs_hi))
             try:  # FLOPs scale costs to devices we are not running on (edgetrain.devices.scale_chain)
                 if chain.method == "modules":

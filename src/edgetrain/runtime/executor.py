@@ -5,7 +5,9 @@ A ``keep`` group runs its stage as written. A ``recompute`` group (one or more c
 each of its stages again inside, so its replay keeps only the stage outputs): saved tensors are dropped during
 forward and rebuilt by re-running the group when backward first needs one. The CPU (and CUDA) RNG state is
 replayed so dropout masks are identical, and a :class:`RecomputeGuard` undoes BatchNorm running-statistics
-updates made by the replay.
+updates made by the replay. A ``selective:NAME`` group (one or more stages) runs under the same checkpoint
+with a selective policy that keeps the outputs of the op classes in ``NAME`` and re-runs the rest
+(:mod:`.selective`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any, Callable
 from torch.utils.checkpoint import checkpoint
 
 from ..capture import OUTPUT_KEY, Chain
-from ..graph import PAGE, RECOMPUTE
+from ..graph import PAGE, RECOMPUTE, selective_name
 from ..plan import Plan
 from .batchnorm import FullBatchStats, RecomputeGuard
+from .selective import selective_context_fn
 
 __all__ = ["Executor", "ModuleExecutor", "make_executor"]
 
@@ -111,7 +114,7 @@ class Executor:
 
     def _group_fn(self, g: _Group) -> Callable[..., tuple[Any, ...]]:
         stages = self.chain.stages[g.first:g.last + 1]
-        two_level = self.plan.groups[g.first] in set(self.plan.nested_groups)
+        two_level = self.plan.groups[g.first] in set(self.plan.nested_groups) and g.policy == RECOMPUTE
 
         def run(*args: Any) -> tuple[Any, ...]:
             env = dict(zip(g.inputs, args))
@@ -142,6 +145,17 @@ class Executor:
                     outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
                                       preserve_rng_state=True, context_fn=ctx)
                     env.update(zip(g.outputs, outs))
+                    self.chain.release(env, g.last)
+                    continue
+                option = selective_name(g.policy)
+                if option is not None:  # one checkpoint: some op outputs kept, the rest re-run in backward
+                    def guard(g: _Group = g) -> tuple[Any, Any]:
+                        return self._guard(g.first, g.last, g.modules)
+
+                    outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
+                                      preserve_rng_state=True, context_fn=selective_context_fn(option, guard))
+                    env.update(zip(g.outputs, outs))
+                    del outs
                     self.chain.release(env, g.last)
                     continue
                 for st in self.chain.stages[g.first:g.last + 1]:
@@ -184,13 +198,15 @@ class ModuleExecutor:
         self.pager = None
         self._written = _replayed_buffers(chain)
 
-    def _checkpointed(self, st: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _checkpointed(self, st: Any, forward: Callable[..., Any], option: str | None = None) -> Callable[..., Any]:
         def ctx() -> tuple[Any, Any]:
             guard = RecomputeGuard(st.modules, self.bn, self._written[st.index])
             return (guard.forward_context() if guard.buffers else contextlib.nullcontext()), guard
 
+        context_fn = ctx if option is None else selective_context_fn(option, ctx)
+
         def run(*args: Any, **kwargs: Any) -> Any:
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=ctx,
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn,
                               **kwargs)
         return run
 
@@ -199,9 +215,10 @@ class ModuleExecutor:
         patched = []
         try:
             for st, policy in zip(self.chain.stages, self.plan.policies):
-                if policy == RECOMPUTE:
+                option = selective_name(policy)
+                if policy == RECOMPUTE or option is not None:
                     block = st.modules[0]
-                    block.forward = self._checkpointed(st, block.forward)
+                    block.forward = self._checkpointed(st, block.forward, option)
                     patched.append(block)
             return self.chain.model(**{**env, **self.chain.call_kwargs})
         finally:
