@@ -16,7 +16,8 @@ from ._analysis import Analysis, Outcome, block_solver_options
 from ._fork import analyse_safely
 from ._guards import describe_change, loss_norm_safely, model_key
 from ._loss import LossNorm
-from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
+from ._planning import Measured, budget_for, safety_margin_bytes
+from ._runs import first_run_cost
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
@@ -429,9 +430,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         solver: planner name (``edgetrain.planners.PLANNERS``): "dp" (exact, default), "no_saving",
             "recompute_all", "chen_sqrt", "checkpoint_sequential".
         max_stages: upper bound on the number of stages the model is cut into.
-        tune_allocator: install edgetrain's CPU tensor pool (``edgetrain.runtime.pool``: freed tensor memory is
-            reused but never held beyond the peak of live tensors) and fix glibc's mmap threshold for the rest
-            (process-wide).
+        tune_allocator: with a budget, install edgetrain's CPU tensor pool (``edgetrain.runtime.pool``: freed
+            tensor memory is reused but never held beyond the peak of live tensors; its cap follows the
+            budget); fix glibc's mmap threshold for the rest (process-wide, as ``import edgetrain`` does).
         exact_batchnorm: for models with BatchNorm in training mode, prefer plans without micro-batching
             (identical to plain PyTorch) and micro-batch only if no such plan fits.
         safety_margin: share of the budget held back for what validation cannot see of a real step
@@ -484,7 +485,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if tune_allocator:
         memory.tune_allocator()
-        pool.install()
+        if budget is not None:  # without a budget the step is plain PyTorch's, allocator included
+            pool.install()
     pool.set_cap(None)
     pool.release()  # memory cached for reuse is not in use: measure from live tensors only
     rss_start = memory.rss_bytes()
@@ -561,4 +563,5 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))
         step.elastic = ElasticSelector(cfg).attach(model, optimizer, probe, loss_fn)
         step.replan_for_selection()
+    memory.release_heap()
     return step

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from torch.utils.checkpoint import checkpoint
 
+from .._capture_modules import replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
 from ..graph import PAGE, RECOMPUTE
 from ..plan import Plan
@@ -224,8 +225,6 @@ class PlainExecutor:
 
     def forward(self, env: dict[str, Any]) -> Any:
         """Run the model on ``env`` (its inputs by name, one micro-batch); returns its output."""
-        from .._capture_modules import replay_kwargs
-
         return self.model(**{**env, **replay_kwargs(self.model, env)})
 
 
