@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch.utils.checkpoint import checkpoint
 
-from .._capture_modules import replay_kwargs
+from ..capture.modules import replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
 from ..graph import PAGE, RECOMPUTE
 from ..plan import Plan
