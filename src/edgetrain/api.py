@@ -10,6 +10,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .profile import memory
+from .planning.analysis import Analysis, Outcome, block_solver_options
+from .profile.fork import analyse_safely
+from .planning.guards import describe_change, loss_norm_safely, model_key
+from .planning.loss import LossNorm
+from .planning.planner import safety_margin_bytes
 from ._state import batchnorm_modules
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable
@@ -20,16 +26,10 @@ from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
-from .planning.analysis import Analysis, Outcome, block_solver_options
-from .planning.guards import describe_change, loss_norm_safely, model_key
-from .planning.loss import LossNorm
-from .planning.planner import safety_margin_bytes
-from .profile import memory
-from .profile.fork import analyse_safely
 from .profile.stages import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
-from .runtime.executor import make_executor
+from .runtime.executor import PlainExecutor, make_executor, needs_stages
 from .units import parse_bytes
 
 __all__ = ["prepare", "TrainStep"]
@@ -53,14 +53,15 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
                  chain: Any, costs: CostChain, plan: Plan, *, budget_bytes: int | None, margin_bytes: int,
                  margin_share: float, signature: tuple[Any, ...], solver: str, pager: Any = None,
-                 loss_norm: LossNorm | None = None) -> None:
+                 loss_norm: LossNorm | None = None, capture: Callable[[], Any] | None = None) -> None:
         self.model = model
         self.loss_norm = loss_norm or LossNorm("mean")
         self._model_key = model_key(model)
         self._constants: dict[str, Any] | None = None  # non-tensor inputs, fixed in the traced code
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.chain = chain
+        self._chain = chain
+        self._capture = capture  # captures the chain where it was not (prepared without a budget)
         self.costs = costs
         self.budget_bytes = budget_bytes
         self.margin_bytes = margin_bytes
@@ -70,7 +71,7 @@ class TrainStep:
         self._bn = FullBatchStats(model)
         self._plan = plan
         self._pager = pager
-        self._executor = make_executor(chain, plan, self._bn, pager)
+        self._executor = self._make_executor(plan)
         self.page_dir: str | None = None
         self.elastic: Any = None
         self.steps_done = 0
@@ -92,6 +93,21 @@ class TrainStep:
         return self._bn.has_batchnorm
 
     @property
+    def chain(self) -> Any:
+        """The captured chain of stages (:class:`edgetrain.capture.trace.Chain`). A step prepared without a budget
+        whose plan recomputes nothing runs the model's own forward and captures it here on first use."""
+        if self._chain is None:
+            assert self._capture is not None
+            self._chain = self._capture()
+        return self._chain
+
+    def _make_executor(self, plan: Plan) -> Any:
+        if self.budget_bytes is None and self._pager is None and not needs_stages(plan):
+            # no budget and nothing recomputed: plain PyTorch's own forward, with no graph captured here
+            return PlainExecutor(self.model)
+        return make_executor(self.chain, plan, self._bn, self._pager)
+
+    @property
     def budget_source(self) -> Callable[[], int | str | None] | None:
         """Called before a step and between micro-batches; returns the budget in force (bytes or a size
         string) or None for "unchanged". Setting one builds the budget table at once (seconds), so that a
@@ -105,7 +121,7 @@ class TrainStep:
         self.budget.source = source
 
     def __repr__(self) -> str:
-        return (f"TrainStep(stages={len(self.chain)}, micro_batch={self._plan.micro_batch_size}/"
+        return (f"TrainStep(stages={len(self.costs.stages)}, micro_batch={self._plan.micro_batch_size}/"
                 f"{self._plan.batch_size}, budget={self.budget_bytes})")
 
     def _check(self, inputs: Any, targets: Any) -> int:
@@ -162,8 +178,8 @@ class TrainStep:
                 size = min(self._plan.micro_batch_size, n - start)
                 env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
                 part = slice_batch(targets, start, start + size)
-                out = self._executor.forward(env)
-                loss = self.loss_fn(out, part)
+                # the output is not held through backward (plain PyTorch's loop frees it once the loss is made)
+                loss = self.loss_fn(self._executor.forward(env), part)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise InputError("loss_fn must return a scalar tensor (the mean loss over the batch it is "
                                      f"given), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
@@ -172,7 +188,7 @@ class TrainStep:
                 if weight or scale:  # a slice whose targets all weigh 0 adds nothing (its mean is 0/0)
                     (loss if scale == 1.0 else loss * scale).backward()
                     losses.append((float(loss.detach()), weight))
-                del out, loss, env, part
+                del loss, env, part
                 start += size
                 if self._pager is not None:
                     self._pager.reset()  # raises PagingError (e.g. disk full) before the optimizer steps
@@ -194,14 +210,14 @@ class TrainStep:
 
     def set_plan(self, plan: Plan) -> None:
         """Execute ``plan`` from the next micro-batch on (it must be a plan of this step's chain)."""
-        if plan.num_stages != len(self.chain):
-            raise ValueError(f"plan has {plan.num_stages} stages, this step's chain {len(self.chain)}")
+        if plan.num_stages != len(self.costs.stages):
+            raise ValueError(f"plan has {plan.num_stages} stages, this step's chain {len(self.costs.stages)}")
         if "page" in plan.policies and self._pager is None:
             from .runtime.paging import Pager
 
             self._pager = Pager(self.page_dir, keep=list(self.model.parameters()))
-        self._executor = make_executor(self.chain, plan, self._bn, self._pager)
-        self._plan = plan
+        self._plan = plan  # before the executor: it is chosen for the plan in force
+        self._executor = self._make_executor(plan)
 
     def budget_table(self) -> PlanTable:
         """The :class:`~edgetrain.adaptation.PlanTable` a budget change looks plans up in (built once)."""
@@ -361,7 +377,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     budget = None if memory_budget is None else parse_bytes(memory_budget)
     if cfg.tune_allocator:
         memory.tune_allocator()
-        pool.install()
+        if budget is not None:  # without a budget the step is plain PyTorch's, allocator included
+            pool.install()
     pool.set_cap(None)
     pool.release()  # memory cached for reuse is not in use: measure from live tensors only
     rss_start = memory.rss_bytes()
@@ -413,7 +430,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         outcome = Outcome(plan, costs, 0, [batch] if reasons else None)
     else:
         chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
-                                        profile=analysis.profile)
+                                        profile=analysis.profile, summary=analysis.profile_summary)
     plan, costs = outcome.plan, outcome.costs
     if has_bn and plan.num_micro_batches > 1:
         plan = plan.replace(bn_micro_batched=True)
@@ -428,7 +445,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      margin_share=0.0 if budget is None else safety_margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager,
-                     loss_norm=loss_norm)
+                     loss_norm=loss_norm, capture=analysis.capture_chain)
     step.budget.micro_sizes = outcome.sizes
     if budget is not None:
         step.budget.validate = analysis.validator(chain)
@@ -437,10 +454,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         step.budget.opt_state_bytes = opt_costs.state_bytes
     step.page_dir = page_dir
     if speedup is not None:
-        from .approx.elastic.selector import ElasticSelector
+        from .approx.elastic.selector import ElasticConfig, ElasticSelector
 
         elastic_cfg = speedup if isinstance(speedup, ElasticConfig) else ElasticConfig(speedup=float(speedup))
         probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))
         step.elastic = ElasticSelector(elastic_cfg).attach(model, optimizer, probe, loss_fn)
         step.replan_for_selection()
+    memory.release_heap()
     return step

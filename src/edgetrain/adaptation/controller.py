@@ -17,7 +17,8 @@ from ..errors import BudgetError
 from ..graph import micro_batch_sizes
 from ..plan import Plan
 from ..planning.analysis import block_solver_options
-from ..planning.planner import Measured, budget_for, first_run_cost, safety_margin_bytes
+from ..planning.planner import Measured, budget_for, safety_margin_bytes
+from ..planning.runs import first_run_cost
 from ..profile import memory
 from ..runtime import pool
 from ..units import format_bytes, parse_bytes
@@ -132,8 +133,8 @@ class BudgetController:
         plan = table.plans[fits[-1]]
         if plan.micro_batch_size < step.plan.batch_size and step.has_batchnorm:
             plan = plan.replace(bn_micro_batched=True)
+        step.budget_bytes, step.margin_bytes = budget, margin  # first: the executor is chosen under a budget
         step.set_plan(plan.replace(budget_bytes=budget))
-        step.budget_bytes, step.margin_bytes = budget, margin
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one
         self.cap_pool()
         if step.elastic is not None:

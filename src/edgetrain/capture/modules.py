@@ -27,7 +27,7 @@ from torch import nn
 from .._state import preserved_model_state
 from .chain import Chain, Stage
 
-__all__ = ["find_blocks", "block_stages", "module_chain"]
+__all__ = ["find_blocks", "block_stages", "module_chain", "replay_kwargs"]
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +124,21 @@ def _block_alone(name: str) -> Callable[..., tuple[Any, ...]]:
     return fn
 
 
+def replay_kwargs(model: nn.Module, env: dict[str, Any]) -> dict[str, Any]:
+    """Keyword inputs a training step adds to the model's own call: ``use_cache=False`` where the forward
+    takes ``use_cache`` and the inputs do not ask for it (a key/value cache would be appended to again by
+    a replay; Hugging Face's own gradient checkpointing turns it off too)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params and not env.get("use_cache") else {}
+
+
 def module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
                   mutates: tuple[str, ...]) -> Chain | None:
     """A chain of the model's repeated blocks (:mod:`edgetrain.capture.modules`), or None without two."""
-    call_kwargs: dict[str, Any] = {}
-    if "use_cache" in inspect.signature(model.forward).parameters and not env.get("use_cache"):
-        call_kwargs["use_cache"] = False  # a key/value cache would be appended to again by a replay
+    call_kwargs = replay_kwargs(model, env)
     blocks = block_stages(model, {**env, **call_kwargs})
     if blocks is None:
         return None

@@ -13,19 +13,38 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..profile import memory
+from ..profile.fork import measure_in_child
+from .planner import Measured, Planner
+from .runs import run_plan, run_steps
 from ..batch import slice_batch
 from ..capture import capture
 from ..errors import BudgetError, InputError
 from ..graph import CostChain
 from ..plan import Plan
-from ..profile import memory
-from ..profile.fork import measure_in_child
 from ..profile.stages import profile_chain
 from ..runtime import pool
-from .planner import Measured, Planner
-from .runs import run_plan, run_steps
 
-__all__ = ["Analysis", "Outcome", "block_solver_options"]
+__all__ = ["Analysis", "ChainSummary", "Outcome", "block_solver_options"]
+
+
+@dataclass(frozen=True)
+class ChainSummary:
+    """What planning needs to know of a chain captured in a forked child (it crosses back pickled): a
+    step prepared without a budget captures the chain in its own process only when its plan runs stages,
+    so that plain PyTorch's schedule carries none of capture's graphs, kernels and heap."""
+
+    method: str
+    length: int
+    unmanaged_mutations: tuple[str, ...]
+    model_name: str
+
+    def __len__(self) -> int:
+        return self.length
+
+    @classmethod
+    def of(cls, chain: Any) -> "ChainSummary":
+        return cls(chain.method, len(chain), tuple(chain.unmanaged_mutations), type(chain.model).__name__)
 
 
 @dataclass
@@ -119,6 +138,10 @@ class Analysis:
         return CostChain(costs.stages, self.batch, costs.input_bytes, self.fixed + overhead, costs.loss_s,
                          costs.step_fixed_s, costs.name)
 
+    def profile_summary(self, chain: Any) -> tuple[CostChain, ChainSummary]:
+        """:meth:`profile` with what profiling leaves counted, and the chain's :class:`ChainSummary`."""
+        return self.profile(chain, with_overhead=True), ChainSummary.of(chain)
+
     def unsplittable(self, chain: Any) -> tuple[str, ...]:
         """Why this model's step must not be split into micro-batches (empty: it may be)."""
         reasons = list(self.whole_batch_reasons)
@@ -181,8 +204,9 @@ def block_solver_options(chain: Any, solver: str) -> dict[str, Any]:
         return {"allow_segments": False}
     if solver in ("no_saving", "recompute_all"):
         return {}
+    name = getattr(chain, "model_name", None) or type(chain.model).__name__
     raise InputError(f"solver {solver!r} (or paging) needs a model torch.fx can trace; "
-                     f"{type(chain.model).__name__} runs as {len(chain)} blocks of its module tree, which "
+                     f"{name} runs as {len(chain)} blocks of its module tree, which "
                      "solver='dp', 'no_saving' and 'recompute_all' plan")
 
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..errors import BudgetError
-from ..graph import CostChain, candidate_micro_batch_sizes
+from ..graph import KEEP, CostChain, candidate_micro_batch_sizes, simulate
 from ..plan import Plan
 from ..profile import memory
 from ..units import format_bytes
 
-__all__ = ["Measured", "Planner", "first_run_cost"]
+__all__ = ["Measured", "Planner"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -45,6 +45,10 @@ def predicted_activations(plan: Plan, fixed: int) -> int:
 #: the least a positive safety margin holds back (see ``prepare(safety_margin=)``)
 MIN_MARGIN_BYTES = 2**20
 
+#: what the smallest feasible budget a BudgetError names keeps above the measured need, for a retry in a
+#: fresh process (whose runs measure a little differently)
+RETRY_SLACK = 1.05
+
 #: growth of the process since a plan's validation run beyond which the run no longer speaks for a step
 STALE_BYTES = 256 * 2**10
 
@@ -65,6 +69,13 @@ def budget_for(need: int, share: float) -> int:
 
 def _plan_key(plan: Plan) -> tuple[int, tuple[str, ...]]:
     return plan.micro_batch_size, tuple(plan.policies)
+
+
+def _recomputes(plan: Plan) -> bool:
+    """Whether a plan runs checkpointing (or paging) code: that code's own pages stay resident after its
+    first run, so validation measures the fixed bytes of such plans apart from those of plans that keep
+    every stage."""
+    return any(p != "keep" for p in plan.policies)
 
 
 class Planner:
@@ -92,9 +103,9 @@ class Planner:
         self.solver_kw = dict(solver_kw or {})
         self.reprofile = reprofile  # profiles again for a budget (None: never)
         self.margin_share = margin_share  # prepare's safety_margin (the margin then has a floor)
-        # Fixed bytes measured per micro-batch size: a run leaves kernels and heap behind that grow with
-        # the size it ran (transformer, 64 samples: 3.3 MiB after micro-batches of 8, 7.4 MiB after 22).
-        self._fixed_at: dict[int, int] = {}
+        # Fixed bytes measured per micro-batch size and plan kind (see _recomputes): a run leaves kernels and
+        # heap behind that grow with the size it ran, and code that only recomputing plans run.
+        self._fixed_at: dict[tuple[int, bool], int] = {}
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
         self._ran_at: dict[tuple[int, tuple[str, ...]], int] = {}  # plan -> process RSS after its last run
         self._largest_run: tuple[Plan, int, int] | None = None  # _largest_size_run's one run
@@ -103,27 +114,30 @@ class Planner:
     def _with_fixed(self, extra: int) -> None:
         self.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes + extra)
 
-    def fixed_at(self, m: int) -> int:
-        """Fixed bytes a plan of micro-batch size ``m`` is expected to find.
+    def fixed_at(self, m: int, recomputes: bool = True) -> int:
+        """Fixed bytes a plan of micro-batch size ``m`` (recomputing or not) is expected to find.
 
-        Piecewise linear through the sizes validation measured, from the fixed bytes before any run at size
-        0, extended past the largest with the last slope; the cost model's single figure until a run was
-        measured. A size never run is validated before it is taken, so an estimate that is low costs one
-        more validation run, never the budget.
+        Piecewise linear through the sizes validation measured for plans of that kind (of the other kind
+        while none of it ran), from the fixed bytes before any run at size 0, extended past the largest
+        with the last slope; the cost model's single figure until a run was measured. A plan never run is
+        validated before it is taken, so an estimate that is low costs one more validation run, never the
+        budget.
         """
         if not self._fixed_at or self.floor is None:
             return self.costs.fixed_bytes
-        if m in self._fixed_at:
-            return self._fixed_at[m]
-        pts = [(0, min(self.floor, min(self._fixed_at.values())))] + sorted(self._fixed_at.items())
+        same = {k: v for (k, r), v in self._fixed_at.items() if r == recomputes}
+        measured = same or {k: v for (k, _), v in self._fixed_at.items()}
+        if m in measured:
+            return measured[m]
+        pts = [(0, min(self.floor, min(measured.values())))] + sorted(measured.items())
         for (m0, f0), (m1, f1) in zip(pts, pts[1:]):
             if m <= m1:
                 return int(f0 + (f1 - f0) * (m - m0) / (m1 - m0))
         (m0, f0), (m1, f1) = pts[-2], pts[-1]
         return int(f1 + max(0.0, (f1 - f0) / (m1 - m0)) * (m - m1))
 
-    def _costs_at(self, m: int) -> CostChain:
-        return replace(self.costs, fixed_bytes=self.fixed_at(m))
+    def _costs_at(self, m: int, recomputes: bool = True) -> CostChain:
+        return replace(self.costs, fixed_bytes=self.fixed_at(m, recomputes))
 
     def sizes(self) -> list[int]:
         """Every micro-batch size the model accepts (a budget change may pick any, even when prepare's
@@ -156,7 +170,7 @@ class Planner:
             except BudgetError as e:
                 err = e
                 continue
-            update_peak = self.fixed_at(plan.micro_batch_size) + self.update_bytes
+            update_peak = self.fixed_at(plan.micro_batch_size, _recomputes(plan)) + self.update_bytes
             if update_peak <= plan_budget:
                 return plan.replace(peak_bytes=max(plan.peak_bytes, update_peak), budget_bytes=self.budget)
             err = BudgetError("the optimizer update does not fit", min_feasible_bytes=update_peak)
@@ -175,17 +189,21 @@ class Planner:
         best: Plan | None = None
         need: int | None = None
         last: BudgetError | None = None
-        for m in sizes:
+        # the DP's plans recompute; keeping every stage is planned apart, with its own fixed bytes
+        kinds = (True, False) if self.solver == "dp" else (True,)
+        for m, rec in ((m, rec) for m in sizes for rec in kinds):
             try:
                 plan = solve(self._costs_at(m), plan_budget, solver=self.solver, micro_batch_sizes=[m],
-                             **self.solver_kw)
+                             **self.solver_kw) if rec else self._solve_keep(m, plan_budget)
             except BudgetError as e:
                 last = e
                 if e.min_feasible_bytes is not None:
-                    need_m = max(e.min_feasible_bytes, self.fixed_at(m) + self.update_bytes)
+                    need_m = max(e.min_feasible_bytes, self.fixed_at(m, rec) + self.update_bytes)
                     need = need_m if need is None else min(need, need_m)
                 continue
-            update_peak = self.fixed_at(m) + self.update_bytes
+            if rec and len(kinds) > 1 and not _recomputes(plan):
+                continue  # keeps every stage: judged with the fixed bytes of its kind (the other branch)
+            update_peak = self.fixed_at(m, rec) + self.update_bytes
             if update_peak > plan_budget:
                 need = update_peak if need is None else min(need, update_peak)
                 last = BudgetError("the optimizer update does not fit", min_feasible_bytes=update_peak)
@@ -226,7 +244,7 @@ class Planner:
                 plan = plan.replace(peak_bytes=measured_peak) if measured_peak > plan.peak_bytes else plan
                 break
             plan = self._plan_validated(run, unallocated, grads)
-        self.costs = self._costs_at(plan.micro_batch_size)
+        self.costs = self._costs_at(plan.micro_batch_size, _recomputes(plan))
         return plan, self.costs
 
     def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int) -> Plan:
@@ -330,7 +348,8 @@ class Planner:
         Returns the plan's peak under the corrected model, and the peak its run measured (plus what real
         steps add: optimizer state; and the optimizer update's transient).
         """
-        act_pred = predicted_activations(plan, self.fixed_at(plan.micro_batch_size))
+        rec = _recomputes(plan)
+        act_pred = predicted_activations(plan, self.fixed_at(plan.micro_batch_size, rec))
         # What the run left resident (kernels built for new shapes, allocator heap growth) is in rss_after and
         # so in the fixed bytes below; measuring activations from before the run would count it twice.
         act_meas = m.peak - max(m.rss_before, m.rss_after) - grads
@@ -338,8 +357,8 @@ class Planner:
         fixed = m.rss_after + unallocated + act_excess
         log.info("validation: activations measured %.1f MiB vs %.1f predicted; fixed %.1f MiB at micro-batch "
                  "%d (was %.1f)", act_meas / 2**20, act_pred / 2**20, fixed / 2**20, plan.micro_batch_size,
-                 self.fixed_at(plan.micro_batch_size) / 2**20)
-        self._fixed_at[plan.micro_batch_size] = fixed
+                 self.fixed_at(plan.micro_batch_size, rec) / 2**20)
+        self._fixed_at[(plan.micro_batch_size, rec)] = fixed
         if m.process_rss is not None:
             self._ran_at[_plan_key(plan)] = m.process_rss
         self.floor = m.rss_before + unallocated
@@ -364,7 +383,7 @@ class Planner:
         a small device; a later call, after re-profiling, may judge it again). Runs at most once.
         """
         largest = max(s for group in self._sizes() for s in group)
-        if self._largest_run is not None or largest in self._fixed_at:
+        if self._largest_run is not None or any(k == largest for k, _ in self._fixed_at):
             return self._largest_run  # it ran (once is enough), or that size ran on the main path
         try:
             self._solve_sizes(0, [largest])
@@ -385,6 +404,50 @@ class Planner:
         model_peak, measured = self._correct(plan, run(plan), unallocated, grads)
         self._largest_run = plan, model_peak, measured
         return self._largest_run
+
+    def _smallest_keep_run(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
+                           tries: int = 2) -> int | None:
+        """Measured peak of the smallest plan that keeps every stage, or None (not the DP, or none fits).
+
+        The smallest plan by the cost model recomputes, and recomputing plans leave more resident (code
+        pages, see :func:`_recomputes`); on a small model that outweighs the activations they save (GPT-2,
+        batch 8: 17.3 MiB kept at micro-batch 2 against 20.1 recomputed at 1). Until a plan keeping all
+        has run, its fixed bytes are estimated from recomputing runs: run the smallest, and again when
+        its measurement moves the estimate to another size (``tries`` runs at most).
+        """
+        if self.solver != "dp":
+            return None
+        best: int | None = None
+        for _ in range(tries):
+            need, plan = None, None
+            for m in self.sizes():
+                try:
+                    self._solve_keep(m, 0)
+                except BudgetError as e:
+                    if e.min_feasible_bytes is not None and (need is None or e.min_feasible_bytes < need):
+                        need, plan = e.min_feasible_bytes, m
+                    continue
+                return best  # a plan keeping all fits 0 bytes: nothing to learn
+            if plan is None or (plan, False) in self._fixed_at:
+                break
+            try:
+                keep = self._solve_keep(plan, int(need))
+            except BudgetError:
+                break
+            _, measured = self._correct(keep, run(keep), unallocated, grads)
+            best = measured if best is None else min(best, measured)
+        return best
+
+    def _solve_keep(self, m: int, plan_budget: int) -> Plan:
+        """The plan keeping every stage at micro-batch ``m``, with the fixed bytes of its kind."""
+        from ..planners import solve
+
+        costs = self._costs_at(m, False)
+        need = simulate(costs, m, (KEEP,) * costs.n, tuple(range(costs.n))).peak_bytes
+        if need > plan_budget:  # said here: the baseline's own message would run the DP for its hint
+            raise BudgetError("keeping every stage does not fit", budget_bytes=plan_budget,
+                              min_feasible_bytes=int(need))
+        return solve(costs, plan_budget, solver="no_saving", micro_batch_sizes=[m])
 
     def _infeasible(self, err: BudgetError, run: Callable[[Plan], Measured], unallocated: int,
                     grads: int) -> BudgetError:
@@ -410,16 +473,20 @@ class Planner:
             # measured. prepare at that budget runs the same smallest plan and takes it on its measurement
             # (_smallest_if_it_fits), so the number stays one at which training works.
             need = measured
+        kept = self._smallest_keep_run(run, unallocated, grads)
+        if kept is not None:
+            need = min(need, kept)  # a budget at which a plan ran and was measured
         largest = self._largest_size_run(run, unallocated, grads, need)
         if largest is not None:
             need = min(need, largest[2])  # a budget at which a plan ran and was measured
         assert self.budget is not None
         # A fresh process profiling at larger sizes loads kernels for more tensor shapes than this failed
-        # attempt did; keep 3% for that, so that a retry at the named budget succeeds.
+        # attempt did, and a plan's run measures a MiB more or less from one process to the next (GPT-2, 3
+        # layers: 20.7 and 22.4 MiB at micro-batch 2): keep 5% for that, so that a retry there succeeds.
         if self.margin_share is not None:
-            user_need = budget_for(math.ceil(1.03 * need), self.margin_share)
+            user_need = budget_for(math.ceil(RETRY_SLACK * need), self.margin_share)
         else:
-            user_need = math.ceil(1.03 * need * self.budget / (self.budget - self.margin))
+            user_need = math.ceil(RETRY_SLACK * need * self.budget / (self.budget - self.margin))
         hint = "" if self.micro_batch_size is None else " or let the planner choose micro_batch_size"
         fixed_shown = self.costs.fixed_bytes  # never more than the need named (that was measured, with them)
         return BudgetError(
@@ -428,30 +495,3 @@ class Planner:
             f"model, its gradients, optimizer state, batch and runtime take {format_bytes(min(fixed_shown, need))} "
             f"before any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
             budget_bytes=self.budget, min_feasible_bytes=user_need)
-
-
-
-def first_run_cost(table: Any, seen: set[int], run: Callable[[Plan], Measured], room: int, fixed: int,
-                   grads: int) -> tuple[int, int] | None:
-    """Measure what running a micro-batch size for the first time costs beyond the cost model.
-
-    A new tensor shape makes oneDNN build and cache kernels (kept for later runs) and grows the
-    allocators' heaps: a MiB or more for a convolutional network, none of it in the per-stage profile.
-    The smallest size of ``table`` not in ``seen`` (the one a budget drop reaches first) is run once
-    under its most memory-saving plan, if that fits ``room`` (the budget in force less the margin).
-
-    Returns:
-        ``(size, bytes)``: the run's peak above the model's prediction, or what it left behind if more;
-        None when every size has run or the run does not fit.
-    """
-    fresh = sorted({p.micro_batch_size for p in table.plans} - seen)
-    if not fresh:
-        return None
-    plan = next(p for p in table.plans if p.micro_batch_size == fresh[0])
-    if plan.peak_bytes > room:
-        return None
-    measured = run(plan)
-    act_pred = predicted_activations(plan, fixed)
-    cost = max(0, measured.peak - measured.rss_before - grads - act_pred, measured.rss_after - measured.rss_before)
-    log.info("first run of micro-batch %d: %s beyond the cost model", fresh[0], format_bytes(cost))
-    return fresh[0], cost

@@ -1,23 +1,28 @@
 """Validation runs: a plan run once (forward and backward of every micro-batch), or whole training steps,
-with the resident memory they take measured (used by prepare's planner, :mod:`._planning`)."""
+with the resident memory they take measured (used by prepare's planner, :mod:`._planning`), and the cost of a
+micro-batch size's first run (:func:`first_run_cost`, used by a budget change)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from ..profile import memory
+from .planner import Measured, predicted_activations
 from .._state import preserved_model_state
 from ..batch import slice_batch
 from ..graph import micro_batch_sizes
 from ..plan import Plan
-from ..profile import memory
 from ..runtime import pool
 from ..runtime.executor import make_executor
-from .planner import Measured
+from ..units import format_bytes
 
-__all__ = ["run_plan", "run_steps"]
+__all__ = ["run_plan", "run_steps", "first_run_cost"]
+
+log = logging.getLogger("edgetrain.api")
 
 
 def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets: Any,
@@ -78,3 +83,29 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
     # as run_plan's: peaks with the gradients but without what the planner adds (unallocated)
     return Measured(before - base, peak - base - unallocated + grads, after - base - (unallocated - grads),
                     update_peak=update - base - unallocated + grads)
+
+
+def first_run_cost(table: Any, seen: set[int], run: Callable[[Plan], Measured], room: int, fixed: int,
+                   grads: int) -> tuple[int, int] | None:
+    """Measure what running a micro-batch size for the first time costs beyond the cost model.
+
+    A new tensor shape makes oneDNN build and cache kernels (kept for later runs) and grows the
+    allocators' heaps: a MiB or more for a convolutional network, none of it in the per-stage profile.
+    The smallest size of ``table`` not in ``seen`` (the one a budget drop reaches first) is run once
+    under its most memory-saving plan, if that fits ``room`` (the budget in force less the margin).
+
+    Returns:
+        ``(size, bytes)``: the run's peak above the model's prediction, or what it left behind if more;
+        None when every size has run or the run does not fit.
+    """
+    fresh = sorted({p.micro_batch_size for p in table.plans} - seen)
+    if not fresh:
+        return None
+    plan = next(p for p in table.plans if p.micro_batch_size == fresh[0])
+    if plan.peak_bytes > room:
+        return None
+    measured = run(plan)
+    act_pred = predicted_activations(plan, fixed)
+    cost = max(0, measured.peak - measured.rss_before - grads - act_pred, measured.rss_after - measured.rss_before)
+    log.info("first run of micro-batch %d: %s beyond the cost model", fresh[0], format_bytes(cost))
+    return fresh[0], cost

@@ -186,7 +186,8 @@ def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
 
 
 def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any], budget: int | None,
-                   can_fork: bool, profile: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
+                   can_fork: bool, profile: Callable[[Any], Any] | None = None,
+                   summary: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
     """Capture the chain and analyse it where the memory this takes cannot break the budget.
 
     With a budget, the work runs in forked children, so that a BudgetError is raised here before this
@@ -205,23 +206,38 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
         budget: the memory budget (None: no child is needed).
         can_fork: False runs everything in this process.
         profile: ``profile(chain)`` returns the costs ``analyse`` takes; None profiles in the validating child.
+        summary: without a budget, ``summary(chain)`` returns ``(costs, chain summary)`` for ``analyse``, run
+            in a child; the chain is then captured here only when the plan runs stages.
 
     Returns:
-        ``(chain, analyse(chain[, costs]))``.
+        ``(chain, analyse(chain[, costs]))``; the chain is None when it was not captured here (no budget,
+        and a plan that runs the model's own forward).
     """
-    if not can_fork or not available() or (budget is None and profile is None):
+    if not can_fork or not available() or (budget is None and profile is None and summary is None):
         chain = capture_chain()
         return chain, analyse(chain)
     if budget is None:
-        # Nothing to keep inside, but profiling runs the model at sizes and shapes the steps never use,
-        # and the kernels and heap they leave would stay with this process for good: profile in a child.
-        # The plan without a budget keeps everything, whatever the child's single thread measured; what
-        # profiling left resident in the child (kernels, heap) stands for what this process's first step
-        # will leave, so that the predicted peak stays honest.
-        res = run_in_child(lambda: profile(capture_chain(), with_overhead=True))
+        # Nothing to keep inside, but capture and profiling run the model at sizes and shapes the steps
+        # never use, and the kernels, heap and graphs they leave would stay with this process for good:
+        # both run in a child. The plan without a budget keeps everything, whatever the child's single
+        # thread measured; what profiling left resident in the child (kernels, heap) stands for what this
+        # process's first step will leave, so that the predicted peak stays honest. A plan that recomputes
+        # nothing runs the model's own forward (``PlainExecutor``), so the chain is captured here only
+        # for a plan that runs stages; otherwise the step captures it if a later plan needs it.
+        from ..runtime.executor import needs_stages
+
+        if summary is not None:
+            res = run_in_child(lambda: summary(capture_chain()))
+            if res is not None and res.error is None:
+                costs, info = res.value
+                outcome = analyse(info, costs)
+                return (capture_chain() if needs_stages(outcome.plan) else None), outcome
+        elif profile is not None:
+            res = run_in_child(lambda: profile(capture_chain(), with_overhead=True))
+            if res is not None and res.error is None:
+                chain = capture_chain()
+                return chain, analyse(chain, res.value)
         chain = capture_chain()
-        if res is not None and res.error is None:
-            return chain, analyse(chain, res.value)
         return chain, analyse(chain)
     costs = None
     if profile is not None:

@@ -26,7 +26,7 @@ from .. import settings
 
 __all__ = [
     "rss_bytes", "peak_rss_bytes", "process_peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
-    "tune_allocator", "allocator_tuned", "PeakMeter", "measure_peak",
+    "tune_allocator", "allocator_tuned", "release_heap", "PeakMeter", "measure_peak",
 ]
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,18 @@ def tune_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> 
         _TUNED = mmap_threshold_bytes
         log.debug("glibc mmap threshold fixed at %d bytes", mmap_threshold_bytes)
     return ok
+
+
+def release_heap() -> None:
+    """Hand back to the OS what the process holds free: unreachable Python cycles (``gc.collect``) and
+    the free pages of glibc's heaps (``malloc_trim(0)``). ``prepare`` calls it last, so that the heap its
+    own bookkeeping left free (page lists for forks, children's answers) is not carried into every step."""
+    import gc
+
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def allocator_tuned() -> bool:

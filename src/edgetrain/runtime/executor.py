@@ -18,13 +18,14 @@ from typing import Any, Callable
 
 from torch.utils.checkpoint import checkpoint
 
+from ..capture.modules import replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
 from ..graph import PAGE, RECOMPUTE, selective_name
 from ..plan import Plan
 from .batchnorm import FullBatchStats, RecomputeGuard
 from .selective import selective_context_fn
 
-__all__ = ["Executor", "ModuleExecutor", "make_executor"]
+__all__ = ["Executor", "ModuleExecutor", "PlainExecutor", "make_executor", "needs_stages"]
 
 
 @dataclass
@@ -171,7 +172,7 @@ class Executor:
                     env.update(zip(st.outputs, outs))
                     del outs
                     self.chain.release(env, st.index)
-        return env[OUTPUT_KEY]
+        return env.pop(OUTPUT_KEY)  # not kept in the caller's environment: freed when the loss no longer needs it
 
 
 class ModuleExecutor:
@@ -224,6 +225,29 @@ class ModuleExecutor:
         finally:
             for block in patched:
                 del block.forward
+
+
+class PlainExecutor:
+    """Runs the model's own forward, unchanged: a plan that recomputes and pages nothing needs no stages.
+
+    Used by a step prepared without a budget (plain PyTorch's schedule, micro-batched or not), which then
+    runs exactly the code plain PyTorch runs, and holds no captured graph: the stages are captured only
+    if a later plan recomputes (:attr:`edgetrain.api.TrainStep.chain`).
+    """
+
+    pager = None
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def forward(self, env: dict[str, Any]) -> Any:
+        """Run the model on ``env`` (its inputs by name, one micro-batch); returns its output."""
+        return self.model(**{**env, **replay_kwargs(self.model, env)})
+
+
+def needs_stages(plan: Plan) -> bool:
+    """Whether running ``plan`` needs the captured stages (it recomputes or pages some)."""
+    return any(p in (RECOMPUTE, PAGE) for p in plan.policies)
 
 
 def make_executor(chain: Chain, plan: Plan, bn: FullBatchStats | None = None, pager: Any = None) -> Any:
