@@ -183,7 +183,7 @@ class Trainer:
         self.stopped_early = bool(t["stopped_early"])
         self.step.steps_done = self.state.global_step
         plan = Plan.from_json(payload["plan"])
-        if plan.num_stages == len(self.step.chain) and plan.batch_size == self.step.plan.batch_size:
+        if plan.num_stages == len(self.step.costs.stages) and plan.batch_size == self.step.plan.batch_size:
             # the same micro-batches as before the crash: accumulation order, hence rounding, is identical
             self.step.set_plan(plan)
         else:
