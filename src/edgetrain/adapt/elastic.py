@@ -78,6 +78,8 @@ class ElasticConfig:
         timing_repeats: repetitions per isolated layer timing (medians).
         timing_cut_repeats: repetitions per whole-model timing.
         timing_max_cuts: layers at which the frozen model's backward is timed (calibration points).
+        timing_max_suffixes: cuts at which the static suffix from that layer up is trained and timed on
+            the real model and batch (where weight-gradient times come from; see :mod:`.elastic_timing`).
         timing_cache_path: optional JSON file caching measured timings across runs.
         calibration_pairs: back-to-back (full step, selected step) pairs per calibration round at
             attach time; 0 turns calibration off (the plan then rests on the timing model alone).
@@ -100,6 +102,7 @@ class ElasticConfig:
     timing_repeats: int = 5
     timing_cut_repeats: int = 3
     timing_max_cuts: int = 24
+    timing_max_suffixes: int = 8
     timing_cache_path: str | None = None
     calibration_pairs: int = 5
     calibration_rounds: int = 3
@@ -112,7 +115,8 @@ class ElasticConfig:
         if not self.speedup >= 1.0:
             raise InputError(f"speedup must be >= 1.0, got {self.speedup}")
         for name in ("interval_steps", "probe_batch_size", "time_units", "timing_repeats",
-                     "timing_cut_repeats", "timing_max_cuts", "calibration_rounds", "feedback_min_steps"):
+                     "timing_cut_repeats", "timing_max_cuts", "timing_max_suffixes", "calibration_rounds",
+                     "feedback_min_steps"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.calibration_pairs < 0:
@@ -231,7 +235,7 @@ class ElasticSelector:
         self._model, self._optimizer, self._loss_fn = model, optimizer, loss_fn
         self.timing = measure_timing(model, example_batch, loss_fn, optimizer, repeats=cfg.timing_repeats,
                                      cut_repeats=cfg.timing_cut_repeats, max_cuts=cfg.timing_max_cuts,
-                                     cache_path=cfg.timing_cache_path)
+                                     max_suffixes=cfg.timing_max_suffixes, cache_path=cfg.timing_cache_path)
         by_name = dict(model.named_parameters())
         self._tensors = [by_name[n] for n in self.timing.names]
         self._ref_samples = _samples(example_batch)
