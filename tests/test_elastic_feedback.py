@@ -10,7 +10,7 @@ from torch import nn
 
 from _models import mlp
 from edgetrain.adapt.elastic import ElasticConfig, ElasticSelector
-from edgetrain.adapt.elastic_feedback import correct_target
+from edgetrain.adapt.elastic_feedback import correct_target, secant_target
 from edgetrain.errors import InputError
 from test_elastic import FAST, synthetic_timing
 
@@ -39,6 +39,47 @@ def test_correct_target_damps_clamps_and_needs_enough_steps():
         correct_target(2.0, 2.0, 0.1, [0.05] * 9, gain=0.0)
     with pytest.raises(InputError):
         correct_target(2.0, math.inf, 0.1, [0.05] * 9)
+
+
+def test_secant_target_steps_through_the_last_two_rounds():
+    assert secant_target([(2.0, 1.6)], 2.0) == pytest.approx(2.5)                 # one round: the ratio
+    # the machine delivers 0.5 * target ** 1.6: the ratio rule overshoots, the secant lands on it
+    rounds = [(2.0, 0.5 * 2.0 ** 1.6), (2.5, 0.5 * 2.5 ** 1.6)]
+    assert secant_target(rounds, 2.0) == pytest.approx(4.0 ** (1 / 1.6))
+    # a slope of the wrong sign (noise) or none: back to the ratio rule; never beyond 2x a step
+    assert secant_target([(2.0, 1.8), (2.5, 1.6)], 2.0) == pytest.approx(2.5 * 2.0 / 1.6)
+    assert secant_target([(2.0, 1.6), (2.0, 1.7)], 2.0) == pytest.approx(2.0 * 2.0 / 1.7)
+    assert secant_target([(2.0, 1.0), (2.02, 1.001)], 2.0) == pytest.approx(4.04)
+
+
+def test_calibration_steps_by_secant_and_keeps_the_round_closest_to_the_request(monkeypatch):
+    import edgetrain.adapt.elastic as el
+    seen = []
+
+    def steep(model_, opt_, batch_, loss_fn, params, chosen, pairs):
+        # the machine's speed-up grows faster than the model's: delivered = 0.5 * predicted ** 1.6
+        seen.append(sel.target_speedup)
+        pred = timing.full_step_s / timing.step_time_s(sorted(chosen))
+        return 0.5 * pred ** 1.6, [timing.full_step_s] * pairs
+
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3}, speedup=2.0))
+    model = mlp(d_in=16, d=32, n_blocks=8, classes=5)
+    timing = synthetic_timing(model, dw_s=0.0004, dy_s=0.0001, fixed_s=0.004)
+    monkeypatch.setattr(el, "measure_timing", lambda *a, **k: timing)
+    monkeypatch.setattr(el, "tensor_importance", lambda m, o, b, f, names: [1.0] * len(names))
+    monkeypatch.setattr(el, "measure_speedup", steep)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sel.attach(model, opt, (torch.randn(8, 16), torch.randint(0, 5, (8,))), nn.CrossEntropyLoss())
+    assert len(seen) == 3 and abs(sel.measured_speedup / 2.0 - 1.0) <= 0.05     # on target in 3 rounds
+    # scripted measurements that get worse: the first round's selection is the one kept
+    script = iter([1.8, 2.6, 2.5])
+    monkeypatch.setattr(el, "measure_speedup", lambda *a: (next(script), [timing.full_step_s] * 3))
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3}, speedup=2.0))
+    sel.attach(model, opt, (torch.randn(8, 16), torch.randint(0, 5, (8,))), nn.CrossEntropyLoss())
+    first = sel.plan
+    assert sel.measured_speedup == 1.8 and sel.target_speedup == 2.0
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(sel.selected)
+    assert first.predicted_speedup >= 2.0
 
 
 # ------------------------------------------------------------------------------------- the selector

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ..errors import EdgetrainError, InputError
-from .elastic_feedback import Correction, correct_target
+from .elastic_feedback import Correction, correct_target, secant_target
 from .elastic_measure import batch_loss, batch_size, measure_speedup, slice_batch
 from .elastic_select import SpeedupPlan, plan_for_speedup
 from .elastic_state import TrainingSnapshot
@@ -249,17 +249,18 @@ class ElasticSelector:
 
         Each round times ``calibration_pairs`` back-to-back pairs of real training steps (full, then
         selected) on ``batch``, restoring the training state afterwards. When the median ratio is off
-        the requested speed-up by more than ``calibration_tolerance``, the planner's target is scaled
-        by ``requested / measured`` and the selection re-solved with the same importance (no new
-        probe). The timing model is measured on isolated pieces; this closes the loop on whole steps.
-        A request still missed at the reachable limit is warned about, never missed silently. The
-        median of the full steps becomes :attr:`full_step_s`, the reference of closed-loop control.
+        the requested speed-up by more than ``calibration_tolerance``, the planner's target is corrected
+        as :func:`.elastic_feedback.secant_target` says (the model's error differs between selections,
+        so a fixed ratio can overshoot back and forth) and the selection re-solved with the same
+        importance (no new probe); the round measured closest to the request is kept. A request still
+        missed at the reachable limit is warned about, never missed silently. The median of the full
+        steps becomes :attr:`full_step_s`, the reference of closed-loop control.
 
         Args:
             batch: a real ``(inputs, target)`` batch of the training batch size.
 
         Returns:
-            The last measured speed-up (None when calibration is off).
+            The measured speed-up of the kept selection (None when calibration is off).
         """
         timing, model = self._require()
         cfg = self.config
@@ -267,28 +268,36 @@ class ElasticSelector:
             return None
         chosen = set(self.plan.selection.indices)
         fulls: list[float] = []
+        rounds: list[tuple[float, float, SpeedupPlan]] = []    # (target, measured, plan) per round
         for r in range(cfg.calibration_rounds):
             with TrainingSnapshot(model, self._optimizer):
                 measured, full_s = measure_speedup(model, self._optimizer, batch, self._loss_fn, self._tensors,
                                                    chosen, cfg.calibration_pairs)
             fulls += full_s
             self.full_step_s = statistics.median(fulls)
-            self.measured_speedup = measured
+            rounds.append((self.target_speedup, measured, self.plan))
             want = min(cfg.speedup, self.plan.reachable_speedup)
-            logger.info("elastic calibration %d: predicted %.2fx, measured %.2fx (requested %.2fx)", r + 1,
-                        self.plan.predicted_speedup, measured, cfg.speedup)
-            if abs(measured / want - 1.0) <= cfg.calibration_tolerance or r == cfg.calibration_rounds - 1:
+            logger.info("elastic calibration %d: predicted %.2fx, measured %.2fx (requested %.2fx, planner "
+                        "target %.3fx)", r + 1, self.plan.predicted_speedup, measured, cfg.speedup,
+                        self.target_speedup)
+            if (abs(measured / want - 1.0) <= cfg.calibration_tolerance or r == cfg.calibration_rounds - 1
+                    or math.isinf(self.target_speedup)):
                 break
-            target = max(1.0, self.target_speedup * want / measured)
-            if math.isinf(self.target_speedup) or target == self.target_speedup:
+            target = max(1.0, secant_target([(t, m) for t, m, _ in rounds], want))
+            if target == self.target_speedup:
                 break
             self.target_speedup = target
             self._plan(list(self.importance[n] for n in timing.names), warn=False)
-            self.apply()
             new = set(self.plan.selection.indices)
             if new == chosen:
                 break
             chosen = new
+        target, measured, plan = min(rounds, key=lambda t: abs(math.log(t[1] / want)))
+        if plan is not self.plan:
+            logger.info("elastic calibration keeps round %d's selection (measured %.2fx)",
+                        [t[2] for t in rounds].index(plan) + 1, measured)
+        self.target_speedup, self.plan, self.measured_speedup = target, plan, measured
+        self.apply()
         if math.isfinite(cfg.speedup) and measured < cfg.speedup * (1.0 - 0.15):
             msg = (f"elastic selection reaches a measured {measured:.2f}x step-time speed-up, below the "
                    f"requested {cfg.speedup:.3g}x (the model predicts {self.plan.predicted_speedup:.2f}x, "
