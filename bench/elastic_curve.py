@@ -239,6 +239,9 @@ def curve_bench(family: str, quick: bool, cache_prefix: str | None, train: Calla
         cfg = ElasticConfig(speedup=s, interval_steps=task.steps_per_epoch)
         runs[f"elastic {s:g}x"] = train(f"elastic {s:g}x", task.fresh(), make_opt_all, task.batches, task.evaluate,
                                         epochs, decay_steps=decay, elastic=cfg)
+    for k, r in runs.items():
+        print(f"    trained {k}: {100 * r.epochs[-1][1]:.1f}%, median step {1e3 * statistics.median(r.step_s):.1f} ms "
+              f"(in its own run)", flush=True)
     trained = {k: (r.selector.selected if r.selector else r.trainable) for k, r in runs.items() if k != "full"}
     speed = interleaved_curve(task.fresh(), next(iter(task.batches(0))), trained, 3 if quick else 9)
     speed["full"] = 1.0
