@@ -190,3 +190,28 @@ def test_prepare_trainstep_reports_its_step_times():
     for _ in range(3):
         step(x, y)
     assert sel._explicit and len(sel._step_times) == 3 and all(t > 0 for t in sel._step_times)
+
+
+def test_calibrated_selection_reanchors_the_full_step_to_load_drift(monkeypatch):
+    # calibration measures the selection exactly on target; then the whole machine runs 1.6x slower
+    # (full steps too): that is drift, not model error, and must not move the planner's target
+    import edgetrain.adapt.elastic as el
+    model = mlp(d_in=16, d=32, n_blocks=8, classes=5)
+    timing = synthetic_timing(model)
+    monkeypatch.setattr(el, "measure_timing", lambda *a, **k: timing)
+    monkeypatch.setattr(el, "tensor_importance", lambda m, o, b, f, names: [1.0] * len(names))
+    monkeypatch.setattr(el, "measure_speedup", lambda m, o, b, f, params, chosen, pairs: (
+        timing.full_step_s / timing.step_time_s(sorted(chosen)), [timing.full_step_s] * pairs))
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3, "interval_steps": 10}, speedup=2.0))
+    batch = (torch.randn(8, 16), torch.randint(0, 5, (8,)))
+    sel.attach(model, torch.optim.SGD(model.parameters(), lr=0.05), batch, nn.CrossEntropyLoss())
+    measured, target, first = sel.measured_speedup, sel.target_speedup, sel.plan.selection.indices
+    slow = 1.6 * timing.step_time_s(first)
+    for step in range(1, 10):
+        assert not sel.maybe_reselect(step, batch)
+        sel.record_step_time(slow, samples=8)
+    assert sel.maybe_reselect(10, batch)
+    c = sel.corrections[-1]
+    assert sel.full_step_s == pytest.approx(1.6 * timing.full_step_s)      # the reference follows the machine
+    assert c.delivered_speedup == pytest.approx(measured)                  # not 2 / 1.6
+    assert sel.target_speedup == pytest.approx(target * (2.0 / measured) ** 0.5)

@@ -10,10 +10,11 @@ corrected by the measured error, so the delivered speed-up, not only the predict
 
 Later selections reach other depths, where the timing model can be off by another amount, so the
 selector keeps closing the loop on the user's own training steps, at no extra cost (closed-loop
-control, :mod:`.elastic_feedback`): it learns the real step time of the selection in force, and at
-each re-selection corrects the planner's target by the ratio of the speed-up those steps delivered
-(the real full step measured at attach over their median step time) to the requested one, damped and
-clamped. Step times reach it in one of two ways:
+control, :mod:`.elastic_feedback`): at each re-selection it corrects the planner's target by the ratio
+of the speed-up the last selection's steps delivered (the real full step over their median) to the
+requested one, damped and clamped. The full step is measured at attach, and re-anchored whenever the
+calibrated selection runs (its speed-up is known): load drift is not read as model error. Step times
+reach it in one of two ways:
 
 * automatically: :meth:`ElasticSelector.maybe_reselect`, called once per step as below, records the wall
   time between consecutive calls (consecutive step indices only; the interval after a re-selection
@@ -47,14 +48,15 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..errors import EdgetrainError, InputError
 from .elastic_feedback import Correction, correct_target, secant_target
-from .elastic_measure import batch_loss, batch_size, measure_speedup, slice_batch
+from .elastic_importance import tensor_importance
+from .elastic_measure import batch_size, measure_speedup, slice_batch
 from .elastic_select import SpeedupPlan, plan_for_speedup
 from .elastic_state import TrainingSnapshot
 from .elastic_timing import TensorTiming, measure_timing
@@ -129,40 +131,6 @@ class ElasticConfig:
             raise InputError(f"feedback_max_change must be > 0, got {self.feedback_max_change}")
 
 
-def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                      loss_fn: Callable[[Any, Any], torch.Tensor], names: Sequence[str]) -> list[float]:
-    """First-order loss decrease ``-sum(g * delta_w)`` of each named tensor over one probe step.
-
-    ``g`` is the gradient on ``batch`` and ``delta_w`` the update the optimizer makes from it (all named
-    tensors trainable for the probe). A positive value means the update lowers the loss. Everything
-    the probe touches (parameters, gradients, flags, buffers, optimizer state, RNG) is restored
-    bit-exactly afterwards.
-
-    Args:
-        model: the model.
-        optimizer: its optimizer (the probe takes one real step with it).
-        batch: the probe batch ``(inputs, target)``.
-        loss_fn: ``loss_fn(output, target) -> scalar``.
-        names: parameter names (as in ``model.named_parameters()``) to score.
-
-    Returns:
-        One importance per name (0 for tensors the loss does not reach).
-    """
-    by_name = dict(model.named_parameters())
-    tensors = [by_name[n] for n in names]
-    with TrainingSnapshot(model, optimizer):
-        for p in model.parameters():
-            p.grad = None
-        for p in tensors:
-            p.requires_grad_(True)
-        batch_loss(model, batch, loss_fn).backward()
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in tensors]
-        before = [p.detach().clone() for p in tensors]
-        optimizer.step()
-        return [0.0 if g is None else -float((g.double() * (p.detach().double() - b.double())).sum())
-                for p, g, b in zip(tensors, grads, before)]
-
-
 class ElasticSelector:
     """Runtime tensor selection for a requested speed-up (ElasticTrainer, MobiSys'23, in PyTorch).
 
@@ -200,6 +168,7 @@ class ElasticSelector:
         self._tensors: list[nn.Parameter] = []
         self._last_step = 0
         self.measured_speedup: float | None = None
+        self._calibrated: tuple[int, ...] | None = None   # the selection calibration measured
         self.target_speedup = self.config.speedup
         self.full_step_s = 0.0
         self.delivered_speedup: float | None = None
@@ -297,6 +266,7 @@ class ElasticSelector:
             logger.info("elastic calibration keeps round %d's selection (measured %.2fx)",
                         [t[2] for t in rounds].index(plan) + 1, measured)
         self.target_speedup, self.plan, self.measured_speedup = target, plan, measured
+        self._calibrated = plan.selection.indices
         self.apply()
         if math.isfinite(cfg.speedup) and measured < cfg.speedup * (1.0 - 0.15):
             msg = (f"elastic selection reaches a measured {measured:.2f}x step-time speed-up, below the "
@@ -374,6 +344,14 @@ class ElasticSelector:
                 or math.isinf(self.target_speedup) or not self.full_step_s > 0.0):
             return
         want = min(cfg.speedup, plan.reachable_speedup)
+        ok = [t for t in times if math.isfinite(t) and t > 0.0]
+        if plan.selection.indices == self._calibrated and self.measured_speedup and len(ok) >= cfg.feedback_min_steps:
+            # the calibrated selection's speed-up is known from back-to-back steps: its training steps
+            # re-anchor the full step to the machine's speed now (the load may have changed since attach)
+            logger.info("elastic feedback: full step reference %.4g s -> %.4g s (the calibrated selection's "
+                        "steps x its measured %.2fx)", self.full_step_s, statistics.median(ok) *
+                        self.measured_speedup, self.measured_speedup)
+            self.full_step_s = statistics.median(ok) * self.measured_speedup
         c = correct_target(self.target_speedup, want, self.full_step_s, times, gain=cfg.feedback_gain,
                            max_change=cfg.feedback_max_change, min_steps=cfg.feedback_min_steps,
                            max_target=plan.reachable_speedup, step=step_idx)
