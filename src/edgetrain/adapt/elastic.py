@@ -345,7 +345,8 @@ class ElasticSelector:
             return
         want = min(cfg.speedup, plan.reachable_speedup)
         ok = [t for t in times if math.isfinite(t) and t > 0.0]
-        if plan.selection.indices == self._calibrated and self.measured_speedup and len(ok) >= cfg.feedback_min_steps:
+        if (plan.selection.indices == self._calibrated and self.measured_speedup
+                and len(ok) >= cfg.feedback_min_steps):
             # the calibrated selection's speed-up is known from back-to-back steps: its training steps
             # re-anchor the full step to the machine's speed now (the load may have changed since attach)
             logger.info("elastic feedback: full step reference %.4g s -> %.4g s (the calibrated selection's "
