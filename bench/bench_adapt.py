@@ -221,7 +221,7 @@ def frag_worker(spec_json: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import edgetrain
-    from edgetrain import memory
+    from edgetrain.profile import memory
     from edgetrain.measure import Job, build_model_and_batch
 
     d = json.loads(spec_json)

@@ -48,8 +48,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from edgetrain.adapt.elastic import ElasticConfig, ElasticSelector  # noqa: E402
-from edgetrain.adapt.elastic_measure import batch_loss  # noqa: E402
+from edgetrain.approx.elastic.selector import ElasticConfig, ElasticSelector  # noqa: E402
+from edgetrain.approx.elastic.measure import batch_loss  # noqa: E402
 import elastic_curve  # noqa: E402  (bench/ is on the path)
 from elastic_task import FT_EPOCHS, cnn_task, make_opt, make_opt_all  # noqa: E402
 

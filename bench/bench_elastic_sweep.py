@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_elastic as B  # noqa: E402
-from edgetrain.adapt.elastic import ElasticConfig  # noqa: E402
+from edgetrain.approx.elastic.selector import ElasticConfig  # noqa: E402
 from elastic_task import FT_EPOCHS, cnn_task, make_opt, make_opt_all  # noqa: E402
 
 

@@ -37,10 +37,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from edgetrain.adapt import GradFilter, apply_grad_filter, plan_grad_filter, remove_grad_filter  # noqa: E402
+from edgetrain.approx import GradFilter, apply_grad_filter, plan_grad_filter, remove_grad_filter  # noqa: E402
 from edgetrain.errors import BudgetError  # noqa: E402
-from edgetrain.adapt._gradfilter_auto import median_backward  # noqa: E402  (the planner's timer)
-from edgetrain.adapt._gradfilter_trace import trace_model  # noqa: E402  (whole-step FLOPs)
+from edgetrain.approx.gradfilter.auto import median_backward  # noqa: E402  (the planner's timer)
+from edgetrain.approx.gradfilter.trace import trace_model  # noqa: E402  (whole-step FLOPs)
 from edgetrain.units import format_bytes  # noqa: E402
 
 

@@ -29,7 +29,7 @@ STEPS = 3
 
 def _peak_above_baseline() -> int:
     import edgetrain
-    return edgetrain.memory.process_peak_rss_bytes() - edgetrain.memory.baseline_rss_bytes()
+    return edgetrain.profile.memory.process_peak_rss_bytes() - edgetrain.profile.memory.baseline_rss_bytes()
 
 
 def _setup(name: str, batch: int) -> tuple[Any, Any, Any, Any, Any]:
@@ -47,7 +47,7 @@ def _setup(name: str, batch: int) -> tuple[Any, Any, Any, Any, Any]:
     model = case.build()
     x, y = case.example(batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    edgetrain.memory.record_baseline()  # the model, batch and optimizer are in the budget, not the zero point
+    edgetrain.profile.memory.record_baseline()  # the model, batch and optimizer are in the budget, not the zero point
     return case, model, x, y, opt
 
 

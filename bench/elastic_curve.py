@@ -32,8 +32,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from edgetrain.adapt.elastic import ElasticConfig
-from edgetrain.adapt.elastic_measure import batch_loss
+from edgetrain.approx.elastic.selector import ElasticConfig
+from edgetrain.approx.elastic.measure import batch_loss
 
 SIZE, BS, TRAIN_N, EPOCHS = 24, 64, 1216, 3
 REQUESTS = (1.5, 2.0)

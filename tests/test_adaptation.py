@@ -124,7 +124,7 @@ def test_infeasible_budget_change_leaves_model_and_optimizer_untouched():
 
 
 def test_system_budget_source_reads_this_machine():
-    from edgetrain.budget_sources import available_bytes, system_budget_source
+    from edgetrain.adaptation.sources import available_bytes, system_budget_source
 
     src = system_budget_source(reserve_bytes=0, cap_bytes=10 << 30)
     first = src()
@@ -140,7 +140,7 @@ def test_refused_budget_change_under_a_budget_names_one_that_works():
     model = mobilenet_v2(num_classes=10, width_mult=0.25)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
-    from edgetrain import memory
+    from edgetrain.profile import memory
 
     budget = memory.rss_bytes() - memory.baseline_rss_bytes() + 300 * 2**20  # earlier tests' leftovers count
     step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget=budget)
@@ -159,7 +159,7 @@ def test_refused_budget_change_under_a_budget_names_one_that_works():
 def test_a_new_budget_holds_back_the_margin_prepare_did():
     """The safety margin of a new budget is prepare's share of it, with the same floor, and it is the margin
     the step then works with (the tensor pool's cap included)."""
-    from edgetrain._planning import MIN_MARGIN_BYTES
+    from edgetrain.planning.planner import MIN_MARGIN_BYTES
 
     model = mlp(d=64, n_blocks=6)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

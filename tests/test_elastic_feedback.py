@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from _models import mlp
-from edgetrain.adapt.elastic import ElasticConfig, ElasticSelector
-from edgetrain.adapt.elastic_feedback import correct_target, secant_target
+from edgetrain.approx.elastic.selector import ElasticConfig, ElasticSelector
+from edgetrain.approx.elastic.feedback import correct_target, secant_target
 from edgetrain.errors import InputError
 from test_elastic import FAST, synthetic_timing
 
@@ -53,7 +53,7 @@ def test_secant_target_steps_through_the_last_two_rounds():
 
 
 def test_calibration_steps_by_secant_and_keeps_the_round_closest_to_the_request(monkeypatch):
-    import edgetrain.adapt.elastic as el
+    import edgetrain.approx.elastic.selector as el
     seen = []
 
     def steep(model_, opt_, batch_, loss_fn, params, chosen, pairs):
@@ -85,7 +85,7 @@ def test_calibration_steps_by_secant_and_keeps_the_round_closest_to_the_request(
 # ------------------------------------------------------------------------------------- the selector
 def _selector(monkeypatch, speedup=2.0, warn="error", **cfg):
     """An attached selector on an injected timing model with fixed importance (no measurement)."""
-    import edgetrain.adapt.elastic as el
+    import edgetrain.approx.elastic.selector as el
     model = mlp(d_in=16, d=32, n_blocks=8, classes=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     timing = synthetic_timing(model)
@@ -112,7 +112,7 @@ def test_feedback_converges_to_the_requested_speedup(monkeypatch, caplog, slowdo
     first = sel.plan.selection.indices
     delivered = [timing.full_step_s / real(sel)]
     assert abs(delivered[0] / 2.0 - 1.0) > 0.1          # the timing model alone misses by over 10%
-    with caplog.at_level(logging.INFO, logger="edgetrain.adapt.elastic"):
+    with caplog.at_level(logging.INFO, logger="edgetrain.approx.elastic.selector"):
         for step in range(1, 121):
             if sel.maybe_reselect(step, batch):
                 delivered.append(timing.full_step_s / real(sel))
@@ -195,7 +195,7 @@ def test_prepare_trainstep_reports_its_step_times():
 def test_calibrated_selection_reanchors_the_full_step_to_load_drift(monkeypatch):
     # calibration measures the selection exactly on target; then the whole machine runs 1.6x slower
     # (full steps too): that is drift, not model error, and must not move the planner's target
-    import edgetrain.adapt.elastic as el
+    import edgetrain.approx.elastic.selector as el
     model = mlp(d_in=16, d=32, n_blocks=8, classes=5)
     timing = synthetic_timing(model)
     monkeypatch.setattr(el, "measure_timing", lambda *a, **k: timing)

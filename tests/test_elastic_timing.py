@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import edgetrain.adapt.elastic_timing as et
-from edgetrain.adapt.elastic_measure import ModelRuns
+import edgetrain.approx.elastic.timing as et
+from edgetrain.approx.elastic.measure import ModelRuns
 
 
 def bn_cnn(chs=(4, 4, 6, 6, 8, 8, 12, 12), classes=5) -> nn.Module:

@@ -5,7 +5,7 @@ import sys
 
 
 def test_import_edgetrain_does_not_import_flwr():
-    code = ("import sys, edgetrain, edgetrain.cli\n"
+    code = ("import sys, edgetrain, edgetrain.cli.main\n"
             "bad = sorted(m for m in sys.modules if m == 'flwr' or m.startswith(('flwr.', 'ray')))\n"
             "print('LOADED', bad)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

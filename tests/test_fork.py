@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import edgetrain
-from edgetrain import _fork, memory
+from edgetrain.profile import fork as _fork, memory
 from edgetrain.errors import BudgetError
 from _models import mlp
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-import edgetrain.adapt._gradfilter_dense as dense
-import edgetrain.adapt._gradfilter_impl as impl
-from edgetrain.adapt import (
+import edgetrain.approx.gradfilter._dense as dense
+import edgetrain.approx.gradfilter._impl as impl
+from edgetrain.approx import (
     FilteredConv2d, GradFilter, apply_grad_filter, auto_grad_filter, estimate_costs, filtered_conv2d,
     remove_grad_filter,
 )
@@ -212,7 +212,7 @@ def test_tap_matrix_orders_are_the_same_matrix():
 
 def test_flop_estimate_counts_kernel_taps_when_fewer_than_coarse_taps():
     """A 1x1 stride-2 conv reads 2 x 2 coarse inputs per coarse output, but all with the same weight."""
-    from edgetrain.adapt._gradfilter_trace import conv2d_backward_flops
+    from edgetrain.approx.gradfilter.trace import conv2d_backward_flops
     args = ((8, 256, 16, 16), (512, 256, 1, 1), (8, 512, 8, 8), (2, 2), (0, 0), (1, 1))
     exact, r2 = conv2d_backward_flops(*args, None), conv2d_backward_flops(*args, 2)
     assert 3.5 < exact / r2 < 4  # r^2 fewer products, plus the gathering and pooling adds
@@ -399,7 +399,7 @@ def test_auto_mode_picks_the_smallest_suffix_that_meets_the_target():
     assert config.freeze_earlier is False and config.radius in (2, 4)
 
     def speedup(n, r):
-        from edgetrain.adapt._gradfilter_trace import layer_costs, trace_model
+        from edgetrain.approx.gradfilter.trace import layer_costs, trace_model
         trace = trace_model(model, x, record_saved=True)
         convs = [m for m in trace.order if isinstance(model.get_submodule(m), nn.Conv2d)]
         costs = layer_costs(trace, convs[-n:], r)

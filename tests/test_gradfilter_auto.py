@@ -1,4 +1,4 @@
-"""Automatic gradient filtering with measured backward times (edgetrain.adapt.plan_grad_filter)."""
+"""Automatic gradient filtering with measured backward times (edgetrain.approx.plan_grad_filter)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.adapt import (
+from edgetrain.approx import (
     FilterTimings, GradFilter, apply_grad_filter, measure_filter_timings, plan_grad_filter,
 )
 from edgetrain.errors import BudgetError
@@ -94,7 +94,7 @@ def test_measured_plan_runs_end_to_end_on_a_channels_last_model():
 
 
 def test_verification_corrects_over_stated_savings_and_warns_when_still_short(monkeypatch):
-    import edgetrain.adapt._gradfilter_auto as auto
+    import edgetrain.approx.gradfilter.auto as auto
 
     model, x = _cnn(), torch.randn(4, 3, 16, 16)
     exact = {"0": 4.0, "3": 3.0, "6": 1.0, "9": 2.0}

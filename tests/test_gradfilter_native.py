@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgetrain.adapt import _gradfilter_impl as impl
-from edgetrain.adapt import _gradfilter_native as native
-from edgetrain.adapt._gradfilter_impl import filtered_conv2d
+from edgetrain.approx.gradfilter import _impl as impl
+from edgetrain.approx.gradfilter import _native as native
+from edgetrain.approx.gradfilter._impl import filtered_conv2d
 
 from test_gradfilter import CONFIGS, _reference
 

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import edgetrain
-from edgetrain._rewrite import keeps_input, rewrite
+from edgetrain.capture.rewrite import keeps_input, rewrite
 from edgetrain.capture import capture
 from edgetrain.planners import solve
-from edgetrain.runtime.lean import lean_conv2d, lean_hardtanh
+from edgetrain.capture.lean import lean_conv2d, lean_hardtanh
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-6) -> None:
@@ -70,7 +70,7 @@ def test_chunk_setting_is_validated(monkeypatch):
 
 
 def test_profiles_cached_under_one_slice_limit_are_not_reused_under_another(monkeypatch):
-    from edgetrain.profile import _cache_key
+    from edgetrain.profile.stages import _cache_key
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     x = torch.randn(2, 3, 8, 8)

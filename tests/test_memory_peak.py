@@ -1,4 +1,4 @@
-"""edgetrain.memory.process_peak_rss_bytes: the lifetime peak survives edgetrain's resets of VmHWM."""
+"""edgetrain.profile.memory.process_peak_rss_bytes: the lifetime peak survives edgetrain's resets of VmHWM."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from edgetrain import memory
+from edgetrain.profile import memory
 
 CHILD = """
 import numpy as np

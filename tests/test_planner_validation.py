@@ -1,6 +1,6 @@
 """The validation loop of prepare(): correct the cost model by a measured run, and use the room it frees."""
 
-from edgetrain._planning import Measured, Planner
+from edgetrain.planning.planner import Measured, Planner
 from edgetrain.errors import BudgetError
 from edgetrain.graph import CostChain, Linear, StageCost, simulate
 
@@ -126,7 +126,7 @@ def test_the_plan_taken_is_always_one_that_ran_inside_the_budget():
 def test_a_plan_is_run_again_when_the_process_grew_since_its_validation():
     """Planning after a plan's run (other candidates, caches) can leave the process larger; the step starts
     from there, so the plan is measured again and, when it no longer fits, planned anew."""
-    from edgetrain import memory
+    from edgetrain.profile import memory
 
     now = memory.rss_bytes() - memory.baseline_rss_bytes()
     inner, runs = exact_runner(HELD)
@@ -151,7 +151,7 @@ def test_a_plan_is_run_again_when_the_process_grew_since_its_validation():
 
 
 def test_a_plan_run_from_the_current_state_is_not_run_again():
-    from edgetrain import memory
+    from edgetrain.profile import memory
 
     inner, runs = exact_runner(HELD)
 

@@ -415,7 +415,7 @@ def test_plan_table_exact_on_small_chains() -> None:
 
 def test_elastic_suffix_keeps_carried_tensors() -> None:
     """Planning the trained suffix: a carried tensor the frozen prefix made is resident from the start."""
-    from edgetrain.adapt.elastic_memory import elastic_chain
+    from edgetrain.approx.elastic.memory import elastic_chain
 
     def st(out: int, carried: tuple = ()) -> StageCost:
         return StageCost("s", Linear(0, 1.0), Linear(0, 1.0), Linear(0, 1), Linear(0, out),

@@ -16,8 +16,8 @@ from edgetrain.errors import BudgetError
 from edgetrain.graph import CostChain, Linear, StageCost, simulate
 from edgetrain.plan import Plan
 from edgetrain.planners.paging_model import pack_bytes, simulate_paged
-from edgetrain.planners.poet import solve_poet
-from edgetrain.planners.poet_dp import solve_poet_dp
+from edgetrain.planners.poet_milp import solve_poet
+from edgetrain.planners.poet import solve_poet_dp
 
 # A device whose storage is fast next to the synthetic chains' compute, so paging is often worth it.
 FAST = DeviceProfile(name="fast-test", compute_flops_per_s=1e10, active_power_w=5.0, memory_power_w=0.5,
@@ -287,7 +287,7 @@ def test_scipy_fallback_without_highspy(monkeypatch):
     keep = simulate_paged(chain, FAST, 4, ["keep"] * chain.n)
     budget = chain.fixed_bytes + keep.activation_peak_bytes // 3
     exact = solve_poet_dp(chain, budget, device=FAST)
-    import edgetrain.planners.poet as poet_mod
+    import edgetrain.planners.poet_milp as poet_mod
     calls = []
     real = poet_mod.milp
     monkeypatch.setattr(poet_mod, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -308,7 +308,7 @@ _WARM_START_CASES = [(20, 121, 4, "rpi4", 18_423_732), (20, 125, 2, "rpi4", 4_64
 @pytest.mark.parametrize("n,seed,batch,device,budget", _WARM_START_CASES)
 def test_milp_returns_the_vector_it_reports(n, seed, batch, device, budget):
     from edgetrain.planners.paging_model import paging_arrays
-    from edgetrain.planners.poet import solve_poet_milp_at
+    from edgetrain.planners.poet_milp import solve_poet_milp_at
 
     dev = FAST if device == "fast-test" else load_profile(device)
     chain = synth_chain(n, seed, batch=batch)
@@ -329,7 +329,7 @@ def test_milp_returns_the_vector_it_reports(n, seed, batch, device, budget):
 
 def test_milp_reported_objective_is_the_recosted_one_on_random_chains():
     from edgetrain.planners.paging_model import paging_arrays
-    from edgetrain.planners.poet import solve_poet_milp_at
+    from edgetrain.planners.poet_milp import solve_poet_milp_at
 
     rng = random.Random(17)
     rpi4 = load_profile("rpi4")

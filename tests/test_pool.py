@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain import memory
+from edgetrain.profile import memory
 from edgetrain.runtime import pool
 from tests._models import convnet
 

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import edgetrain
-from edgetrain.adapt import GradFilter
+from edgetrain.approx import GradFilter
 from _models import convnet, mlp
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgetrain import memory
-from edgetrain.cli import main
-from edgetrain.train_config import load_train_config
+from edgetrain.profile import memory
+from edgetrain.cli.main import main
+from edgetrain.cli.train_config import load_train_config
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import edgetrain
-from edgetrain import memory
+from edgetrain.profile import memory
 from edgetrain.report import measure_step
 from edgetrain.report._curves import planned_timeline
 from _models import convnet, mlp

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import memory  # noqa: F401  (records the budget baseline, tunes malloc)
+from .profile import memory  # noqa: F401  (records the budget baseline, tunes malloc)
 from .errors import BudgetError, CaptureError, ConfigError, EdgetrainError, InputError, ProfileError
 from .graph import CostChain, Linear, StageCost, simulate
 from .plan import Plan
@@ -16,9 +16,9 @@ __all__ = [
 ]
 
 from .api import TrainStep, prepare  # noqa: E402
-from .memory import measure_peak  # noqa: E402
+from .profile.memory import measure_peak  # noqa: E402
 from .offline import plan  # noqa: E402
-from .adapt import ElasticConfig, GradFilter  # noqa: E402
+from .approx import ElasticConfig, GradFilter  # noqa: E402
 from .verify import VerifyReport, verify  # noqa: E402
 
 from .trainer import Trainer, TrainerConfig  # noqa: E402

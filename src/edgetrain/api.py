@@ -11,19 +11,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import memory
-from ._analysis import Analysis, Outcome, block_solver_options
-from ._fork import analyse_safely
-from ._guards import describe_change, loss_norm_safely, model_key
-from ._loss import LossNorm
-from ._planning import Measured, budget_for, first_run_cost, safety_margin_bytes
+from .profile import memory
+from .planning.analysis import Analysis, Outcome, block_solver_options
+from .profile.fork import analyse_safely
+from .planning.guards import describe_change, loss_norm_safely, model_key
+from .planning.loss import LossNorm
+from .planning.planner import Measured, budget_for, first_run_cost, safety_margin_bytes
 from ._state import batchnorm_modules
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
-from .profile import optimizer_costs
+from .profile.stages import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import make_executor
@@ -298,7 +298,7 @@ class TrainStep:
         """
         if self.elastic is None or self.budget_bytes is None or self._pager is not None:
             return self._plan
-        from .adapt.elastic_memory import elastic_chain, first_trained_stage
+        from .approx.elastic.memory import elastic_chain, first_trained_stage
         from .planners import solve
 
         if self._full_plan is None:
@@ -432,11 +432,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         objective: with paging or a time budget, minimise ``"time"`` or ``"energy"``.
         time_budget: at most this multiple of the fastest step's time (e.g. 1.3); uses the POET planner.
         speedup: opt-in, approximate: train only the parameter tensors that matter most so a step is this
-            many times faster (ElasticTrainer); a float or an ``edgetrain.adapt.ElasticConfig``. Re-selects
+            many times faster (ElasticTrainer); a float or an ``edgetrain.approx.ElasticConfig``. Re-selects
             every ``interval_steps``; after each selection the memory plan is remade for the trained suffix
             of the chain (the frozen prefix runs forward only and saves nothing). The steps' own times
             correct the selector's target at each re-selection (closed-loop speed-up control).
-        grad_filter: opt-in, approximate: an ``edgetrain.adapt.GradFilter`` (gradient filtering on the
+        grad_filter: opt-in, approximate: an ``edgetrain.approx.GradFilter`` (gradient filtering on the
             last convolutions, earlier layers frozen); applied before profiling, so the plan sees the
             smaller saved activations and backward times.
         plan: reuse a plan an earlier ``prepare`` made for this model, example shape, budget and options
@@ -456,7 +456,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     inputs, targets = _split_example(example)
     batch = batch_size_of(inputs, targets)
     if grad_filter is not None:
-        from .adapt import apply_grad_filter
+        from .approx import apply_grad_filter
 
         probe = slice_batch(inputs, 0, min(batch, 2)) if isinstance(inputs, torch.Tensor) else None
         report = apply_grad_filter(model, grad_filter, example_input=probe)
@@ -539,7 +539,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         step._opt_state_bytes = opt_costs.state_bytes
     step.page_dir = page_dir
     if speedup is not None:
-        from .adapt.elastic import ElasticConfig, ElasticSelector
+        from .approx.elastic.selector import ElasticConfig, ElasticSelector
 
         cfg = speedup if isinstance(speedup, ElasticConfig) else ElasticConfig(speedup=float(speedup))
         probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))

@@ -187,7 +187,7 @@ def _worker(job: Job) -> JobResult:
     import torch
 
     import edgetrain
-    from edgetrain import memory
+    from edgetrain.profile import memory
     from edgetrain.errors import BudgetError
 
     if job.threads:

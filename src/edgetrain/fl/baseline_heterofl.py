@@ -21,7 +21,7 @@ from torch import nn
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .. import memory
+from ..profile import memory
 from ..units import parse_bytes
 from .client import BUDGET_ERROR_CODE, ClientData, _message_scope, _server_round, _settings
 from .payload import TRAINED_KEY

@@ -33,7 +33,7 @@ from torch import nn
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .. import memory
+from ..profile import memory
 from ..api import prepare
 from ..errors import BudgetError
 from ..runtime import pool

@@ -68,7 +68,7 @@ class ClientSettings:
         """The ``edgetrain.GradFilter`` these settings ask for, or None."""
         if self.grad_filter_radius <= 0:
             return None
-        from ..adapt import GradFilter
+        from ..approx import GradFilter
 
         return GradFilter(radius=self.grad_filter_radius, last_n=self.grad_filter_last_n)
 

@@ -7,7 +7,7 @@ are modules (``pool``, ``flatten``) rather than calls inside ``forward``, so ``f
 ``classifier(flatten(pool(features(x))))``: the model's children applied in order, and a capture that
 walks the module tree sees every operation. Activations are in-place as in torchvision
 (``ReLU6(inplace=True)``), so plain PyTorch gets the memory that saves; edgetrain's capture runs them out
-of place inside its stages (``edgetrain._rewrite``), free to keep any stage boundary.
+of place inside its stages (``edgetrain.capture.rewrite``), free to keep any stage boundary.
 """
 
 from __future__ import annotations

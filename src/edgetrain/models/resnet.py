@@ -7,7 +7,7 @@ The architecture, the parameter names in ``state_dict`` and the initialisation f
   (``conv1, bn1, relu, maxpool, layer1..layer4, avgpool, flatten, fc``) and a capture that walks the
   module tree sees every operation.
 * None in the arithmetic: ReLUs and the residual addition are in-place as in torchvision; edgetrain's
-  capture runs them out of place in its stages (``edgetrain._rewrite``).
+  capture runs them out of place in its stages (``edgetrain.capture.rewrite``).
 * ``small_input=True`` replaces the 7x7 stride-2 stem and the max-pool with a 3x3 stride-1 convolution
   (``maxpool`` becomes ``nn.Identity``), the usual choice for 28-64 pixel inputs such as MNIST/CIFAR.
 """

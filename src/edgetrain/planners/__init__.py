@@ -14,9 +14,9 @@ from ..graph import CostChain
 from ..plan import Plan
 from .baselines import solve_checkpoint_sequential, solve_chen_sqrt, solve_no_saving, solve_recompute_all
 from .dp import min_feasible_bytes, solve_dp
-from .poet import solve_poet
-from .poet_dp import solve_poet_dp
-from .table import PlanTable
+from .poet_milp import solve_poet
+from .poet import solve_poet_dp
+from ..adaptation.table import PlanTable
 
 __all__ = [
     "PLANNERS", "solve", "solve_dp", "min_feasible_bytes", "solve_no_saving", "solve_recompute_all",

@@ -24,7 +24,7 @@ from ..units import format_bytes
 from ._curves import budget_curves, energy_curves, planned_timeline
 from ._figures import curves_figure, png_bytes, pyplot, timeline_figure
 from ._html import figure, page, table
-from ._measure import MeasuredStep, measure_step
+from .measure import MeasuredStep, measure_step
 
 __all__ = ["write_report", "MeasuredStep", "measure_step"]
 

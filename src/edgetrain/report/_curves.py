@@ -86,7 +86,7 @@ def planned_timeline(costs: CostChain, plan: Plan) -> tuple[list[float], list[in
 
 
 def _grid(costs: CostChain, n_points: int) -> list[int]:
-    from ..planners.table import budget_grid
+    from ..adaptation.table import budget_grid
 
     grid = budget_grid(costs, n_points=n_points)
     hi = grid[-1]

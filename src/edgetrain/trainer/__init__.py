@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._data import shuffle_seed
+from .data import shuffle_seed
 from .callbacks import Callback, CallbackProtocol, CSVLogger, TensorBoardLogger
 from .config import TrainerConfig
 from .trainer import Trainer

@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..plan import Plan
 from ._checkpoints import CheckpointDir, TrainerState
-from ._data import as_pair, epoch_batches, num_batches
+from .data import as_pair, epoch_batches, num_batches
 from ._rng import capture_rng, restore_rng
 from .callbacks import CSVLogger, TensorBoardLogger, progress_bar, progress_enabled
 from .config import TrainerConfig

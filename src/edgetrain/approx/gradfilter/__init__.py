@@ -1,0 +1,1 @@
+"""edgetrain.approx.gradfilter."""

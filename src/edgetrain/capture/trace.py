@@ -1,0 +1,500 @@
+"""Cut a model into a chain of stages with one new tensor crossing each cut.
+
+torch.fx traces the model; a submodule whose forward cannot be traced (data-dependent control flow) is
+retried as an opaque leaf, innermost first. Graph passes (:mod:`edgetrain.capture.rewrite`) then make in-place
+ops out-of-place and some ops leaner, with the same values. Cuts go at every point of the graph where
+exactly one tensor made since the previous cut (besides the model's own inputs and non-tensor values such
+as sizes) is used after; tensors made before it may cross too, so a residual block is cut inside with its
+skip input *carried* across (``carry_cuts=False`` keeps skip connections inside a stage). Adjacent cut
+points are merged until at most ``max_stages`` stages remain, balancing the activation bytes per stage.
+A model that fx cannot trace at all is cut along its module tree (:mod:`edgetrain.capture.modules`: the
+blocks of a ``ModuleList`` / ``Sequential`` its forward calls once each), and one without such blocks
+becomes a single stage (micro-batching still applies), unless ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import fx, nn
+
+from .._state import preserved_model_state, rng_state, set_rng_state
+from ..errors import CaptureError
+from .rewrite import MODULE_META, keeps_input, rewrite
+
+__all__ = ["Stage", "Chain", "capture", "bind_inputs", "managed_buffer"]
+
+log = logging.getLogger(__name__)
+OUTPUT_KEY = "__output__"
+_BN = nn.modules.batchnorm._BatchNorm
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def managed_buffer(model: nn.Module, qualname: str) -> bool:
+    """Whether a buffer changed in forward is a BatchNorm running statistic, which edgetrain keeps exact
+    under recomputation and micro-batching (:mod:`edgetrain.runtime.batchnorm`). Every BatchNorm layer,
+    subclasses with a forward of their own included, runs as a module call (see :class:`_RetryTracer`),
+    so those mechanisms see each of its calls."""
+    owner, _, leaf = qualname.rpartition(".")
+    try:
+        mod = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return isinstance(mod, _BN) and mod.track_running_stats and leaf in _BN_BUFFERS
+
+
+def _mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str, ...], Any]:
+    """Names of the buffers whose version counter ``run()`` advanced (an in-place write), and its result."""
+    bufs = list(model.named_buffers())
+    before = [b._version for _, b in bufs]
+    out = run()
+    return tuple(n for (n, b), v in zip(bufs, before) if b._version != v), out
+
+
+@dataclass
+class Stage:
+    """One stage of the chain: a callable over named values of the running environment.
+
+    Attributes:
+        index: position in the chain.
+        name: readable name (first and last module it covers).
+        fn: callable taking ``inputs`` positionally and returning a tuple of ``outputs``.
+        inputs: names of the values it reads.
+        outputs: names of the values it produces that later stages (or the loss) read.
+        modules: the submodules whose code runs inside the stage.
+        mutates: qualified names of the model buffers its forward changes in place (BatchNorm running
+            statistics, counters, power-iteration vectors), as seen on the example batch.
+    """
+
+    index: int
+    name: str
+    fn: Callable[..., tuple[Any, ...]]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    modules: tuple[nn.Module, ...] = ()
+    mutates: tuple[str, ...] = ()
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return self.fn(*args)
+
+
+@dataclass
+class Chain:
+    """A model as a chain of stages (the result of :func:`capture`)."""
+
+    stages: list[Stage]
+    input_names: tuple[str, ...]
+    method: str
+    leaf_modules: tuple[str, ...] = ()
+    last_use: dict[str, int] = field(default_factory=dict)
+    model: nn.Module | None = None
+    call_kwargs: dict[str, Any] = field(default_factory=dict)  # "modules" chains: extra keyword inputs
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @property
+    def unmanaged_mutations(self) -> tuple[str, ...]:
+        """Buffers changed in forward that edgetrain's BatchNorm mechanisms do not own (see
+        :func:`managed_buffer`): once per forward, so micro-batching would change them once per micro-batch."""
+        if self.model is None:
+            return ()
+        return tuple(n for st in self.stages for n in st.mutates if not managed_buffer(self.model, n))
+
+    def run(self, env: dict[str, Any]) -> Any:
+        """Run every stage plainly on an environment of model inputs and return the model output."""
+        for st in self.stages:
+            outs = st(*(env[k] for k in st.inputs))
+            env.update(zip(st.outputs, outs))
+            self.release(env, st.index)
+        return env[OUTPUT_KEY]
+
+    def release(self, env: dict[str, Any], stage_index: int) -> None:
+        """Drop values no stage after ``stage_index`` reads (so memory follows the plan)."""
+        for k in [k for k in env if k != OUTPUT_KEY and self.last_use.get(k, -1) <= stage_index]:
+            del env[k]
+
+
+def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
+    """Name the model inputs the way ``model.forward``'s signature does (tensor, tuple or dict)."""
+    sig = inspect.signature(model.forward)
+    try:
+        if isinstance(inputs, Mapping):
+            bound = sig.bind(**inputs)
+        elif isinstance(inputs, (tuple, list)):
+            bound = sig.bind(*inputs)
+        else:
+            bound = sig.bind(inputs)
+    except TypeError as e:
+        raise CaptureError(f"the inputs do not match {type(model).__name__}.forward{sig}: {e}. "
+                           "Pass a tensor, a tuple of positional inputs, or a dict of keyword inputs.") from e
+    bound.apply_defaults()
+    env: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            env.update(value)  # forward(x, **kwargs): the extra keywords are inputs of their own
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise CaptureError(f"{type(model).__name__}.forward{sig} takes *{name}; edgetrain passes inputs "
+                                   "by name: give the extra inputs as a dict of keyword inputs")
+        else:
+            env[name] = value
+    return env
+
+
+class _RetryTracer(fx.Tracer):
+    """fx tracer that remembers the innermost module whose forward failed to trace."""
+
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        # Buffers are graph values, not constants of the trace: an in-place write to one (a counter
+        # ``self.calls.add_(1)``) is then a node of the graph instead of a side effect of tracing.
+        self.proxy_buffer_attributes = True
+        self.leaves = leaves
+        self.failed_at: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        # A BatchNorm subclass with a forward of its own (timm's BatchNormAct2d: F.batch_norm on its buffers,
+        # then an activation) stays a module call, so that the hooks keeping running statistics exact see it.
+        return qualname in self.leaves or isinstance(m, _BN) or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                try:
+                    self.failed_at = self.path_of_module(m)
+                except Exception:  # module not registered under the root
+                    self.failed_at = ""
+            raise
+
+
+# Attributes a GraphModule sets on itself: a submodule of the model with one of these names would clash.
+_RESERVED = frozenset({"meta", "graph", "code", "_graph", "_code", "forward"})
+
+
+def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(model, graph)``, with top-level children whose names clash with a GraphModule's own
+    attributes (a submodule called ``meta``) reached under another name (the same module objects)."""
+    clash = {str(n.target).split(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")} & _RESERVED
+    if not clash:
+        return fx.GraphModule(model, graph, type(model).__name__)
+    root = nn.Module()
+    root.training = model.training
+    for name, child in model.named_children():
+        root.add_module(f"_et_{name}" if name in clash else name, child)
+    for name, p in model.named_parameters(recurse=False):
+        root.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        root.register_buffer(name, b)
+    for name, v in vars(model).items():  # tensor constants fx stored on the model
+        if isinstance(v, torch.Tensor) and not hasattr(root, name):
+            setattr(root, name, v)
+    for n in graph.nodes:
+        if n.op in ("call_module", "get_attr"):
+            head, dot, rest = str(n.target).partition(".")
+            if head in clash:
+                n.target = f"_et_{head}{dot}{rest}"
+    return fx.GraphModule(root, graph, type(model).__name__)
+
+
+def _trace(model: nn.Module, concrete: dict[str, Any], max_retries: int = 64) -> tuple[fx.GraphModule, set[str]]:
+    leaves: set[str] = set()
+    last_err: Exception | None = None
+    for _ in range(max_retries):
+        tracer = _RetryTracer(leaves)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+            return _graph_module(model, graph), leaves
+        except Exception as e:  # any tracing failure: retry with the failing module as a leaf
+            last_err = e
+            if not tracer.failed_at or tracer.failed_at in leaves:
+                break
+            log.debug("fx could not trace %s (%s); treating it as a leaf", tracer.failed_at, e)
+            leaves.add(tracer.failed_at)
+    raise CaptureError(f"torch.fx cannot trace {type(model).__name__}.forward: {last_err}")
+
+
+def _node_values(gm: fx.GraphModule, env: dict[str, Any]) -> dict[fx.Node, Any]:
+    """Run the traced graph once, returning every node's value (for shapes and tensor-ness)."""
+    values: dict[fx.Node, Any] = {}
+
+    class _Rec(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n.op == "placeholder":
+                v = env[n.target] if n.target in env else (n.args[0] if n.args else None)
+            else:
+                v = super().run_node(n)
+            values[n] = v
+            return v
+
+    _Rec(gm).run(*[env.get(n.target) for n in gm.graph.nodes if n.op == "placeholder"])
+    return values
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (tuple, list)):
+        return sum(_nbytes(x) for x in v)
+    if isinstance(v, dict):
+        return sum(_nbytes(x) for x in v.values())
+    return 0
+
+
+def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
+                keeps_input: Callable[[fx.Node], bool] = lambda n: True, carry: bool = True) -> list[int]:
+    """Indices p where exactly one non-input tensor made since the previous cut is used after p.
+
+    With ``carry``, tensors made before the previous cut may cross too (a residual block's skip input:
+    the block is then cut inside, its skip carried across); without, nothing else may cross.
+    No cut goes after a view (its bytes are its source's), nor where every later reader of the new tensor
+    frees it (``keeps_input`` false for all of them, e.g. a ReLU, whose backward reads its output): uncut,
+    the tensor dies right after its reader; cut, a recomputed segment would keep it as its input.
+    """
+    index = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
+    cuts: list[int] = []
+    live: set[fx.Node] = set()
+    for p, n in enumerate(nodes):
+        if n.op == "output":
+            break
+        if n.op not in ("placeholder", "get_attr") and isinstance(values.get(n), torch.Tensor):
+            live.add(n)
+        live = {x for x in live if last_use[x] > p}
+        nxt = nodes[p + 1] if p + 1 < len(nodes) else None
+        if nxt is None or nxt.op == "output":
+            continue
+        since = cuts[-1] if cuts else -1
+        fresh = [x for x in live if index[x] > since]
+        if len(fresh) == 1 and (carry or len(live) == 1) and not _is_view(fresh[0], values) and any(
+                keeps_input(u) for u in fresh[0].users if index[u] > p):
+            cuts.append(p)
+    return cuts
+
+
+def _is_view(n: fx.Node, values: dict[fx.Node, Any]) -> bool:
+    """Whether ``n``'s value shares storage with a tensor it was made from (a reshape, permute, slice):
+    cut there, the same bytes would cross twice."""
+    v = values.get(n)
+    if not isinstance(v, torch.Tensor):
+        return False
+    ptr = v.untyped_storage().data_ptr()
+    return any(isinstance(values.get(a), torch.Tensor) and values[a].untyped_storage().data_ptr() == ptr
+               for a in n.all_input_nodes)
+
+
+def _coarsen(cuts: list[int], nodes: list[fx.Node], values: dict[fx.Node, Any], max_stages: int) -> list[int]:
+    if len(cuts) + 1 <= max_stages:
+        return cuts
+    weight = [_nbytes(values.get(n)) if n.op not in ("placeholder", "get_attr", "output") else 0 for n in nodes]
+    prefix = [0]
+    for w in weight:
+        prefix.append(prefix[-1] + w)
+    total = prefix[-1] or 1
+    target = total / max_stages
+    chosen: list[int] = []
+    last = 0
+    for p in cuts:
+        if prefix[p + 1] - last >= target and len(chosen) < max_stages - 1:
+            chosen.append(p)
+            last = prefix[p + 1]
+    return chosen
+
+
+def _module_name(n: fx.Node) -> str | None:
+    """The qualified name of the module ``n`` runs: its target, or the one a graph rewrite recorded."""
+    return str(n.target) if n.op == "call_module" else n.meta.get(MODULE_META)
+
+
+def _stage_name(nodes: Sequence[fx.Node]) -> str:
+    mods = [m for m in map(_module_name, nodes) if m is not None]
+    if not mods:
+        ops = [getattr(n.target, "__name__", str(n.target)) for n in nodes if n.op in ("call_function", "call_method")]
+        return "+".join(ops[:2]) or "stage"
+    return mods[0] if len(mods) == 1 else f"{mods[0]}..{mods[-1]}"
+
+
+def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int],
+                  input_names: Sequence[str] = ()) -> tuple[list[Stage], dict[str, int]]:
+    bounds = [-1] + cuts + [len(nodes) - 2]  # the last node is the output node
+    out_node = nodes[-1]
+    owner: dict[fx.Node, int] = {}
+    for s in range(len(bounds) - 1):
+        for n in nodes[bounds[s] + 1: bounds[s + 1] + 1]:
+            owner[n] = s
+    stages: list[Stage] = []
+    last_use: dict[str, int] = {}
+    n_stages = len(bounds) - 1
+    inputs_set = set(input_names) or {str(n.target) for n in nodes if n.op == "placeholder"}
+    for s in range(n_stages):
+        members = [n for n in nodes[bounds[s] + 1: bounds[s + 1] + 1] if n.op != "placeholder"]
+        g = fx.Graph()
+        local: dict[fx.Node, fx.Node] = {}
+        inputs: list[str] = []
+
+        def fetch(a: fx.Node) -> Any:
+            if a in local:
+                return local[a]
+            if a.op == "placeholder" and str(a.target) not in inputs_set:
+                # a non-tensor input fixed at trace time (concrete_args: ``temperature=1.0``, ``mask=None``)
+                local[a] = a.args[0] if a.args else None
+                return local[a]
+            if a.op == "get_attr":
+                local[a] = g.get_attr(a.target)  # parameters/buffers are shared with the user's model
+            else:
+                key = str(a.target) if a.op == "placeholder" else a.name
+                local[a] = g.placeholder(key)
+                inputs.append(key)
+                last_use[key] = max(last_use.get(key, -1), s)
+            return local[a]
+
+        for n in members:
+            for a in n.all_input_nodes:
+                if a not in local and (a.op == "get_attr" or owner.get(a) != s or a.op == "placeholder"):
+                    fetch(a)
+            local[n] = g.node_copy(n, lambda a: local[a])
+        last = s == n_stages - 1
+        outputs = [n for n in members if n.op != "get_attr" and any(
+            (u.op != "output" and owner.get(u, n_stages) > s) or (u.op == "output" and not last) for u in n.users)]
+        out_vals: list[Any] = [local[n] for n in outputs]
+        out_names = [n.name for n in outputs]
+        if last:
+            out_vals.append(fx.node.map_arg(out_node.args[0], lambda a: fetch(a) if a not in local else local[a]))
+            out_names.append(OUTPUT_KEY)
+        g.output(tuple(out_vals))
+        sub = fx.GraphModule(gm, g, f"stage{s}")
+        mods = tuple(gm.get_submodule(m) for m in map(_module_name, members) if m is not None)
+        stages.append(Stage(index=s, name=_stage_name(members), fn=sub, inputs=tuple(inputs),
+                            outputs=tuple(out_names), modules=mods))
+    return stages, last_use
+
+
+def _single_stage(model: nn.Module, names: tuple[str, ...], mutates: tuple[str, ...]) -> Chain:
+    def fn(*vals: Any) -> tuple[Any, ...]:
+        return (model(**dict(zip(names, vals))),)
+
+    st = Stage(0, type(model).__name__, fn, names, (OUTPUT_KEY,), tuple(model.modules()), mutates)
+    return Chain([st], names, "single", (), {k: 0 for k in names}, model)
+
+
+def _fallback(model: nn.Module, env: dict[str, Any], names: tuple[str, ...], mutates: tuple[str, ...],
+              why: str, strict: bool) -> Chain:
+    """Stages from the module tree where fx failed (``_capture_modules.module_chain``), else one stage."""
+    from .modules import module_chain
+
+    if strict:
+        raise CaptureError(why)
+    try:
+        chain = module_chain(model, env, names, mutates)
+    except Exception as e:  # the module tree cannot be followed: one stage still trains exactly
+        log.info("following the module tree of %s failed: %s", type(model).__name__, e)
+        chain = None
+    if chain is not None:
+        log.info("%s; its %d repeated blocks are the stages (%s .. %s)", why, len(chain), chain.stages[0].name,
+                 chain.stages[-1].name)
+        return chain
+    log.warning("%s, and it has no stack of blocks (a ModuleList or Sequential called once per forward); "
+                "training it as a single stage (micro-batching only). Make the forward fx-traceable, or keep "
+                "its blocks in a ModuleList, to let edgetrain recompute inside it.", why)
+    return _single_stage(model, names, mutates)
+
+
+def _returning(fn: Callable[..., tuple[Any, ...]], cls: type) -> Callable[..., tuple[Any, ...]]:
+    """``fn`` with its model output (the last value) rebuilt as ``cls`` (e.g. a Hugging Face ``ModelOutput``)."""
+    def run(*args: Any) -> tuple[Any, ...]:
+        outs = fn(*args)
+        return (*outs[:-1], cls(**outs[-1]))
+    run.graph = getattr(fn, "graph", None)  # type: ignore[attr-defined]
+    run.get_buffer = getattr(fn, "get_buffer", None)  # type: ignore[attr-defined]
+    return run
+
+
+def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any]) -> None:
+    """Run the stages once on the example (state restored after) and record what each writes in place."""
+    env = dict(env)
+    with preserved_model_state(model), torch.no_grad():
+        for st in stages:
+            st.mutates, outs = _mutated_buffers(model, lambda st=st: st(*(env[k] for k in st.inputs)))
+            env.update(zip(st.outputs, outs))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b)
+
+
+def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False,
+            carry_cuts: bool = True) -> Chain:
+    """Cut ``model`` into a :class:`Chain` of stages, checked on ``example_inputs``.
+
+    Args:
+        model: any ``nn.Module``; its parameters and buffers are shared, never copied.
+        example_inputs: a (small) batch: a tensor, a tuple of positional inputs or a dict of keyword inputs.
+        max_stages: merge cut points until at most this many stages remain.
+        strict: raise :class:`CaptureError` instead of falling back to the module tree or a single stage.
+        carry_cuts: also cut inside residual blocks, where the block's skip input crosses the cut beside
+            the running tensor (``StageCost.carried``); False keeps every block in one stage (planners
+            without a model of carried tensors, such as the paging planners, need that).
+
+    Returns:
+        The chain. ``chain.method`` is ``"fx"``, ``"modules"`` (blocks of the module tree) or ``"single"``.
+
+    Raises:
+        CaptureError: the example batch does not run through the model, or (``strict``) no cut is possible.
+    """
+    env = bind_inputs(model, example_inputs)
+    names = tuple(env)
+    with preserved_model_state(model), torch.no_grad():
+        state = rng_state()
+        try:
+            with preserved_model_state(model):  # the traced graph runs below on the same buffers
+                mutates, reference = _mutated_buffers(model, lambda: model(**env))
+        except Exception as e:
+            raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
+                               "Check the example's shapes and dtypes against the model.") from e
+        try:
+            concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
+            gm, leaves = _trace(model, concrete)
+            rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
+            set_rng_state(state)
+            values = _node_values(gm, env)
+        except Exception as e:  # CaptureError from tracing, or the traced graph failing to run
+            set_rng_state(state)
+            why = str(e) if isinstance(e, CaptureError) else \
+                f"the graph torch.fx traced from {type(model).__name__} does not run ({type(e).__name__}: {e})"
+            return _fallback(model, env, names, mutates, why, strict)
+    nodes = list(gm.graph.nodes)
+    out_val = values.get(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], fx.Node) else \
+        fx.node.map_aggregate(nodes[-1].args[0], lambda a: values.get(a) if isinstance(a, fx.Node) else a)
+    if not _same(out_val, reference):
+        msg = (f"the traced graph of {type(model).__name__} does not reproduce its output on the example batch "
+               "(data-dependent Python control flow?)")
+        with preserved_model_state(model):
+            return _fallback(model, env, names, mutates, msg, strict)
+    cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts), nodes, values,
+                    max_stages)
+    if not cuts and strict:
+        raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
+                           "it cannot be cut into stages")
+    tensor_inputs = [k for k, v in env.items() if isinstance(v, torch.Tensor)]
+    stages, last_use = _build_stages(gm, nodes, cuts, tensor_inputs)
+    if isinstance(reference, Mapping) and type(out_val) is not type(reference):
+        stages[-1].fn = _returning(stages[-1].fn, type(reference))  # fx returns a ModelOutput as a plain dict
+    _stage_mutations(stages, model, env)
+    for k in names:
+        last_use.setdefault(k, -1)
+    if leaves:
+        log.info("modules kept opaque (not fx-traceable): %s", ", ".join(sorted(leaves)))
+    return Chain(stages, names, "fx", tuple(sorted(leaves)), last_use, model)

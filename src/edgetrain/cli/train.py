@@ -1,0 +1,193 @@
+"""``edgetrain train CONFIG``: build model, data, optimizer and schedule from a :class:`TrainConfig` and fit a Trainer."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, random_split
+
+from ..spec import build_model, load_data
+from .train_config import TrainConfig
+
+__all__ = ["run_train", "spec_model_and_batch"]
+
+log = logging.getLogger("edgetrain.cli.main")
+
+
+def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def _scheduler(cfg: TrainConfig, opt: torch.optim.Optimizer, steps: int) -> tuple[Any, str]:
+    if cfg.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1)), "step"
+    if cfg.scheduler == "exponential":
+        return torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.gamma), "epoch"
+    return None, "epoch"
+
+
+def _accuracy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.argmax(dim=1) == y).float().mean()
+
+
+class _Printer:
+    """Prints one line per epoch (the CLI may print; the library only logs)."""
+
+    def __init__(self, out: Callable[[str], None], epochs: int) -> None:
+        self.out, self.epochs = out, epochs
+
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
+        extra = "".join(f", {k} {v:.4f}" for k, v in logs.items() if k not in ("step", "train_loss"))
+        self.out(f"epoch {epoch + 1}/{self.epochs}: train_loss {logs['train_loss']:.4f}{extra} "
+                 f"(step {int(logs['step'])})")
+
+
+def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
+    """Train as ``cfg`` says; returns the exit code (1 when the measured peak exceeds the budget)."""
+    from ..profile import memory
+    from ..trainer import Trainer
+    from ..units import format_bytes, parse_bytes
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    data = load_data(cfg.data, kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
+                     target_column=cfg.target_column, task=cfg.task, seed=cfg.seed)
+    train, val = data.train, data.val
+    if cfg.val_data is not None:
+        val = load_data(cfg.val_data, kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
+                        target_column=cfg.target_column, task=data.task, seed=cfg.seed).train
+    elif cfg.val_fraction > 0:
+        n_val = max(1, int(len(train) * cfg.val_fraction))
+        train, val = random_split(train, [len(train) - n_val, n_val],
+                                  generator=torch.Generator().manual_seed(cfg.seed))
+    # The data in memory is not training memory: the budget's zero point is here, as for `edgetrain demo`.
+    memory.record_baseline()
+    memory.reset_peak()
+    model = build_model(cfg.model, cfg.model_kwargs, num_classes=data.num_classes, in_channels=data.in_channels,
+                        image_size=cfg.image_size)
+    opt = _optimizer(cfg, model)
+    loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.num_workers)
+    val_loader = DataLoader(val, batch_size=cfg.batch_size) if val is not None else None
+    sched, interval = _scheduler(cfg, opt, len(loader) * cfg.epochs)
+    classification = data.task == "classification"
+    loss_fn: nn.Module = nn.CrossEntropyLoss() if classification else nn.MSELoss()
+    budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
+    prepare_options = {"solver": cfg.solver, "micro_batch_size": cfg.micro_batch_size, "paging": cfg.paging,
+                       "name": cfg.model}
+    trainer = Trainer(model, opt, loss_fn, loader, val_loader, memory_budget=budget, scheduler=sched,
+                      metrics={"accuracy": _accuracy} if classification else None,
+                      callbacks=[_Printer(out, cfg.epochs)], resume=cfg.resume, prepare_options=prepare_options,
+                      checkpoint_dir=cfg.checkpoint_dir, checkpoint_every_steps=cfg.checkpoint_every_steps,
+                      keep_checkpoints=cfg.keep_checkpoints, grad_clip_norm=cfg.grad_clip_norm,
+                      scheduler_interval=interval, early_stopping_patience=cfg.early_stopping_patience,
+                      seed=cfg.seed, progress=cfg.progress, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard)
+    out(f"{cfg.model} on {cfg.data}: {len(train)} training samples"
+        + (f", {len(val)} validation" if val is not None else "") + f", {data.num_classes} "
+        + ("classes" if classification else "outputs"))
+    out(trainer.step.plan.summary())
+    if trainer.state.global_step:
+        out(f"resumed from {cfg.checkpoint_dir} at epoch {trainer.state.epoch + 1}, step {trainer.state.global_step}")
+    trainer.fit(cfg.epochs)
+    if trainer.stopped_early:
+        out("stopped early: val_loss stopped improving")
+    peak = memory.peak_rss_bytes() - memory.baseline_rss_bytes()
+    if cfg.save:
+        path = Path(cfg.save)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, path)
+        out(f"saved model weights to {path}")
+    if cfg.report:
+        out(f"report written to {trainer.report(cfg.report)}")
+    trainer.close()
+    if budget is None:
+        out(f"measured peak {format_bytes(peak)} (no budget)")
+        return 0
+    verdict = "within" if peak <= budget else "ABOVE"
+    out(f"measured peak {format_bytes(peak)} vs budget {format_bytes(budget)}: {verdict} budget")
+    return 0 if peak <= budget else 1
+
+
+def spec_model_and_batch(model: str, kwargs: dict[str, Any], input_shape: tuple[int, ...],
+                         batch_size: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A model from any model spec and a random batch for it (plan, profile, report, bench)."""
+    from ..spec.models import is_in_project
+
+    if is_in_project(model):
+        from ..measure import Job, build_model_and_batch
+
+        return build_model_and_batch(Job(model, input_shape, batch_size, model_kwargs=kwargs))
+    torch.manual_seed(0)
+    kwargs = dict(kwargs)
+    classes = int(kwargs.pop("num_classes", 10) if model.startswith("hf:") else kwargs.get("num_classes", 10))
+    in_channels = input_shape[0] if len(input_shape) == 3 else None
+    net = build_model(model, kwargs, num_classes=classes, in_channels=in_channels,
+                      image_size=input_shape[-1] if len(input_shape) == 3 else None)
+    if model.startswith("hf:"):
+        vocab = int(getattr(getattr(net, "model", None), "config", None).vocab_size)  # type: ignore[union-attr]
+        x = torch.randint(0, vocab, (batch_size, *input_shape))
+    else:
+        x = torch.randn(batch_size, *input_shape)
+    y = torch.randint(0, classes, (batch_size,))
+    return net, x, y
+
+
+
+_UNSET = object()
+#: flags of the MNIST trainer that `edgetrain train` ran before it took a config (still accepted without one)
+LEGACY_FLAGS = ("--model", "--epochs", "--batch-size", "--image-size", "--width", "--lr", "--budget",
+                "--budget-fraction", "--solver", "--seed", "--threads", "--no-progress", "--precise-bn", "--save",
+                "--checkpoint")
+
+
+def add_config_flags(parser: Any) -> None:
+    """One ``--flag`` per :class:`TrainConfig` option (booleans take an optional value: ``--resume``)."""
+    from .train_config import config_fields
+
+    for name, default, typ, help_text in config_fields():
+        flag = "--" + name.replace("_", "-")
+        shown = "null" if default is None else ("{}" if default == {} else default)
+        extra: dict[str, Any] = {}
+        if typ.startswith("bool"):
+            extra = {"nargs": "?", "const": "true", "metavar": "BOOL"}
+        aliases = {"memory_budget": ["--budget"]}.get(name, [])
+        parser.add_argument(flag, *aliases, dest=f"cfg_{name}", default=_UNSET,
+                            help=f"{help_text} (default: {shown})", **extra)
+    parser.add_argument("--no-progress", dest="cfg_progress", action="store_const", const="false",
+                        default=_UNSET, help="no progress bar (same as --progress false)")
+
+
+def config_flags(args: Any) -> dict[str, Any]:
+    """The TrainConfig values given as flags, each read as a YAML scalar."""
+    from .train_config import parse_value
+
+    return {k[4:]: parse_value(v) if isinstance(v, str) else v for k, v in vars(args).items()
+            if k.startswith("cfg_") and v is not _UNSET}
+
+
+def is_config_invocation(argv: list[str]) -> bool:
+    """Whether ``edgetrain train ARGS`` is the config form (a config file, key=value, or a config-only flag);
+    otherwise it is the MNIST trainer's older flag form, kept as it was."""
+    from .train_config import config_fields
+
+    legacy = {f.split("=")[0] for f in LEGACY_FLAGS}
+    config_only = {"--" + n.replace("_", "-") for n, *_ in config_fields()} - legacy
+    for tok in argv:
+        if tok in ("-h", "--help"):
+            return True
+        if not tok.startswith("-") and ("=" in tok or tok.lower().endswith((".yaml", ".yml", ".json"))):
+            return True
+        if tok.startswith("--") and tok.split("=")[0] in config_only:
+            return True
+    return False

@@ -1,0 +1,1 @@
+"""edgetrain.planning."""

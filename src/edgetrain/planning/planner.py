@@ -1,0 +1,459 @@
+"""Plan, validate plans by running them once, and name the smallest feasible budget (used by prepare)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from ..profile import memory
+from ..errors import BudgetError
+from ..graph import CostChain
+from ..plan import Plan
+from ..units import format_bytes
+
+__all__ = ["Measured", "Planner", "candidate_sizes", "first_run_cost"]
+
+log = logging.getLogger("edgetrain.api")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One validation run, in bytes above the import baseline.
+
+    ``process_rss``: the resident memory of the process that will train, once the run was done (None when
+    unknown). A run in a fork leaves this process as it was; one in this process leaves its residue here.
+    The run's figures hold for a step started from that state; :meth:`Planner.plan_validated` runs the
+    plan again when the process has grown since.
+    """
+
+    rss_before: int
+    peak: int
+    rss_after: int
+    process_rss: int | None = None
+    # the optimizer updates' peak, where measured apart (real steps): ``peak`` is then the forward and
+    # backward passes' alone, so an update's transients are not mistaken for activations the cost model missed
+    update_peak: int | None = None
+
+
+def predicted_activations(plan: Plan, fixed: int) -> int:
+    """Bytes the cost model predicts a plan's activations take at its peak (above the fixed bytes)."""
+    return int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - fixed))
+
+
+#: the least a positive safety margin holds back (see ``prepare(safety_margin=)``)
+MIN_MARGIN_BYTES = 2**20
+
+#: growth of the process since a plan's validation run beyond which the run no longer speaks for a step
+STALE_BYTES = 256 * 2**10
+
+
+def safety_margin_bytes(budget: int, share: float) -> int:
+    """Bytes of ``budget`` held back: ``share`` of it, at least :data:`MIN_MARGIN_BYTES` (never over half)."""
+    if share <= 0:
+        return 0
+    return min(budget // 2, max(int(budget * share), MIN_MARGIN_BYTES))
+
+
+def budget_for(need: int, share: float) -> int:
+    """The smallest budget whose margin (:func:`safety_margin_bytes`) leaves ``need`` bytes to plan with."""
+    if share <= 0:
+        return need
+    return max(math.ceil(need / (1 - share)), need + MIN_MARGIN_BYTES) if need > MIN_MARGIN_BYTES else 2 * need
+
+
+def _plan_key(plan: Plan) -> tuple[int, tuple[str, ...]]:
+    return plan.micro_batch_size, tuple(plan.policies)
+
+
+def candidate_sizes(batch: int) -> list[int]:
+    return sorted({math.ceil(batch / k) for k in range(1, batch + 1)}, reverse=True)
+
+
+class Planner:
+    """Plans, validates plans by running them once, and names the smallest feasible budget when none fits.
+
+    Validation measures what the cost model cannot see (kernel caches for new tensor shapes, allocator
+    slack); the excess is added to the fixed bytes and the plan is made again, so the steps that follow
+    stay inside the budget. The same correction applies to the smallest feasible budget a BudgetError
+    names: it is the budget at which a plan was actually run and measured.
+    """
+
+    def __init__(self, costs: CostChain, budget: int | None, margin: int, solver: str,
+                 micro_batch_size: int | None, prefer_full_batch: bool, min_micro: int, update_bytes: int,
+                 solver_kw: dict[str, Any] | None = None) -> None:
+        self.costs = costs
+        self.budget = budget
+        self.margin = margin
+        self.solver = solver
+        self.micro_batch_size = micro_batch_size
+        self.prefer_full_batch = prefer_full_batch
+        self.min_micro = min_micro
+        self.update_bytes = update_bytes
+        self.solver_kw = dict(solver_kw or {})
+        self.reprofile: Callable[[int], CostChain] | None = None
+        self.margin_share: float | None = None  # prepare's safety_margin (the margin then has a floor)
+        # Fixed bytes measured per micro-batch size: a run leaves kernels and heap behind that grow with
+        # the size it ran (transformer, 64 samples: 3.3 MiB after micro-batches of 8, 7.4 MiB after 22).
+        self._fixed_at: dict[int, int] = {}
+        self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
+        self._ran_at: dict[tuple[int, tuple[str, ...]], int] = {}  # plan -> process RSS after its last run
+        self._largest_run: tuple[Plan, int, int] | None = None  # _largest_size_run's one run
+        self.whole_batch_only = False  # micro-batching would not be exact for this model (loss, buffers)
+
+    def _with_fixed(self, extra: int) -> None:
+        self.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes + extra)
+
+    def fixed_at(self, m: int) -> int:
+        """Fixed bytes a plan of micro-batch size ``m`` is expected to find.
+
+        Piecewise linear through the sizes validation measured, from the fixed bytes before any run at size
+        0, extended past the largest with the last slope; the cost model's single figure until a run was
+        measured. A size never run is validated before it is taken, so an estimate that is low costs one
+        more validation run, never the budget.
+        """
+        if not self._fixed_at or self.floor is None:
+            return self.costs.fixed_bytes
+        if m in self._fixed_at:
+            return self._fixed_at[m]
+        pts = [(0, min(self.floor, min(self._fixed_at.values())))] + sorted(self._fixed_at.items())
+        for (m0, f0), (m1, f1) in zip(pts, pts[1:]):
+            if m <= m1:
+                return int(f0 + (f1 - f0) * (m - m0) / (m1 - m0))
+        (m0, f0), (m1, f1) = pts[-2], pts[-1]
+        return int(f1 + max(0.0, (f1 - f0) / (m1 - m0)) * (m - m1))
+
+    def _costs_at(self, m: int) -> CostChain:
+        return replace(self.costs, fixed_bytes=self.fixed_at(m))
+
+    def sizes(self) -> list[int]:
+        """Every micro-batch size the model accepts (a budget change may pick any, even when prepare's
+        was fixed): none below ``min_micro``, nor one leaving a trailing micro-batch below it."""
+        b = self.costs.batch_size
+        if self.whole_batch_only:
+            return [b]
+        lo = min(self.min_micro, b)  # BatchNorm in training needs 2 samples where maps are 1x1
+        return [m for m in candidate_sizes(b) if m >= lo and (b % m == 0 or b % m >= lo)]
+
+    def _sizes(self) -> list[list[int]]:
+        b = self.costs.batch_size
+        if self.micro_batch_size is not None:
+            return [[min(self.micro_batch_size, b)]]
+        return [[b], self.sizes()] if self.prefer_full_batch else [self.sizes()]
+
+    def _min_needed(self) -> int:
+        """Smallest plan budget for the current cost model."""
+        try:
+            self._solve(0)
+        except BudgetError as e:
+            return int(e.min_feasible_bytes or 0)
+        return 0
+
+    def _solve(self, plan_budget: int) -> Plan:
+        err: BudgetError | None = None
+        for cand in self._sizes():
+            try:
+                plan = self._solve_sizes(plan_budget, cand)
+            except BudgetError as e:
+                err = e
+                continue
+            update_peak = self.fixed_at(plan.micro_batch_size) + self.update_bytes
+            if update_peak <= plan_budget:
+                return plan.replace(peak_bytes=max(plan.peak_bytes, update_peak), budget_bytes=self.budget)
+            err = BudgetError("the optimizer update does not fit", min_feasible_bytes=update_peak)
+            break
+        assert err is not None
+        need = max(self.costs.fixed_bytes + self.update_bytes if not self._fixed_at else 0,
+                   int(err.min_feasible_bytes or 0))
+        raise BudgetError(str(err), budget_bytes=plan_budget, min_feasible_bytes=need)
+
+    def _solve_sizes(self, plan_budget: int, sizes: list[int]) -> Plan:
+        """The fastest plan over ``sizes``, each planned with the fixed bytes expected at its size."""
+        from ..planners import solve
+
+        if not self._fixed_at:
+            return solve(self.costs, plan_budget, solver=self.solver, micro_batch_sizes=sizes, **self.solver_kw)
+        best: Plan | None = None
+        need: int | None = None
+        last: BudgetError | None = None
+        for m in sizes:
+            try:
+                plan = solve(self._costs_at(m), plan_budget, solver=self.solver, micro_batch_sizes=[m],
+                             **self.solver_kw)
+            except BudgetError as e:
+                last = e
+                if e.min_feasible_bytes is not None:
+                    need_m = max(e.min_feasible_bytes, self.fixed_at(m) + self.update_bytes)
+                    need = need_m if need is None else min(need, need_m)
+                continue
+            update_peak = self.fixed_at(m) + self.update_bytes
+            if update_peak > plan_budget:
+                need = update_peak if need is None else min(need, update_peak)
+                last = BudgetError("the optimizer update does not fit", min_feasible_bytes=update_peak)
+                continue
+            if best is None or plan.step_time_s < best.step_time_s:
+                best = plan
+        if best is not None:
+            return best
+        assert last is not None
+        raise BudgetError(str(last), budget_bytes=plan_budget, min_feasible_bytes=need)
+
+    def plan(self, plan_budget: int | None) -> Plan:
+        if plan_budget is None:
+            from ..planners import solve
+
+            sizes = [self.micro_batch_size or self.costs.batch_size]
+            return solve(self.costs, 2**62, solver=self.solver, micro_batch_sizes=sizes,
+                         **self.solver_kw).replace(budget_bytes=None)
+        return self._solve(plan_budget)
+
+    def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int,
+                       grads: int) -> tuple[Plan, CostChain]:
+        """The fastest plan whose validation run fits, validated from the state the steps will start in.
+
+        A run measures a step begun from the process as it was then. Planning after it (other candidates,
+        other runs) can leave the process larger, and the real step starts from there: when it has grown by
+        more than :data:`STALE_BYTES` the plan is run again, and if it no longer fits, planned anew.
+        """
+        plan = self._plan_validated(run, unallocated, grads)
+        for _ in range(3):
+            ran_at = self._ran_at.get(_plan_key(plan))
+            grown = 0 if ran_at is None else memory.rss_bytes() - memory.baseline_rss_bytes() - ran_at
+            if grown <= STALE_BYTES:
+                break
+            log.info("this process grew %s since the plan's validation run; running it again", format_bytes(grown))
+            _, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+            if measured_peak <= self.budget - self.margin:
+                plan = plan.replace(peak_bytes=measured_peak) if measured_peak > plan.peak_bytes else plan
+                break
+            plan = self._plan_validated(run, unallocated, grads)
+        self.costs = self._costs_at(plan.micro_batch_size)
+        return plan, self.costs
+
+    def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int) -> Plan:
+        """Plan, run the plan once, correct the cost model by what was measured, and re-plan if needed.
+
+        Args:
+            run: runs a plan's micro-batches once (no optimizer step) and measures resident memory.
+            unallocated: bytes the real steps add that validation does not (gradients freed again
+                afterwards, optimizer state not yet created).
+            grads: gradient bytes allocated during validation.
+        """
+        assert self.budget is not None
+        plan_budget = self.budget - self.margin
+        measured_peak = 0
+        for _ in range(8):  # every size measured moves the fixed bytes; a plan is taken only once it has run
+            try:
+                plan = self._solve(plan_budget)
+            except BudgetError as e:
+                fitted = self._smallest_if_it_fits(run, unallocated, grads, plan_budget)
+                if fitted is not None:  # the corrected model may now admit a faster plan than the smallest
+                    return self._improved(fitted, plan_budget, run, unallocated, grads)
+                raise self._infeasible(e, run, unallocated, grads) from None
+            model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+            if measured_peak <= plan_budget:
+                if model_peak > plan_budget or measured_peak < plan.peak_bytes:
+                    plan = self._measured(plan, measured_peak, max(model_peak, plan.peak_bytes))
+                return self._improved(plan, plan_budget, run, unallocated, grads)
+        fitted = self._smallest_if_it_fits(run, unallocated, grads, plan_budget)
+        if fitted is not None:
+            return self._improved(fitted, plan_budget, run, unallocated, grads)
+        err = BudgetError("no plan run measured inside the budget", budget_bytes=plan_budget,
+                          min_feasible_bytes=max(self._min_needed(), measured_peak))
+        raise self._infeasible(err, run, unallocated, grads)
+
+    def _improved(self, plan: Plan, plan_budget: int, run: Callable[[Plan], Measured], unallocated: int,
+                  grads: int, tries: int = 3) -> Plan:
+        """A faster plan than the accepted ``plan`` when the corrected model allows one and its run fits.
+
+        Validation can lower the fixed bytes (the profile ran in a process holding kernel caches for shapes
+        the step never uses, or the cost model over-predicted): the room that frees may admit a plan with
+        less recomputation. Each candidate is run and measured like the first; one that does not fit
+        corrects the model at its micro-batch size and the next candidate is planned from that, up to
+        ``tries`` runs (what a run leaves resident varies by a few MiB from one run to the next, so a
+        single miss must not leave a step at the smallest plan: the transformer at 35% of plain's peak
+        stayed at micro-batch 1, 1.5 s a step, where micro-batch 8 fits at 0.11 s).
+        """
+        costs = self.costs
+        for _ in range(tries):
+            try:
+                better = self._solve(plan_budget)
+            except BudgetError:
+                break
+            if better.step_time_s >= plan.step_time_s * 0.99:
+                break
+            model_peak, measured_peak = self._correct(better, run(better), unallocated, grads)
+            if measured_peak <= plan_budget:
+                log.info("validation freed room: a plan predicted %.0f%% faster fits (%s measured)",
+                         100 * (1 - better.step_time_s / plan.step_time_s), format_bytes(measured_peak))
+                return self._measured(better, measured_peak, model_peak) if measured_peak < better.peak_bytes \
+                    else better
+        self.costs = costs
+        return plan
+
+    @staticmethod
+    def _measured(plan: Plan, measured_peak: int, model_peak: int) -> Plan:
+        """``plan`` with the peak its validation run measured (the cost model over-predicted it); the
+        model's figure stays in ``metadata["model_peak_bytes"]``."""
+        plan.metadata["model_peak_bytes"] = model_peak
+        return plan.replace(peak_bytes=measured_peak, notes=plan.notes + (
+            f"peak from the validation run ({format_bytes(measured_peak)}); the cost model predicted "
+            f"{format_bytes(model_peak)}",))
+
+    def _smallest_if_it_fits(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
+                             plan_budget: int) -> Plan | None:
+        """When no plan is predicted to fit, run the smallest one: the model may over-predict it.
+
+        Its peak is measured, and the plan is taken only if that fits, so the budget stays a promise.
+        """
+        try:
+            plan = self._solve(self._min_needed())
+        except BudgetError:
+            return None
+        costs_before = self.costs
+        model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
+        if measured_peak <= plan_budget:
+            log.info("smallest plan measured %s, inside the budget the model said it misses",
+                     format_bytes(measured_peak))
+            return self._measured(plan, measured_peak, model_peak)
+        self.costs = costs_before
+        largest = self._largest_size_run(run, unallocated, grads, measured_peak)
+        if largest is not None and largest[2] <= plan_budget:
+            log.info("the largest micro-batch size's smallest plan measured %s, inside the budget",
+                     format_bytes(largest[2]))
+            return self._measured(largest[0].replace(budget_bytes=self.budget), largest[2], largest[1])
+        self.costs = costs_before  # leave the model as the infeasible path expects it
+        return None
+
+    def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> tuple[int, int]:
+        """Set the fixed bytes to what the process really holds, plus any activation under-prediction.
+
+        Returns the plan's peak under the corrected model, and the peak its run measured (plus what real
+        steps add: optimizer state; and the optimizer update's transient).
+        """
+        act_pred = predicted_activations(plan, self.fixed_at(plan.micro_batch_size))
+        # What the run left resident (kernels built for new shapes, allocator heap growth) is in rss_after and
+        # so in the fixed bytes below; measuring activations from before the run would count it twice.
+        act_meas = m.peak - max(m.rss_before, m.rss_after) - grads
+        act_excess = max(0, act_meas - act_pred)
+        fixed = m.rss_after + unallocated + act_excess
+        log.info("validation: activations measured %.1f MiB vs %.1f predicted; fixed %.1f MiB at micro-batch "
+                 "%d (was %.1f)", act_meas / 2**20, act_pred / 2**20, fixed / 2**20, plan.micro_batch_size,
+                 self.fixed_at(plan.micro_batch_size) / 2**20)
+        self._fixed_at[plan.micro_batch_size] = fixed
+        if m.process_rss is not None:
+            self._ran_at[_plan_key(plan)] = m.process_rss
+        self.floor = m.rss_before + unallocated
+        self._with_fixed(fixed - self.costs.fixed_bytes)
+        if m.update_peak is not None:
+            # real steps measured the update itself: its transients replace the probes' estimate
+            self.update_bytes = max(0, m.update_peak + unallocated - grads - fixed)
+        measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
+        return max(fixed + act_pred, fixed + self.update_bytes), measured
+
+    def _largest_size_run(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
+                          near: int) -> tuple[Plan, int, int] | None:
+        """Run the smallest plan of the largest micro-batch size once: ``(plan, model peak, measured peak)``.
+
+        What a run leaves resident depends on the plan as well as its size (ResNet-18, batch 12: 162 MiB
+        after everything recomputed at micro-batch 2), sizes never run are extrapolated from the sizes
+        that ran, and the cost model may over-predict a size's activations (validation corrects them
+        upwards only: 18.2 MiB predicted, 3.7 measured at micro-batch 12). So the smallest plan alone
+        can miss a plan that fits and over-state the smallest budget (191.5 MiB named where micro-batch
+        12 peaks at 167 MiB). None when that size already ran, or its plan is predicted to need more
+        than 1.5x ``near`` (not worth a run, and a run far above the budget could exhaust the memory of
+        a small device; a later call, after re-profiling, may judge it again). Runs at most once.
+        """
+        largest = max(s for group in self._sizes() for s in group)
+        if self._largest_run is not None or largest in self._fixed_at:
+            return self._largest_run  # it ran (once is enough), or that size ran on the main path
+        try:
+            self._solve_sizes(0, [largest])
+            return None  # a plan of any size fits a budget of 0: nothing to learn
+        except BudgetError as e:
+            at_largest = int(e.min_feasible_bytes or 0)
+        # judged with the fixed bytes measured so far, not their extrapolation to this size
+        flat = at_largest - self.fixed_at(largest) + max(self._fixed_at.values(), default=0)
+        if not at_largest or flat >= 1.5 * near:
+            return None
+        costs_before = self.costs
+        try:
+            plan = self._solve_sizes(at_largest, [largest])
+        except BudgetError as e:
+            log.debug("could not run the largest micro-batch size: %s", e)
+            self.costs = costs_before
+            return None
+        model_peak, measured = self._correct(plan, run(plan), unallocated, grads)
+        self._largest_run = plan, model_peak, measured
+        return self._largest_run
+
+    def _infeasible(self, err: BudgetError, run: Callable[[Plan], Measured], unallocated: int,
+                    grads: int) -> BudgetError:
+        need = int(err.min_feasible_bytes or 0)
+        measured = None  # the measured peak of the smallest plan's last run
+        # Do what a retry at the estimated budget would do (profile at the sizes it allows, run its plan once
+        # and correct), twice, so that the number we name is one at which a fresh run really works.
+        for _ in range(2):
+            try:
+                if self.reprofile is not None:
+                    fixed = self.costs.fixed_bytes
+                    self.costs = self.reprofile(int(need * 1.1))
+                    self._with_fixed(max(0, fixed - self.costs.fixed_bytes))
+                    need = self._min_needed()
+                plan = self._solve(need)
+                _, measured = self._correct(plan, run(plan), unallocated, grads)
+                need = self._min_needed()
+            except BudgetError as e:
+                log.debug("could not refine the smallest feasible budget: %s", e)
+                break
+        if measured is not None and measured < need:
+            # The cost model over-predicts this plan (validation corrects it upwards only): name what it
+            # measured. prepare at that budget runs the same smallest plan and takes it on its measurement
+            # (_smallest_if_it_fits), so the number stays one at which training works.
+            need = measured
+        largest = self._largest_size_run(run, unallocated, grads, need)
+        if largest is not None:
+            need = min(need, largest[2])  # a budget at which a plan ran and was measured
+        assert self.budget is not None
+        # A fresh process profiling at larger sizes loads kernels for more tensor shapes than this failed
+        # attempt did; keep 3% for that, so that a retry at the named budget succeeds.
+        if self.margin_share is not None:
+            user_need = budget_for(math.ceil(1.03 * need), self.margin_share)
+        else:
+            user_need = math.ceil(1.03 * need * self.budget / (self.budget - self.margin))
+        hint = "" if self.micro_batch_size is None else " or let the planner choose micro_batch_size"
+        fixed_shown = self.costs.fixed_bytes  # never more than the need named (that was measured, with them)
+        return BudgetError(
+            f"no {self.solver} plan trains this batch of {self.costs.batch_size} within "
+            f"{format_bytes(self.budget)}: the smallest feasible budget is {format_bytes(user_need)} (of which the "
+            f"model, its gradients, optimizer state, batch and runtime take {format_bytes(min(fixed_shown, need))} "
+            f"before any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
+            budget_bytes=self.budget, min_feasible_bytes=user_need)
+
+
+
+def first_run_cost(table: Any, seen: set[int], run: Callable[[Plan], Measured], room: int, fixed: int,
+                   grads: int) -> tuple[int, int] | None:
+    """Measure what running a micro-batch size for the first time costs beyond the cost model.
+
+    A new tensor shape makes oneDNN build and cache kernels (kept for later runs) and grows the
+    allocators' heaps: a MiB or more for a convolutional network, none of it in the per-stage profile.
+    The smallest size of ``table`` not in ``seen`` (the one a budget drop reaches first) is run once
+    under its most memory-saving plan, if that fits ``room`` (the budget in force less the margin).
+
+    Returns:
+        ``(size, bytes)``: the run's peak above the model's prediction, or what it left behind if more;
+        None when every size has run or the run does not fit.
+    """
+    fresh = sorted({p.micro_batch_size for p in table.plans} - seen)
+    if not fresh:
+        return None
+    plan = next(p for p in table.plans if p.micro_batch_size == fresh[0])
+    if plan.peak_bytes > room:
+        return None
+    measured = run(plan)
+    act_pred = predicted_activations(plan, fixed)
+    cost = max(0, measured.peak - measured.rss_before - grads - act_pred, measured.rss_after - measured.rss_before)
+    log.info("first run of micro-batch %d: %s beyond the cost model", fresh[0], format_bytes(cost))
+    return fresh[0], cost

@@ -1,0 +1,80 @@
+"""Validation runs: a plan run once (forward and backward of every micro-batch), or whole training steps,
+with the resident memory they take measured (used by prepare's planner, :mod:`._planning`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..profile import memory
+from .planner import Measured
+from .._state import preserved_model_state
+from ..batch import slice_batch
+from ..graph import micro_batch_sizes
+from ..plan import Plan
+from ..runtime import pool
+from ..runtime.executor import make_executor
+
+__all__ = ["run_plan", "run_steps"]
+
+
+def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets: Any,
+                   loss_fn: Callable[..., torch.Tensor]) -> None:
+    """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples."""
+    start = 0
+    for size in micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
+        env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
+        loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
+        (loss * (size / plan.batch_size)).backward()
+        del loss, env
+        start += size
+        if executor.pager is not None:
+            executor.pager.reset()
+
+
+def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
+              loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
+    """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
+    executor = make_executor(chain, plan, pager=pager if "page" in plan.policies else None)
+    base = memory.baseline_rss_bytes()
+    with preserved_model_state(model):
+        memory.reset_peak()
+        before = memory.rss_bytes()
+        _micro_batches(executor, plan, env_full, targets, loss_fn)
+        peak = memory.peak_rss_bytes()
+    pool.release()  # blocks cached for reuse are not memory the run left behind
+    return Measured(before - base, peak - base, memory.rss_bytes() - base)
+
+
+def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
+              loss_fn: Callable[..., torch.Tensor], optimizer: Any, unallocated: int, grads: int,
+              steps: int = 2) -> Measured:
+    """Run ``steps`` whole training steps of ``plan`` (optimizer update included) and measure them.
+
+    For a process that is thrown away afterwards (a fork): it changes the model and the optimizer. What it
+    measures is what real steps do, the second one included: the optimizer's state and update, and the
+    tensor pool and allocator heaps as the previous step left them, which one forward/backward from a
+    fresh state does not show. The result is expressed as :func:`run_plan`'s (gradients allocated during the
+    run, the ``unallocated`` bytes added by the planner), so that the planner corrects its model the same way.
+    """
+    executor = make_executor(chain, plan)
+    base = memory.baseline_rss_bytes()
+    memory.reset_peak()
+    before = memory.rss_bytes()
+    peak = update = 0
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        _micro_batches(executor, plan, env_full, targets, loss_fn)
+        peak = max(peak, memory.peak_rss_bytes())
+        memory.reset_peak()  # the update's transients are the optimizer's, measured apart from activations
+        optimizer.step()
+        update = max(update, memory.peak_rss_bytes())
+        memory.reset_peak()
+    optimizer.zero_grad(set_to_none=True)
+    pool.release()
+    after = memory.rss_bytes()  # holds the optimizer state; the gradients are freed
+    # as run_plan's: peaks with the gradients but without what the planner adds (unallocated)
+    return Measured(before - base, peak - base - unallocated + grads, after - base - (unallocated - grads),
+                    update_peak=update - base - unallocated + grads)

@@ -1,0 +1,272 @@
+"""Run prepare()'s analysis in a forked child, so that the process being budgeted never exceeds its budget.
+
+Profiling and validating a plan allocate memory; when the budget turns out to be infeasible, finding the
+smallest budget that works means running plans above the one asked for. Done in the process itself, that
+breaks the promise the budget makes before a single step has run. A child made by ``fork()`` starts as an
+exact copy of this process (the same model, batch, allocator, resident pages), so its resident memory
+follows what this process's would, while this process's own peak (``VmHWM``) never moves.
+
+A forked child shares its parent's anonymous pages (counted in its resident memory from the start) but
+not the page-table entries of file-backed pages (shared-library code, about 100 MiB with torch loaded):
+the child faults them in as it runs, so its resident memory would start low and grow by pages that the
+parent already holds. The parent therefore lists its resident file-backed pages (``/proc/self/pagemap``)
+before forking and the child touches each of them first: its resident memory is then the parent's, page
+for page, and every reading the analysis takes is the one the parent would take.
+
+The child runs with one intra-op thread: GNU OpenMP, which PyTorch's CPU build uses, deadlocks in a
+forked child that starts a parallel region after the parent ran one. Memory does not depend on the thread
+count, times do; so the child's plan and costs are used as they are only when this process also runs one
+thread, and otherwise serve as a verdict (a BudgetError raised here, or a go-ahead for the analysis in this
+process, which the child has shown fits).
+
+``EDGETRAIN_FORK=0`` turns the child off (the analysis then runs in this process, as without fork()).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import memory
+from ..errors import BudgetError
+from ..units import format_bytes
+
+__all__ = ["ChildResult", "analyse_safely", "available", "measure_in_child", "run_in_child"]
+
+log = logging.getLogger("edgetrain.api")
+
+
+@dataclass
+class ChildResult:
+    """What the child sent back.
+
+    Attributes:
+        value: the function's return value (None when it raised).
+        budget_error: ``(message, budget_bytes, min_feasible_bytes)`` when it raised a BudgetError.
+        error: ``"Type: message"`` of any other exception (the caller reruns the work here to raise it).
+        peak_bytes: the child's peak resident memory above the import baseline.
+    """
+
+    value: Any = None
+    budget_error: tuple[str, int | None, int | None] | None = None
+    error: str | None = None
+    peak_bytes: int = 0
+
+
+#: intra-op threads the child runs with (GNU OpenMP deadlocks in a forked child that starts more)
+CHILD_THREADS = 1
+
+
+def available() -> bool:
+    """fork() exists, is not switched off, and no CUDA context would be copied into the child."""
+    if os.environ.get("EDGETRAIN_FORK", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if not hasattr(os, "fork") or sys.platform == "darwin":  # macOS frameworks are not fork-safe
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_PAGEMAP_CHUNK = 1 << 15  # pages per pagemap read (256 KiB of entries)
+
+
+def resident_file_pages() -> list[tuple[int, Any]]:
+    """Addresses of this process's resident pages in readable file-backed mappings, per mapping.
+
+    Returns ``[(mapping start, numpy array of page indices)]``; empty where ``/proc/self/pagemap`` is
+    not readable (the child then measures a little low, by the shared-library pages it has yet to touch).
+    """
+    import numpy as np
+
+    out: list[tuple[int, Any]] = []
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb", buffering=0) as pm:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or not parts[5].startswith("/") or parts[1][0] != "r":
+                    continue
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                n = (hi - lo) // _PAGE
+                # in chunks: a large file mapping (Ray's object store maps GiBs) would otherwise make one
+                # read of 8 bytes per page, tens of MiB charged to the budget of the process being measured
+                found = []
+                for first in range(0, n, _PAGEMAP_CHUNK):
+                    count = min(_PAGEMAP_CHUNK, n - first)
+                    raw = os.pread(pm.fileno(), 8 * count, 8 * (lo // _PAGE + first))
+                    entries = np.frombuffer(raw, dtype=np.uint64)
+                    hit = np.nonzero(entries >> np.uint64(63))[0]
+                    if hit.size:
+                        found.append(hit + first)
+                if found:
+                    out.append((lo, np.concatenate(found)))
+    except (OSError, ValueError) as e:
+        log.debug("could not read this process's page map (%s)", e)
+        return []
+    return out
+
+
+def _touch(pages: list[tuple[int, Any]]) -> None:
+    import ctypes
+
+    for lo, idx in pages:
+        for i in idx.tolist():
+            ctypes.string_at(lo + i * _PAGE, 1)
+
+
+def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]]) -> None:
+    result = ChildResult()
+    try:
+        torch.set_num_threads(CHILD_THREADS)
+        _touch(pages)
+        memory.reset_peak()
+        result.value = fn()
+    except BudgetError as e:
+        result.budget_error = (str(e), e.budget_bytes, e.min_feasible_bytes)
+    except BaseException as e:  # noqa: BLE001 -- everything goes back to the parent, which decides
+        result.error = f"{type(e).__name__}: {e}"
+        log.debug("analysis in the child failed:\n%s", traceback.format_exc())
+    result.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())
+    try:
+        data = pickle.dumps(result)
+    except Exception as e:  # noqa: BLE001 -- an unpicklable value: report it instead
+        data = pickle.dumps(ChildResult(error=f"result not picklable: {e}", peak_bytes=result.peak_bytes))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(w, view):]
+
+
+def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
+    """Run ``fn()`` in a forked copy of this process and return what it sent back.
+
+    Returns:
+        The child's result, or None when the child could not be started or died without answering
+        (killed for memory, a crash): the caller then does the work itself.
+    """
+    pages = resident_file_pages()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+    except OSError as e:
+        log.info("could not fork for the analysis (%s); running it in this process", e)
+        return None
+    if pid == 0:  # the child: never return into the caller's code
+        code = 0
+        try:
+            os.close(r)
+            _child(fn, w, pages)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    with os.fdopen(r, "rb") as f:
+        while chunk := f.read(1 << 20):
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    if not chunks:
+        log.warning("the analysis child died (wait status %d) without an answer; running it in this process",
+                    status)
+        return None
+    try:
+        return pickle.loads(b"".join(chunks))
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not read the analysis child's answer (%s); running it in this process", e)
+        return None
+
+
+def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any], budget: int | None,
+                   can_fork: bool, profile: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
+    """Capture the chain and analyse it where the memory this takes cannot break the budget.
+
+    With a budget, the work runs in forked children, so that a BudgetError is raised here before this
+    process has run the model at all. When ``profile`` is given, one child profiles and a second, forked
+    afresh from this process, plans and validates from those costs: profiling runs many micro-batch sizes
+    and leaves oneDNN kernels and allocator heap behind for each (27 MiB on ResNet-18 32x32), which a
+    validation in the same process would count as the step's own and so refuse budgets that fit. When the
+    children find a plan, this process captures the chain (the children have shown that fits) and, if it
+    runs one intra-op thread as they did, plans and validates here from their costs (no profiling);
+    otherwise it analyses again here.
+
+    Args:
+        capture_chain: builds the stage chain.
+        analyse: ``analyse(chain)`` profiles, plans and validates, returning a result with ``.costs``;
+            ``analyse(chain, costs)`` skips profiling.
+        budget: the memory budget (None: no child is needed).
+        can_fork: False runs everything in this process.
+        profile: ``profile(chain)`` returns the costs ``analyse`` takes; None profiles in the validating child.
+
+    Returns:
+        ``(chain, analyse(chain[, costs]))``.
+    """
+    if not can_fork or not available() or (budget is None and profile is None):
+        chain = capture_chain()
+        return chain, analyse(chain)
+    if budget is None:
+        # Nothing to keep inside, but profiling runs the model at sizes and shapes the steps never use,
+        # and the kernels and heap they leave would stay with this process for good: profile in a child.
+        # The plan without a budget keeps everything, whatever the child's single thread measured; what
+        # profiling left resident in the child (kernels, heap) stands for what this process's first step
+        # will leave, so that the predicted peak stays honest.
+        res = run_in_child(lambda: profile(capture_chain(), with_overhead=True))
+        chain = capture_chain()
+        if res is not None and res.error is None:
+            return chain, analyse(chain, res.value)
+        return chain, analyse(chain)
+    costs = None
+    if profile is not None:
+        res = run_in_child(lambda: profile(capture_chain()))
+        if res is not None:
+            log.info("profiling in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
+                     format_bytes(budget))
+            _raise_budget_error(res)
+            if res.error is None:
+                costs = res.value
+            else:
+                log.info("profiling in the child failed (%s)", res.error)
+    res = run_in_child(lambda: analyse(capture_chain(), costs) if costs is not None else analyse(capture_chain()))
+    if res is not None:
+        log.info("analysis in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
+                 format_bytes(budget))
+        _raise_budget_error(res)
+        if res.error is not None:
+            log.info("analysis in the child failed (%s); running it here", res.error)
+    chain = capture_chain()
+    if res is not None and res.error is None and torch.get_num_threads() == CHILD_THREADS:
+        # Plan and validate here from the child's corrected costs: this process holds no kernels of the
+        # profiled shapes, and its own first run of the plan is measured like the child's was.
+        return chain, analyse(chain, res.value.costs)
+    return chain, analyse(chain)
+
+
+def _raise_budget_error(res: ChildResult) -> None:
+    if res.budget_error is not None:
+        message, budget_bytes, need = res.budget_error
+        raise BudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=need)
+
+
+def measure_in_child(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run in a fresh fork of this process, or None when that cannot be done faithfully.
+
+    Used for validation runs: a fork starts from this process's exact memory, so what ``fn`` measures is
+    what this process would measure on its first run, and nothing ``fn`` builds (kernels for a new
+    micro-batch size, allocator heap) stays behind to inflate the next measurement. Only a process running
+    the child's single intra-op thread forks for this (memory can depend on the thread count).
+    """
+    if not available() or torch.get_num_threads() != CHILD_THREADS:
+        return None
+    res = run_in_child(fn)
+    if res is None or res.error is not None or res.budget_error is not None:
+        if res is not None:
+            log.debug("validation in a child failed (%s); running it in this process", res.error)
+        return None
+    return res.value
