@@ -10,8 +10,8 @@ from _models import mlp
 from test_elastic import FAST, synthetic_timing
 from torch import nn
 
-from edgetrain.approx.elastic.feedback import correct_target
 from edgetrain.approx.elastic.selector import ElasticConfig, ElasticSelector
+from edgetrain.approx.elastic.feedback import correct_target, secant_target
 from edgetrain.errors import InputError
 
 
@@ -39,6 +39,47 @@ def test_correct_target_damps_clamps_and_needs_enough_steps():
         correct_target(2.0, 2.0, 0.1, [0.05] * 9, gain=0.0)
     with pytest.raises(InputError):
         correct_target(2.0, math.inf, 0.1, [0.05] * 9)
+
+
+def test_secant_target_steps_through_the_last_two_rounds():
+    assert secant_target([(2.0, 1.6)], 2.0) == pytest.approx(2.5)                 # one round: the ratio
+    # the machine delivers 0.5 * target ** 1.6: the ratio rule overshoots, the secant lands on it
+    rounds = [(2.0, 0.5 * 2.0 ** 1.6), (2.5, 0.5 * 2.5 ** 1.6)]
+    assert secant_target(rounds, 2.0) == pytest.approx(4.0 ** (1 / 1.6))
+    # a slope of the wrong sign (noise) or none: back to the ratio rule; never beyond 2x a step
+    assert secant_target([(2.0, 1.8), (2.5, 1.6)], 2.0) == pytest.approx(2.5 * 2.0 / 1.6)
+    assert secant_target([(2.0, 1.6), (2.0, 1.7)], 2.0) == pytest.approx(2.0 * 2.0 / 1.7)
+    assert secant_target([(2.0, 1.0), (2.02, 1.001)], 2.0) == pytest.approx(4.04)
+
+
+def test_calibration_steps_by_secant_and_keeps_the_round_closest_to_the_request(monkeypatch):
+    import edgetrain.approx.elastic.selector as el
+    seen = []
+
+    def steep(model_, opt_, batch_, loss_fn, params, chosen, pairs):
+        # the machine's speed-up grows faster than the model's: delivered = 0.5 * predicted ** 1.6
+        seen.append(sel.target_speedup)
+        pred = timing.full_step_s / timing.step_time_s(sorted(chosen))
+        return 0.5 * pred ** 1.6, [timing.full_step_s] * pairs
+
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3}, speedup=2.0))
+    model = mlp(d_in=16, d=32, n_blocks=8, classes=5)
+    timing = synthetic_timing(model, dw_s=0.0004, dy_s=0.0001, fixed_s=0.004)
+    monkeypatch.setattr(el, "measure_timing", lambda *a, **k: timing)
+    monkeypatch.setattr(el, "tensor_importance", lambda m, o, b, f, names: [1.0] * len(names))
+    monkeypatch.setattr(el, "measure_speedup", steep)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sel.attach(model, opt, (torch.randn(8, 16), torch.randint(0, 5, (8,))), nn.CrossEntropyLoss())
+    assert len(seen) == 3 and abs(sel.measured_speedup / 2.0 - 1.0) <= 0.05     # on target in 3 rounds
+    # scripted measurements that get worse: the first round's selection is the one kept
+    script = iter([1.8, 2.6, 2.5])
+    monkeypatch.setattr(el, "measure_speedup", lambda *a: (next(script), [timing.full_step_s] * 3))
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3}, speedup=2.0))
+    sel.attach(model, opt, (torch.randn(8, 16), torch.randint(0, 5, (8,))), nn.CrossEntropyLoss())
+    first = sel.plan
+    assert sel.measured_speedup == 1.8 and sel.target_speedup == 2.0
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(sel.selected)
+    assert first.predicted_speedup >= 2.0
 
 
 # ------------------------------------------------------------------------------------- the selector
@@ -149,3 +190,28 @@ def test_prepare_trainstep_reports_its_step_times():
     for _ in range(3):
         step(x, y)
     assert sel._explicit and len(sel._step_times) == 3 and all(t > 0 for t in sel._step_times)
+
+
+def test_calibrated_selection_reanchors_the_full_step_to_load_drift(monkeypatch):
+    # calibration measures the selection exactly on target; then the whole machine runs 1.6x slower
+    # (full steps too): that is drift, not model error, and must not move the planner's target
+    import edgetrain.approx.elastic.selector as el
+    model = mlp(d_in=16, d=32, n_blocks=8, classes=5)
+    timing = synthetic_timing(model)
+    monkeypatch.setattr(el, "measure_timing", lambda *a, **k: timing)
+    monkeypatch.setattr(el, "tensor_importance", lambda m, o, b, f, names: [1.0] * len(names))
+    monkeypatch.setattr(el, "measure_speedup", lambda m, o, b, f, params, chosen, pairs: (
+        timing.full_step_s / timing.step_time_s(sorted(chosen)), [timing.full_step_s] * pairs))
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3, "interval_steps": 10}, speedup=2.0))
+    batch = (torch.randn(8, 16), torch.randint(0, 5, (8,)))
+    sel.attach(model, torch.optim.SGD(model.parameters(), lr=0.05), batch, nn.CrossEntropyLoss())
+    measured, target, first = sel.measured_speedup, sel.target_speedup, sel.plan.selection.indices
+    slow = 1.6 * timing.step_time_s(first)
+    for step in range(1, 10):
+        assert not sel.maybe_reselect(step, batch)
+        sel.record_step_time(slow, samples=8)
+    assert sel.maybe_reselect(10, batch)
+    c = sel.corrections[-1]
+    assert sel.full_step_s == pytest.approx(1.6 * timing.full_step_s)      # the reference follows the machine
+    assert c.delivered_speedup == pytest.approx(measured)                  # not 2 / 1.6
+    assert sel.target_speedup == pytest.approx(target * (2.0 / measured) ** 0.5)

@@ -32,7 +32,7 @@ from typing import Sequence
 
 from ...errors import InputError
 
-__all__ = ["Correction", "correct_target"]
+__all__ = ["Correction", "correct_target", "secant_target"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,21 @@ def correct_target(target: float, wanted: float, full_step_s: float, step_times_
     new = min(max(target * factor, 1.0), max(max_target, 1.0))
     return Correction(step, len(times), step_s, float(full_step_s), delivered, float(wanted), float(target),
                       new)
+
+
+def secant_target(rounds: Sequence[tuple[float, float]], want: float) -> float:
+    """The planner target to try next, from the calibration rounds so far: ``(target, measured)`` each.
+
+    One round: scale the target by ``want / measured``. Two or more: the secant through the last two
+    points in log space, when they differ and the slope is positive (a higher target, a faster step),
+    kept within a factor 2 of the last target; otherwise the one-round rule."""
+    t1, m1 = rounds[-1]
+    ratio = t1 * want / m1
+    if len(rounds) < 2:
+        return ratio
+    t0, m0 = rounds[-2]
+    dlt, dlm = math.log(t1 / t0), math.log(m1 / m0)
+    if dlt == 0.0 or abs(dlm) < 1e-9 or dlm / dlt <= 0.0:
+        return ratio
+    guess = t1 * math.exp((math.log(want) - math.log(m1)) * dlt / dlm)
+    return min(max(guess, t1 / 2.0), t1 * 2.0)

@@ -20,7 +20,7 @@ from torch import nn
 from ...errors import InputError
 
 __all__ = ["batch_loss", "slice_batch", "batch_size", "Layer", "capture_layers", "time_layers",
-           "layer_flops", "time_model", "time_updates", "measure_speedup"]
+           "layer_flops", "ModelRuns", "time_model", "time_updates", "measure_speedup"]
 
 logger = logging.getLogger(__name__)
 
@@ -244,12 +244,36 @@ def _run(model: nn.Module, batch: Any, loss_fn: LossFn, cut: Layer | None) -> tu
             handle.remove()
 
 
+@dataclass
+class ModelRuns:
+    """Medians of whole-model runs (seconds), all taken round-robin in the same rounds.
+
+    Attributes:
+        full: (forward+loss, backward) of full fine-tuning.
+        cuts: per cut layer, (forward+loss, backward) of the frozen model cut at that layer's output.
+        suffix_dw: per cut layer, the backward of training every tensor from that layer up (a static
+            suffix) minus the same round's frozen cut backward at that layer: the weight-gradient seconds
+            of the suffix, measured on the real model and batch (None where that suffix was not timed).
+    """
+
+    full: tuple[float, float]
+    cuts: list[tuple[float, float]]
+    suffix_dw: list[float | None] | None = None
+
+
 def time_model(model: nn.Module, batch: Any, loss_fn: LossFn, params: list[nn.Parameter],
-               cuts: list[Layer], repeats: int) -> tuple[tuple[float, float], list[tuple[float, float]]]:
-    """Median (forward+loss, backward) seconds of full fine-tuning and of the frozen model cut at each
-    of ``cuts`` (backward from the loss down to that layer's output only)."""
+               cuts: list[Layer], repeats: int,
+               suffixes: list[list[nn.Parameter] | None] | None = None) -> ModelRuns:
+    """Median whole-model seconds of full fine-tuning, of the frozen model cut at each of ``cuts``
+    (backward from the loss down to that layer's output only) and, with ``suffixes`` (one parameter list
+    per cut: the tensors from that cut's layer up, or None to skip it), of training each suffix.
+
+    Each suffix run follows its cut's run directly, and the per-round difference of their backwards is
+    what is kept, so a load change on a shared machine between rounds or phases cancels out of it.
+    """
     full: list[tuple[float, float]] = []
     cut_runs: list[list[tuple[float, float]]] = [[] for _ in cuts]
+    dw_runs: list[list[float]] = [[] for _ in cuts]
     with torch.enable_grad():
         for r in range(max(1, repeats) + 1):
             for p in params:
@@ -257,19 +281,27 @@ def time_model(model: nn.Module, batch: Any, loss_fn: LossFn, params: list[nn.Pa
             s = _run(model, batch, loss_fn, None)
             if r > 0:
                 full.append(s)
-            for p in params:
-                p.requires_grad_(False)
             for i, ly in enumerate(cuts):
+                for p in params:
+                    p.requires_grad_(False)
                 s = _run(model, batch, loss_fn, ly)
                 if r > 0:
                     cut_runs[i].append(s)
+                if suffixes is None or suffixes[i] is None:
+                    continue
+                for p in suffixes[i]:
+                    p.requires_grad_(True)
+                t = _run(model, batch, loss_fn, None)
+                if r > 0:
+                    dw_runs[i].append(t[1] - s[1])
         for p in params:
             p.requires_grad_(True)
 
     def med(ss: list[tuple[float, float]]) -> tuple[float, float]:
         return statistics.median(s[0] for s in ss), statistics.median(s[1] for s in ss)
 
-    return med(full), [med(c) for c in cut_runs]
+    return ModelRuns(med(full), [med(c) for c in cut_runs],
+                     None if suffixes is None else [statistics.median(d) if d else None for d in dw_runs])
 
 
 def time_updates(model: nn.Module, optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter],

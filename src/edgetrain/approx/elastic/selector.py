@@ -10,10 +10,11 @@ corrected by the measured error, so the delivered speed-up, not only the predict
 
 Later selections reach other depths, where the timing model can be off by another amount, so the
 selector keeps closing the loop on the user's own training steps, at no extra cost (closed-loop
-control, :mod:`.feedback`): it learns the real step time of the selection in force, and at
-each re-selection corrects the planner's target by the ratio of the speed-up those steps delivered
-(the real full step measured at attach over their median step time) to the requested one, damped and
-clamped. Step times reach it in one of two ways:
+control, :mod:`.feedback`): at each re-selection it corrects the planner's target by the ratio
+of the speed-up the last selection's steps delivered (the real full step over their median) to the
+requested one, damped and clamped. The full step is measured at attach, and re-anchored whenever the
+calibrated selection runs (its speed-up is known): load drift is not read as model error. Step times
+reach it in one of two ways:
 
 * automatically: :meth:`ElasticSelector.maybe_reselect`, called once per step as below, records the wall
   time between consecutive calls (consecutive step indices only; the interval after a re-selection
@@ -47,14 +48,15 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ...errors import EdgetrainError, InputError
-from .feedback import Correction, correct_target
-from .measure import batch_loss, batch_size, measure_speedup, slice_batch
+from .feedback import Correction, correct_target, secant_target
+from .importance import tensor_importance
+from .measure import batch_size, measure_speedup, slice_batch
 from .select import SpeedupPlan, plan_for_speedup
 from .state import TrainingSnapshot
 from .timing import TensorTiming, measure_timing
@@ -78,6 +80,8 @@ class ElasticConfig:
         timing_repeats: repetitions per isolated layer timing (medians).
         timing_cut_repeats: repetitions per whole-model timing.
         timing_max_cuts: layers at which the frozen model's backward is timed (calibration points).
+        timing_max_suffixes: cuts at which the static suffix from that layer up is trained and timed on
+            the real model and batch (where weight-gradient times come from; see :mod:`.timing`).
         timing_cache_path: optional JSON file caching measured timings across runs.
         calibration_pairs: back-to-back (full step, selected step) pairs per calibration round at
             attach time; 0 turns calibration off (the plan then rests on the timing model alone).
@@ -100,6 +104,7 @@ class ElasticConfig:
     timing_repeats: int = 5
     timing_cut_repeats: int = 3
     timing_max_cuts: int = 24
+    timing_max_suffixes: int = 8
     timing_cache_path: str | None = None
     calibration_pairs: int = 5
     calibration_rounds: int = 3
@@ -112,7 +117,8 @@ class ElasticConfig:
         if not self.speedup >= 1.0:
             raise InputError(f"speedup must be >= 1.0, got {self.speedup}")
         for name in ("interval_steps", "probe_batch_size", "time_units", "timing_repeats",
-                     "timing_cut_repeats", "timing_max_cuts", "calibration_rounds", "feedback_min_steps"):
+                     "timing_cut_repeats", "timing_max_cuts", "timing_max_suffixes", "calibration_rounds",
+                     "feedback_min_steps"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.calibration_pairs < 0:
@@ -123,40 +129,6 @@ class ElasticConfig:
             raise InputError(f"feedback_gain must be in [0, 1] (0: off), got {self.feedback_gain}")
         if not self.feedback_max_change > 0.0:
             raise InputError(f"feedback_max_change must be > 0, got {self.feedback_max_change}")
-
-
-def tensor_importance(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                      loss_fn: Callable[[Any, Any], torch.Tensor], names: Sequence[str]) -> list[float]:
-    """First-order loss decrease ``-sum(g * delta_w)`` of each named tensor over one probe step.
-
-    ``g`` is the gradient on ``batch`` and ``delta_w`` the update the optimizer makes from it (all named
-    tensors trainable for the probe). A positive value means the update lowers the loss. Everything
-    the probe touches (parameters, gradients, flags, buffers, optimizer state, RNG) is restored
-    bit-exactly afterwards.
-
-    Args:
-        model: the model.
-        optimizer: its optimizer (the probe takes one real step with it).
-        batch: the probe batch ``(inputs, target)``.
-        loss_fn: ``loss_fn(output, target) -> scalar``.
-        names: parameter names (as in ``model.named_parameters()``) to score.
-
-    Returns:
-        One importance per name (0 for tensors the loss does not reach).
-    """
-    by_name = dict(model.named_parameters())
-    tensors = [by_name[n] for n in names]
-    with TrainingSnapshot(model, optimizer):
-        for p in model.parameters():
-            p.grad = None
-        for p in tensors:
-            p.requires_grad_(True)
-        batch_loss(model, batch, loss_fn).backward()
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in tensors]
-        before = [p.detach().clone() for p in tensors]
-        optimizer.step()
-        return [0.0 if g is None else -float((g.double() * (p.detach().double() - b.double())).sum())
-                for p, g, b in zip(tensors, grads, before)]
 
 
 class ElasticSelector:
@@ -196,6 +168,7 @@ class ElasticSelector:
         self._tensors: list[nn.Parameter] = []
         self._last_step = 0
         self.measured_speedup: float | None = None
+        self._calibrated: tuple[int, ...] | None = None   # the selection calibration measured
         self.target_speedup = self.config.speedup
         self.full_step_s = 0.0
         self.delivered_speedup: float | None = None
@@ -231,7 +204,7 @@ class ElasticSelector:
         self._model, self._optimizer, self._loss_fn = model, optimizer, loss_fn
         self.timing = measure_timing(model, example_batch, loss_fn, optimizer, repeats=cfg.timing_repeats,
                                      cut_repeats=cfg.timing_cut_repeats, max_cuts=cfg.timing_max_cuts,
-                                     cache_path=cfg.timing_cache_path)
+                                     max_suffixes=cfg.timing_max_suffixes, cache_path=cfg.timing_cache_path)
         by_name = dict(model.named_parameters())
         self._tensors = [by_name[n] for n in self.timing.names]
         self._ref_samples = _samples(example_batch)
@@ -245,17 +218,18 @@ class ElasticSelector:
 
         Each round times ``calibration_pairs`` back-to-back pairs of real training steps (full, then
         selected) on ``batch``, restoring the training state afterwards. When the median ratio is off
-        the requested speed-up by more than ``calibration_tolerance``, the planner's target is scaled
-        by ``requested / measured`` and the selection re-solved with the same importance (no new
-        probe). The timing model is measured on isolated pieces; this closes the loop on whole steps.
-        A request still missed at the reachable limit is warned about, never missed silently. The
-        median of the full steps becomes :attr:`full_step_s`, the reference of closed-loop control.
+        the requested speed-up by more than ``calibration_tolerance``, the planner's target is corrected
+        as :func:`.feedback.secant_target` says (the model's error differs between selections,
+        so a fixed ratio can overshoot back and forth) and the selection re-solved with the same
+        importance (no new probe); the round measured closest to the request is kept. A request still
+        missed at the reachable limit is warned about, never missed silently. The median of the full
+        steps becomes :attr:`full_step_s`, the reference of closed-loop control.
 
         Args:
             batch: a real ``(inputs, target)`` batch of the training batch size.
 
         Returns:
-            The last measured speed-up (None when calibration is off).
+            The measured speed-up of the kept selection (None when calibration is off).
         """
         timing, model = self._require()
         cfg = self.config
@@ -263,28 +237,37 @@ class ElasticSelector:
             return None
         chosen = set(self.plan.selection.indices)
         fulls: list[float] = []
+        rounds: list[tuple[float, float, SpeedupPlan]] = []    # (target, measured, plan) per round
         for r in range(cfg.calibration_rounds):
             with TrainingSnapshot(model, self._optimizer):
                 measured, full_s = measure_speedup(model, self._optimizer, batch, self._loss_fn, self._tensors,
                                                    chosen, cfg.calibration_pairs)
             fulls += full_s
             self.full_step_s = statistics.median(fulls)
-            self.measured_speedup = measured
+            rounds.append((self.target_speedup, measured, self.plan))
             want = min(cfg.speedup, self.plan.reachable_speedup)
-            logger.info("elastic calibration %d: predicted %.2fx, measured %.2fx (requested %.2fx)", r + 1,
-                        self.plan.predicted_speedup, measured, cfg.speedup)
-            if abs(measured / want - 1.0) <= cfg.calibration_tolerance or r == cfg.calibration_rounds - 1:
+            logger.info("elastic calibration %d: predicted %.2fx, measured %.2fx (requested %.2fx, planner "
+                        "target %.3fx)", r + 1, self.plan.predicted_speedup, measured, cfg.speedup,
+                        self.target_speedup)
+            if (abs(measured / want - 1.0) <= cfg.calibration_tolerance or r == cfg.calibration_rounds - 1
+                    or math.isinf(self.target_speedup)):
                 break
-            target = max(1.0, self.target_speedup * want / measured)
-            if math.isinf(self.target_speedup) or target == self.target_speedup:
+            target = max(1.0, secant_target([(t, m) for t, m, _ in rounds], want))
+            if target == self.target_speedup:
                 break
             self.target_speedup = target
             self._plan(list(self.importance[n] for n in timing.names), warn=False)
-            self.apply()
             new = set(self.plan.selection.indices)
             if new == chosen:
                 break
             chosen = new
+        target, measured, plan = min(rounds, key=lambda t: abs(math.log(t[1] / want)))
+        if plan is not self.plan:
+            logger.info("elastic calibration keeps round %d's selection (measured %.2fx)",
+                        [t[2] for t in rounds].index(plan) + 1, measured)
+        self.target_speedup, self.plan, self.measured_speedup = target, plan, measured
+        self._calibrated = plan.selection.indices
+        self.apply()
         if math.isfinite(cfg.speedup) and measured < cfg.speedup * (1.0 - 0.15):
             msg = (f"elastic selection reaches a measured {measured:.2f}x step-time speed-up, below the "
                    f"requested {cfg.speedup:.3g}x (the model predicts {self.plan.predicted_speedup:.2f}x, "
@@ -361,6 +344,15 @@ class ElasticSelector:
                 or math.isinf(self.target_speedup) or not self.full_step_s > 0.0):
             return
         want = min(cfg.speedup, plan.reachable_speedup)
+        ok = [t for t in times if math.isfinite(t) and t > 0.0]
+        if (plan.selection.indices == self._calibrated and self.measured_speedup
+                and len(ok) >= cfg.feedback_min_steps):
+            # the calibrated selection's speed-up is known from back-to-back steps: its training steps
+            # re-anchor the full step to the machine's speed now (the load may have changed since attach)
+            logger.info("elastic feedback: full step reference %.4g s -> %.4g s (the calibrated selection's "
+                        "steps x its measured %.2fx)", self.full_step_s, statistics.median(ok) *
+                        self.measured_speedup, self.measured_speedup)
+            self.full_step_s = statistics.median(ok) * self.measured_speedup
         c = correct_target(self.target_speedup, want, self.full_step_s, times, gain=cfg.feedback_gain,
                            max_change=cfg.feedback_max_change, min_steps=cfg.feedback_min_steps,
                            max_target=plan.reachable_speedup, step=step_idx)

@@ -15,13 +15,19 @@ How :func:`measure_timing` measures, on this machine and the real batch shape (r
    the frozen model cut at the output of up to ``max_cuts`` layers (always the first and the last),
    whose backward is exactly the input-gradient time from the loss down to that layer and whose
    forward is that of a model trained from that layer up. Between cuts both are interpolated in
-   proportion to the isolated per-layer times. Weight-gradient times are scaled by one factor so that
-   they add up to (full backward) - (backward cut at the first layer). The optimizer update is timed
-   with all gradients and with the smaller half of the tensors, fitted as ``a + b * numel`` per tensor.
+   proportion to the isolated per-layer times. **Weight gradients** are measured the same way: right
+   after each cut's run, the same model trains the static suffix from that layer up; the difference of
+   the two backwards in the same round is the suffix's weight-gradient time. Differences between
+   consecutive cuts give each segment's time, split among its layers in proportion to their isolated
+   weight-gradient times. Isolated times thus set proportions only, never totals: they are taken in an
+   earlier phase, and on a shared machine the load can change between phases by a factor of 2-7 (issue
+   20: one global factor fitted isolated to whole-model times came out at 0.146 and was clamped, and
+   2x delivered 3.06x). The optimizer update is timed with all gradients and with the smaller half of
+   the tensors, fitted as ``a + b * numel`` per tensor.
 4. **Fallback.** A layer that cannot be re-run in isolation (it raises on its captured inputs) gets
    FLOPs estimates (:func:`.measure.layer_flops`) converted to seconds with the median
    seconds-per-FLOP of the layers that were timed (1e-10 s/FLOP when none was); it is listed in
-   ``TensorTiming.fallback_layers``. Whole-model calibration still applies to it.
+   ``TensorTiming.fallback_layers``. The whole-model measurements still apply to it.
 
 Results are cached per model structure + batch shapes + optimizer type + thread count, in memory and
 optionally in a JSON file. A module called several times per forward is timed on its first call and
@@ -42,10 +48,8 @@ import torch
 from torch import nn
 
 from ...errors import ProfileError
-from .measure import (
-    Layer, batch_loss, batch_size, capture_layers, layer_flops, leaves, slice_batch, time_layers, time_model,
-    time_updates,
-)
+from .measure import (Layer, batch_loss, batch_size, capture_layers, layer_flops, leaves,
+                              slice_batch, time_layers, time_model, time_updates)
 from .state import TrainingSnapshot
 
 __all__ = ["TensorTiming", "measure_timing", "batch_loss", "slice_batch", "batch_size"]
@@ -142,7 +146,8 @@ def _pick_cuts(layers: list[Layer], max_cuts: int) -> list[int]:
     if len(ok) <= max_cuts:
         return ok
     picks = {ok[0], ok[-1]}
-    picks.update(ok[round(j * (len(ok) - 1) / (max_cuts - 1))] for j in range(max_cuts))
+    if max_cuts > 2:
+        picks.update(ok[round(j * (len(ok) - 1) / (max_cuts - 1))] for j in range(max_cuts))
     return sorted(picks)
 
 
@@ -175,6 +180,22 @@ def _cumulative(iso: list[float], cut_s: dict[int, float], base_s: float) -> lis
     return cum
 
 
+def _suffix_weight_grads(iso_dw: list[float], suffix_dw: dict[int, float]) -> list[float]:
+    """Weight-gradient seconds of each layer, from the measured weight-gradient seconds of static suffixes.
+
+    ``suffix_dw[i]`` is what training every tensor from layer ``i`` up adds to the frozen model's
+    backward cut at ``i`` (measured on the whole model); ``iso_dw`` the layers' isolated weight-gradient
+    seconds, which only split a measured difference among the layers between two cuts (and extrapolate
+    below the deepest cut). Isolated times set proportions, never the total: timed in another phase than
+    the whole-model runs, their scale follows the machine's load then, not the model.
+    """
+    m = len(iso_dw)
+    # inclusive sums (layer i and up) are _cumulative's "above" over a list shifted by one; layer m
+    # (past the end) trains nothing
+    cum = _cumulative([0.0] + [max(0.0, w) for w in iso_dw], {**suffix_dw, m: 0.0}, 0.0)
+    return [max(0.0, cum[i] - cum[i + 1]) for i in range(m)]
+
+
 def _cache_key(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None) -> str:
     parts = [type(model).__qualname__, repr(model), str(model.training), type(optimizer).__qualname__,
              str(torch.get_num_threads())]
@@ -185,8 +206,8 @@ def _cache_key(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | 
 
 def measure_timing(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                    optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 5,
-                   cut_repeats: int = 3, max_cuts: int = 24, cache_path: str | os.PathLike | None = None,
-                   use_cache: bool = True) -> TensorTiming:
+                   cut_repeats: int = 3, max_cuts: int = 24, max_suffixes: int = 8,
+                   cache_path: str | os.PathLike | None = None, use_cache: bool = True) -> TensorTiming:
     """Measure (or fetch from cache) the per-tensor costs of one training step on this machine.
 
     The model's parameters, buffers, gradients, flags, optimizer state and RNG are restored afterwards.
@@ -199,6 +220,8 @@ def measure_timing(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], t
         repeats: timed repetitions per isolated layer measurement (medians).
         cut_repeats: timed repetitions per whole-model measurement.
         max_cuts: how many layers to cut the frozen model at (more: better interpolation, slower).
+        max_suffixes: at how many of the cuts (spread evenly, always the first and the last) the static
+            suffix from that layer up is trained, to measure weight-gradient times (more: slower).
         cache_path: optional JSON file holding measured timings by key (read and updated).
         use_cache: look up and store results in the caches.
 
@@ -219,7 +242,7 @@ def measure_timing(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], t
             return _MEMORY_CACHE[key]
     with TrainingSnapshot(model, optimizer):
         try:
-            timing = _measure(model, batch, loss_fn, optimizer, repeats, cut_repeats, max_cuts)
+            timing = _measure(model, batch, loss_fn, optimizer, repeats, cut_repeats, max_cuts, max_suffixes)
         except ProfileError:
             raise
         except Exception as exc:
@@ -243,7 +266,7 @@ def measure_timing(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], t
 
 
 def _measure(model: nn.Module, batch: Any, loss_fn: Callable, optimizer: torch.optim.Optimizer | None,
-             repeats: int, cut_repeats: int, max_cuts: int) -> TensorTiming:
+             repeats: int, cut_repeats: int, max_cuts: int, max_suffixes: int) -> TensorTiming:
     layers = capture_layers(model, batch, loss_fn)
     if not layers:
         raise ProfileError("the model has no trainable parameter used by its forward pass; nothing to "
@@ -261,34 +284,44 @@ def _measure(model: nn.Module, batch: Any, loss_fn: Callable, optimizer: torch.o
             fallback.append(ly.name)
     params = [p for ly in layers for _, p in ly.params]
     cuts = _pick_cuts(layers, max_cuts)
-    (fwd_total, bwd_full), cut_list = time_model(model, batch, loss_fn, params, [layers[i] for i in cuts],
-                                                 cut_repeats)
+    first_param = {id(p): k for k, p in enumerate(params)}
+    timed = set(_pick_cuts([layers[i] for i in cuts], max_suffixes)) if cuts else set()
+    suffixes = [params[first_param[id(layers[i].params[0][1])]:] if j in timed else None
+                for j, i in enumerate(cuts)]
+    runs = time_model(model, batch, loss_fn, params, [layers[i] for i in cuts], cut_repeats, suffixes)
+    fwd_total, bwd_full = runs.full
     # physical invariants that single noisy samples may break: a model trained from some layer up
     # runs its forward no slower than full fine-tuning does, and backpropagates no more
-    cut_runs = {i: (min(f, fwd_total), min(b, bwd_full)) for i, (f, b) in zip(cuts, cut_list)}
+    cut_runs = {i: (min(f, fwd_total), min(b, bwd_full)) for i, (f, b) in zip(cuts, runs.cuts)}
     per_tensor_s, per_elem_s, update_full = time_updates(model, optimizer, params, batch, loss_fn, repeats)
     base_fwd, base_bwd = cut_runs[cuts[-1]] if cuts else (fwd_total, 0.0)
     dy_cum = _cumulative([t[2] for t in iso], {i: r[1] for i, r in cut_runs.items()}, base_bwd)
     fwd_cum = _cumulative([t[0] for t in iso], {i: r[0] for i, r in cut_runs.items()}, base_fwd)
-    dw_iso_total = sum(w for t in iso for w in t[1])
-    dw_real = bwd_full - (cut_runs[cuts[0]][1] if cuts else 0.0)
-    scale = dw_real / dw_iso_total if dw_iso_total > 0 and dw_real > 0 else 1.0
-    if not 0.2 <= scale <= 5.0:
-        logger.warning("weight-gradient calibration factor %.3g is implausible (noisy machine?); clamping",
-                       scale)
-        scale = min(max(scale, 0.2), 5.0)
+    if cuts:
+        layer_dw = _suffix_weight_grads([sum(t[1]) for t in iso],
+                                        {i: w for i, w in zip(cuts, runs.suffix_dw) if w is not None})
+        scale = sum(layer_dw) / max(sum(w for t in iso for w in t[1]), 1e-12)
+    else:   # no layer output can be cut: one factor fits the isolated times to the whole backward
+        layer_dw = None
+        dw_iso_total = sum(w for t in iso for w in t[1])
+        scale = bwd_full / dw_iso_total if dw_iso_total > 0 and bwd_full > 0 else 1.0
     fwd_scale = fwd_total / max(sum(t[0] for t in iso), 1e-12)
     out: dict[str, list] = {k: [] for k in ("names", "layers", "numels", "forward_s", "weight_grad_s",
                                             "update_s", "input_grad_s", "input_grad_cum_s",
                                             "forward_graph_cum_s")}
     for i, (ly, (fwd, dws, dy)) in enumerate(zip(layers, iso)):
         through = (dy_cum[i - 1] - dy_cum[i]) if i > 0 else dy * scale
+        own = sum(dws)
         for j, ((name, p), dw) in enumerate(zip(ly.params, dws)):
+            if layer_dw is None:
+                dw *= scale
+            else:   # the layer's measured share, split among its tensors as the isolated times split it
+                dw = layer_dw[i] * (dw / own if own > 0 else 1.0 / len(dws))
             out["names"].append(name)
             out["layers"].append(ly.name)
             out["numels"].append(p.numel())
             out["forward_s"].append(fwd * fwd_scale if j == 0 else 0.0)
-            out["weight_grad_s"].append(dw * scale)
+            out["weight_grad_s"].append(dw)
             out["update_s"].append(per_tensor_s + per_elem_s * p.numel() if optimizer is not None else 0.0)
             out["input_grad_s"].append(max(0.0, through) if j == 0 else 0.0)
             out["input_grad_cum_s"].append(dy_cum[i])
