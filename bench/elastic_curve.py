@@ -144,26 +144,11 @@ class CurveTask:
 
 
 def _pretrain(family: str, pre: Any, epochs: int) -> tuple[nn.Module, float]:
-    from edgetrain.data import random_affine
-    from elastic_task import AUGMENT, recalibrate_batchnorm
+    from elastic_task import pretrain
 
     torch.manual_seed(0)
     model = FAMILIES[family][1](pre.num_classes)
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, pct_start=0.2,
-                                                total_steps=epochs * pre.num_batches("train", BS))
-    gen = torch.Generator().manual_seed(0)
-    for e in range(epochs):
-        for x, y in pre.batches("train", BS, image_size=SIZE, seed=100 + e):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(random_affine(x, gen, **AUGMENT)), y).backward()
-            opt.step()
-            sched.step()
-    recalibrate_batchnorm(model, pre.batches("train", BS, image_size=SIZE, seed=99))
-    model.eval()
-    xp, yp = pre.tensors("test", image_size=SIZE)
-    with torch.no_grad():
-        return model, (model(xp).argmax(1) == yp).float().mean().item()
+    return pretrain(model, pre, epochs, SIZE, BS, lr=2e-3)
 
 
 def curve_task(family: str, quick: bool, cache_prefix: str | None) -> CurveTask:

@@ -39,30 +39,36 @@ def recalibrate_batchnorm(model: nn.Module, batches: Iterable[Any]) -> None:
         m.momentum = mom
 
 
-def pretrain_backbone(pre: Any, epochs: int, size: int, bs: int) -> tuple[nn.Module, float]:
-    """MobileNetV2-0.5 trained from scratch on ``pre`` (one-cycle Adam, every batch randomly rotated,
-    scaled and shifted by :func:`edgetrain.data.random_affine`), BatchNorm recalibrated on plain
-    batches. Returns the model and its accuracy on ``pre``'s test split."""
+def pretrain(model: nn.Module, pre: Any, epochs: int, size: int, bs: int, lr: float) -> tuple[nn.Module, float]:
+    """Train ``model`` from scratch on ``pre`` (one-cycle Adam, every batch randomly rotated, scaled and
+    shifted by :func:`edgetrain.data.random_affine`), BatchNorm recalibrated on plain batches. Returns the
+    model in eval mode and its accuracy on ``pre``'s test split."""
     from edgetrain.data import random_affine
-    from edgetrain.models import mobilenet_v2
 
-    torch.manual_seed(0)
-    base = mobilenet_v2(num_classes=pre.num_classes, in_channels=1, width_mult=0.5)
-    opt = torch.optim.Adam(base.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, pct_start=0.2,
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, pct_start=0.2,
                                                 total_steps=epochs * pre.num_batches("train", bs))
     gen = torch.Generator().manual_seed(0)
     for e in range(epochs):
         for x, y in pre.batches("train", bs, image_size=size, seed=100 + e):
             opt.zero_grad()
-            nn.functional.cross_entropy(base(random_affine(x, gen, **AUGMENT)), y).backward()
+            nn.functional.cross_entropy(model(random_affine(x, gen, **AUGMENT)), y).backward()
             opt.step()
             sched.step()
-    recalibrate_batchnorm(base, pre.batches("train", bs, image_size=size, seed=99))
-    base.eval()
+    recalibrate_batchnorm(model, pre.batches("train", bs, image_size=size, seed=99))
+    model.eval()
     xp, yp = pre.tensors("test", image_size=size)
     with torch.no_grad():
-        return base, (base(xp).argmax(1) == yp).float().mean().item()
+        return model, (model(xp).argmax(1) == yp).float().mean().item()
+
+
+def pretrain_backbone(pre: Any, epochs: int, size: int, bs: int) -> tuple[nn.Module, float]:
+    """MobileNetV2-0.5 trained from scratch on ``pre`` by :func:`pretrain`."""
+    from edgetrain.models import mobilenet_v2
+
+    torch.manual_seed(0)
+    base = mobilenet_v2(num_classes=pre.num_classes, in_channels=1, width_mult=0.5)
+    return pretrain(base, pre, epochs, size, bs, lr=3e-3)
 
 
 @dataclass

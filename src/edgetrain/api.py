@@ -16,7 +16,7 @@ from .profile.fork import analyse_safely
 from .planning.guards import describe_change, loss_norm_safely, model_key
 from .planning.loss import LossNorm
 from .planning.planner import safety_margin_bytes
-from ._state import batchnorm_modules
+from ._state import batchnorm_modules, rng_state, set_rng_state
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
@@ -98,7 +98,11 @@ class TrainStep:
         whose plan recomputes nothing runs the model's own forward and captures it here on first use."""
         if self._chain is None:
             assert self._capture is not None
-            self._chain = self._capture()
+            state = rng_state()  # capture runs the model on the example: the user's random stream must not move
+            try:
+                self._chain = self._capture()
+            finally:
+                set_rng_state(state)
         return self._chain
 
     def _make_executor(self, plan: Plan) -> Any:
@@ -442,6 +446,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     if pager is not None and "page" not in plan.policies:
         pager.close()
         pager = None
+    if chain is None and (pager is not None or needs_stages(plan)):
+        chain = analysis.capture_chain()  # the step runs stages: capture before its hooks go on the model
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      margin_share=0.0 if budget is None else safety_margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager,

@@ -8,7 +8,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "batch_signature"]
+__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in"]
 
 
 def _leaves(x: Any) -> Iterator[torch.Tensor]:
@@ -52,3 +52,16 @@ def slice_batch(x: Any, start: int, stop: int) -> Any:
 def batch_signature(x: Any) -> tuple[Any, ...]:
     """Per-sample shapes and dtypes (dim 0 dropped): what must match between example and real batches."""
     return tuple((tuple(t.shape[1:]), str(t.dtype), t.device.type) for t in _leaves(x))
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested value (tensor, dict, tuple, list, or a transformers ``ModelOutput``), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in tensors_in(v)]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in tensors_in(v)]
+    if hasattr(x, "to_tuple"):  # transformers' ModelOutput
+        return tensors_in(x.to_tuple())
+    return []

@@ -18,20 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..batch import slice_batch
+from ..batch import slice_batch, tensors_in
 from . import memory
 
 __all__ = ["run_blocks"]
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
-    return []
 
 
 def _key(t: torch.Tensor) -> int:
@@ -55,7 +45,7 @@ def run_blocks(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Ca
     n = len(chain.stages)
     blocks = [st.modules[0] for st in chain.stages]
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
-    batch_keys = {_key(t) for t in _tensors(env)} | set(params)
+    batch_keys = {_key(t) for t in tensors_in(env)} | set(params)
     region = [-1]  # -1: before the first block; i: inside block i; n + i: after block i
     saved: dict[int, dict[int, int]] = {}
     fwd = [0.0] * n
@@ -80,7 +70,7 @@ def run_blocks(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Ca
     def pre(i: int):
         def hook(mod: Any, args: Any, kwargs: Any) -> None:
             region[0] = i
-            ins = _tensors(args) + _tensors(kwargs)
+            ins = tensors_in(args) + tensors_in(kwargs)
             for t in ins:
                 if _key(t) not in out_keys and _key(t) not in batch_keys:
                     arg_keys.setdefault(_key(t), t.untyped_storage().nbytes())
@@ -99,7 +89,7 @@ def run_blocks(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Ca
             fwd[i] = time.perf_counter() - t_in[i]
             if measure_memory:
                 peak[i] = max(0, memory.peak_rss_bytes() - rss_at[i])
-            outs = _tensors(out)
+            outs = tensors_in(out)
             out_keys.update(_key(t) for t in outs)
             out_b[i] = _nbytes(outs)
             diff = next((t for t in outs if t.requires_grad), None)

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from ..batch import tensors_in
 from ..graph import Linear, SelectiveOption
 from ..runtime.selective import OP_CLASSES, op_class, option_name, recording, selective_context_fn
 
@@ -36,18 +37,6 @@ log = logging.getLogger(__name__)
 
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
-    if hasattr(x, "to_tuple"):  # transformers' ModelOutput
-        return _tensors(x.to_tuple())
-    return []
 
 
 @dataclass
@@ -101,7 +90,7 @@ class _Recorder(TorchDispatchMode):
         s.seconds[cls] = s.seconds.get(cls, 0.0) + dt
         s.calls += 1
         if cls in OP_CLASSES and not (self.frame is not None and self.frame.suppress):
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 if t.device.type != "meta":
                     self.kept(cls, t)
         return out
@@ -122,13 +111,13 @@ def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int]) 
         return t
 
     rec = _Recorder(sample)
-    ins = _tensors(list(inputs))
+    ins = tensors_in(list(inputs))
     versions = [t._version for t in ins]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recording(rec.kept) as frame:
         rec.frame = frame
         with rec:
             outs = run()
-    outs_t = _tensors(outs)
+    outs_t = tensors_in(outs)
     sample.mutates_input = any(t._version != v for t, v in zip(ins, versions))
     sample.outputs = {_key(t) for t in outs_t}
     sample.resident = set(params) | {_key(t) for t in ins} | sample.outputs
@@ -159,7 +148,7 @@ def option_is_exact(run: Callable[..., Any], args: Sequence[Any], grad_inputs: S
                                   context_fn=selective_context_fn(name))
             else:
                 outs = run(*args)
-            outs_t = _tensors(outs)
+            outs_t = tensors_in(outs)
             diff = [o for o in outs_t if o.requires_grad]
             wrt = list(grad_inputs) + list(params)
             grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True) \
