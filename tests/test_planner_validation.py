@@ -2,7 +2,7 @@
 
 from edgetrain.errors import BudgetError
 from edgetrain.graph import CostChain, Linear, StageCost, simulate
-from edgetrain.planning.planner import Measured, Planner
+from edgetrain.planning.planner import RETRY_SLACK, Measured, Planner
 
 MIB = 2**20
 
@@ -217,7 +217,8 @@ def test_the_named_smallest_budget_is_one_a_plan_was_measured_in():
     assert any(r.micro_batch_size == 8 for r in runs)  # the largest size ran
     at_8 = max(HELD + simulate(chain(HELD), 8, r.policies, r.groups, r.nested_groups).activation_peak_bytes // 4
                for r in runs if r.micro_batch_size == 8)
-    assert named <= 1.04 * at_8  # the largest size's measured peak (plus 3%), not the smallest plan's 140+ MiB
+    # the largest size's measured peak (plus the retry slack), not the smallest plan's 140+ MiB
+    assert named <= (RETRY_SLACK + 0.01) * at_8
     retry = Planner(chain(HELD), named, 0, "dp", None, False, 1, 0)
     plan, _ = retry.plan_validated(_residue_and_overprediction_runner()[0], 0, 0)
     assert plan.peak_bytes <= named

@@ -19,7 +19,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import math
 import statistics
 import time
 import warnings
@@ -371,12 +370,18 @@ def _candidates(trace: ModelTrace, order: list[str], timings: FilterTimings | No
     return sorted(out, key=_Candidate.order)
 
 
+#: the largest backward speed-up a plan predicts (see :func:`_choose`)
+MAX_PREDICTED_SPEEDUP = 100.0
+
+
 def _choose(candidates: list[_Candidate], scale: float, target_speedup: float | None, budget: int | None,
             timing: str, timings: FilterTimings | None) -> GradFilterPlan:
     """The first candidate (fewest convs, smaller radius) whose speed-up (saving x ``scale``) and bytes fit."""
     def speedup(saving: float) -> float:
+        # Filtering never removes a whole backward (dL/dy is still read, dL/dx still written): a saving that
+        # noisy timings put at or past the whole backward is held at MAX_PREDICTED_SPEEDUP, never infinite.
         left = 1 - scale * saving
-        return 1 / left if left > 0 else math.inf
+        return min(1 / left, MAX_PREDICTED_SPEEDUP) if left > 0 else MAX_PREDICTED_SPEEDUP
 
     for c in candidates:
         speed = speedup(c.saving)
