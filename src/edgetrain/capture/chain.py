@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Container, Mapping
 
+import torch
 from torch import nn
 
 from ..errors import CaptureError
 
-__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers"]
+__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
@@ -133,3 +134,17 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
         else:
             env[name] = value
     return env
+
+
+def stage_inputs(stage: Any, env: dict[str, Any], produced: Container[str]) -> tuple[list[Any], list[torch.Tensor]]:
+    """A stage's arguments from ``env``, each floating-point tensor an earlier stage produced detached into a
+    leaf that requires grad (as the stage sees it in a step); returns the arguments and those leaves."""
+    args: list[Any] = []
+    leaves: list[torch.Tensor] = []
+    for k in stage.inputs:
+        v = env[k]
+        if k in produced and isinstance(v, torch.Tensor) and v.is_floating_point():
+            v = v.detach().requires_grad_(True)
+            leaves.append(v)
+        args.append(v)
+    return args, leaves

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from ..batch import tensors_in
+from ..capture.chain import stage_inputs
 from ..graph import Linear, SelectiveOption
 from ..runtime.selective import OP_CLASSES, op_class, option_name, recording, selective_context_fn
 
@@ -218,14 +219,7 @@ def _fx_stage_inputs(chain: Any, inputs_env: dict[str, Any], m: int) -> list[tup
     per = []
     with torch.no_grad():
         for st in chain.stages:
-            args, leaves = [], []
-            for k in st.inputs:
-                v = env[k]
-                if k in produced and isinstance(v, torch.Tensor) and v.is_floating_point():
-                    v = v.detach().requires_grad_(True)
-                    leaves.append(v)
-                args.append(v)
-            per.append((args, leaves))
+            per.append(stage_inputs(st, env, produced))
             outs = st(*(env[k] for k in st.inputs))
             env.update(zip(st.outputs, outs))
             produced.update(st.outputs)

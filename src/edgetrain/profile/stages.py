@@ -32,6 +32,7 @@ from .. import settings
 from .._state import preserved_model_state
 from ..batch import batch_signature, slice_batch
 from ..capture import OUTPUT_KEY, Chain
+from ..capture.chain import stage_inputs
 from ..capture.lean import chunk_bytes
 from ..errors import ProfileError
 from ..graph import CostChain, Linear, StageCost
@@ -184,14 +185,7 @@ def _run_stage(stage: Any, env: dict[str, Any], produced: Container[str], params
     ``measure_memory`` False: times only (no peak reset, which empties the tensor pool: a run that
     keeps it warm times the stage as a training step runs it, without fresh pages to fault in).
     """
-    args = []
-    grad_inputs: list[torch.Tensor] = []
-    for k in stage.inputs:
-        v = env[k]
-        if k in produced and isinstance(v, torch.Tensor) and v.is_floating_point():
-            v = v.detach().requires_grad_(True)
-            grad_inputs.append(v)
-        args.append(v)
+    args, grad_inputs = stage_inputs(stage, env, produced)
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
