@@ -74,7 +74,7 @@ def test_calibration_steps_by_secant_and_keeps_the_round_closest_to_the_request(
     # scripted measurements that get worse: the first round's selection is the one kept
     script = iter([1.8, 2.6, 2.5])
     monkeypatch.setattr(el, "measure_speedup", lambda *a: (next(script), [timing.full_step_s] * 3))
-    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3}, speedup=2.0))
+    sel = ElasticSelector(ElasticConfig(**{**FAST, "calibration_pairs": 3, "calibration_rounds": 3}, speedup=2.0))
     sel.attach(model, opt, (torch.randn(8, 16), torch.randint(0, 5, (8,))), nn.CrossEntropyLoss())
     first = sel.plan
     assert sel.measured_speedup == 1.8 and sel.target_speedup == 2.0
@@ -107,7 +107,7 @@ def _machine(timing, slowdown):
 
 @pytest.mark.parametrize("slowdown", [1.3, 0.8])
 def test_feedback_converges_to_the_requested_speedup(monkeypatch, caplog, slowdown):
-    sel, timing, batch = _selector(monkeypatch)
+    sel, timing, batch = _selector(monkeypatch, feedback_checks=0)     # the interval loop alone
     real = _machine(timing, slowdown)
     first = sel.plan.selection.indices
     delivered = [timing.full_step_s / real(sel)]
@@ -128,9 +128,47 @@ def test_feedback_converges_to_the_requested_speedup(monkeypatch, caplog, slowdo
         assert sel.target_speedup < 2.0 and sel.plan.selection.indices[0] < first[0]
 
 
+@pytest.mark.parametrize("slowdown", [1.3, 0.8])
+def test_checks_correct_a_missing_selection_within_the_first_interval(monkeypatch, slowdown):
+    # the model misses by 20-30% on every set: checks after 5 steps re-solve at once, long before the
+    # first re-selection (step 100), and stop once a selection is within the check tolerance
+    sel, timing, batch = _selector(monkeypatch, interval_steps=100)
+    real = _machine(timing, slowdown)
+    assert abs(timing.full_step_s / real(sel) / 2.0 - 1.0) > 0.1
+    changed = []
+    for step in range(1, 60):
+        if sel.maybe_reselect(step, batch):
+            changed.append(step)
+        sel.record_step_time(real(sel), samples=8)
+    assert sel.reselections == 1 and 1 <= len(changed) <= 3 and changed[0] == 6
+    assert all(b - a >= 5 for a, b in zip(changed, changed[1:]))     # each set runs 5 steps before a check
+    delivered = timing.full_step_s / real(sel)
+    assert abs(delivered / 2.0 - 1.0) <= 0.08 or len(sel.corrections) == 3
+    assert abs(delivered / 2.0 - 1.0) < 0.05                          # within the selection's granularity
+    assert all(c.new_target == pytest.approx(c.old_target * 2.0 / c.delivered_speedup)
+               for c in sel.corrections[:1])                          # the first check corrects in full
+    # on target (the machine is the model): checks change nothing
+    sel, timing, batch = _selector(monkeypatch, interval_steps=100)
+    for step in range(1, 60):
+        assert not sel.maybe_reselect(step, batch)
+        sel.record_step_time(timing.step_time_s(sel.plan.selection.indices), samples=8)
+    assert sel.corrections == []
+    # at most feedback_checks corrections per interval, however wild the steps
+    sel, timing, batch = _selector(monkeypatch, interval_steps=100, feedback_checks=2)
+    wild = iter([0.2, 5.0, 0.2, 5.0, 0.2] * 20)
+    for step in range(1, 60):
+        sel.maybe_reselect(step, batch)
+        sel.record_step_time(next(wild) * timing.step_time_s(sel.plan.selection.indices), samples=8)
+    assert len(sel.corrections) <= 2
+    with pytest.raises(InputError):
+        ElasticConfig(feedback_check_tolerance=0.0)
+    with pytest.raises(InputError):
+        ElasticConfig(feedback_checks=-1)
+
+
 def test_automatic_timing_between_maybe_reselect_calls(monkeypatch):
     now = [0.0]
-    sel, timing, batch = _selector(monkeypatch, interval_steps=20)
+    sel, timing, batch = _selector(monkeypatch, interval_steps=20, feedback_checks=0)
     sel._clock = lambda: now[0]
     step_s = 1.3 * timing.step_time_s(sel.plan.selection.indices)
     half = (batch[0][:4], batch[1][:4])
