@@ -69,6 +69,9 @@ __all__ = ["ElasticConfig", "ElasticSelector", "tensor_importance"]
 
 logger = logging.getLogger(__name__)
 
+#: a per-selection check moves the planner's target by at most this factor plus one either way
+_CHECK_MAX_CHANGE = 0.5
+
 
 @dataclass
 class ElasticConfig:
@@ -101,7 +104,7 @@ class ElasticConfig:
             in force were timed.
         feedback_check_tolerance: once a selection has run ``feedback_min_steps`` timed steps, its
             delivered speed-up is checked; off the wanted one by more than this fraction, the target is
-            corrected in full at once and the selection re-solved with the same importance (no probe),
+            corrected by the whole ratio (within a factor 1.5) at once and the selection re-solved with the same importance (no probe),
             without waiting for the next re-selection.
         feedback_checks: at most this many such corrections per re-selection interval; 0 turns them off.
     """
@@ -196,7 +199,6 @@ class ElasticSelector:
         self._last_call: tuple[float, int, int | None] | None = None   # (clock, step, samples)
         self._checked = False                    # the selection in force was checked (see _check)
         self._checks_left = 0                    # checks that may still correct in this interval
-        self._check_rounds: list[tuple[float, float]] = []   # (target, delivered) of this interval's checks
 
     # ----------------------------------------------------------------------------------- lifecycle
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
@@ -395,7 +397,7 @@ class ElasticSelector:
     def _check(self, step_idx: int | None) -> bool:
         """Check the selection in force once it has run ``feedback_min_steps`` timed steps; when its
         delivered speed-up is off the wanted one by more than ``feedback_check_tolerance``, correct the
-        target in full (the secant through this interval's checks) and re-solve with the same importance.
+        target by the whole ratio (within a factor 1.5) and re-solve with the same importance.
 
         A re-selection changes the set, and the timing model's error differs from set to set (by 10-20%
         on the benches' models), so a target calibrated on one set can miss on the next; waiting a whole
@@ -420,10 +422,11 @@ class ElasticSelector:
             delivered = self.full_step_s / step_s
         if abs(delivered / want - 1.0) <= cfg.feedback_check_tolerance:
             return False
-        self._check_rounds.append((self.target_speedup, delivered))
+        # the ratio rule, not the secant: successive checks measure different sets, whose model errors
+        # differ, so a secant through them is mostly noise (it swung a 2x target to 4.8x on MobileNetV2)
         old_target = self.target_speedup
-        target = min(max(secant_target(self._check_rounds, want), old_target / 2.0, 1.0), 2.0 * old_target)
-        self.target_speedup = min(target, max(plan.reachable_speedup, 1.0))
+        factor = min(max(want / delivered, 1.0 / (1.0 + _CHECK_MAX_CHANGE)), 1.0 + _CHECK_MAX_CHANGE)
+        self.target_speedup = min(max(old_target * factor, 1.0), max(plan.reachable_speedup, 1.0))
         self._checks_left -= 1
         self.delivered_speedup = delivered
         self.corrections.append(Correction(step_idx, len(ok), step_s, self.full_step_s, delivered, want,
@@ -474,7 +477,7 @@ class ElasticSelector:
         if step_idx is not None:
             self._last_step = step_idx
         self.apply()
-        self._checks_left, self._check_rounds = self.config.feedback_checks, []
+        self._checks_left = self.config.feedback_checks
         logger.info("elastic selection %d: %d/%d tensors, deepest %s, predicted %.2fx (requested %.2fx, "
                     "reachable %.2fx)", self.reselections, len(self.plan.selection.indices),
                     len(timing.names), self.deepest_selected, self.plan.predicted_speedup,
