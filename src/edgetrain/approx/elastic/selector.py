@@ -104,8 +104,8 @@ class ElasticConfig:
             in force were timed.
         feedback_check_tolerance: once a selection has run ``feedback_min_steps`` timed steps, its
             delivered speed-up is checked; off the wanted one by more than this fraction, the target is
-            corrected by the whole ratio (within a factor 1.5) at once and the selection re-solved with the same importance (no probe),
-            without waiting for the next re-selection.
+            corrected by the whole ratio (within a factor 1.5) at once and the selection re-solved with
+            the same importance (no probe), without waiting for the next re-selection.
         feedback_checks: at most this many such corrections per re-selection interval; 0 turns them off.
     """
 
