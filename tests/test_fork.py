@@ -56,3 +56,26 @@ def test_prepare_with_and_without_the_child_plans_alike(monkeypatch, fork):
     assert step.plan.budget_bytes == budget and step.plan.peak_bytes <= budget
     losses = [step(x, y) for _ in range(3)]
     assert losses[-1] < losses[0]
+
+
+def test_a_child_starts_from_the_parents_resident_memory_and_counts_its_own_heap_growth():
+    """A fork's readings must not depend on what its parent did before: touching the parent's file pages
+    maps more than those pages (1-2 MiB of whole folios), and free heap the parent retains would absorb the
+    child's allocations without raising its resident memory (a plan measured 1-2.5 MiB apart in a fork of
+    the analysis child and in a fork of the process itself)."""
+    memory.release_heap()
+    parent = memory.rss_bytes() - memory.baseline_rss_bytes()
+    child = _fork.run_in_child(lambda: memory.rss_bytes() - memory.baseline_rss_bytes()).value
+    assert abs(child - parent) < 2**19
+    chunks = [bytes(1000 + i % 7) for i in range(16384)]  # 16 MiB of small blocks from glibc's heap
+    keep = bytes(1000)  # above them: the heap cannot shrink from the top once they are freed
+    del chunks
+
+    def grow():
+        start = memory.rss_bytes()
+        blocks = [bytes(1000 + i % 7) for i in range(8192)]  # 8 MiB
+        return memory.rss_bytes() - start, len(blocks)
+
+    grown, _ = _fork.run_in_child(grow).value
+    assert grown >= 6 * 2**20  # counted, not carved unseen from the parent's free heap
+    del keep

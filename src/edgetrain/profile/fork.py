@@ -10,8 +10,11 @@ A forked child shares its parent's anonymous pages (counted in its resident memo
 not the page-table entries of file-backed pages (shared-library code, about 100 MiB with torch loaded):
 the child faults them in as it runs, so its resident memory would start low and grow by pages that the
 parent already holds. The parent therefore lists its resident file-backed pages (``/proc/self/pagemap``)
-before forking and the child touches each of them first: its resident memory is then the parent's, page
-for page, and every reading the analysis takes is the one the parent would take.
+before forking and the child touches each of them first. Touching maps a little more than those pages
+(whole folios), and the heap's free pages would absorb the child's first allocations unseen; the child
+therefore releases its free heap (as ``prepare`` does before the first step) and takes what it mapped beyond
+the parent's file pages off its baseline (:func:`_settle`), so that every reading the analysis takes is the
+one the parent would take, whatever the parent did before forking.
 
 The child runs with one intra-op thread: GNU OpenMP, which PyTorch's CPU build uses, deadlocks in a
 forked child that starts a parallel region after the parent ran one. Memory does not depend on the thread
@@ -114,18 +117,50 @@ def resident_file_pages() -> list[tuple[int, Any]]:
 
 
 def _touch(pages: list[tuple[int, Any]]) -> None:
+    """Read one byte of each listed page, in numpy (a Python loop over tens of thousands of pages would
+    leave a MiB of freed int objects in the child's heap, measured as if the step had allocated it)."""
     import ctypes
 
+    import numpy as np
+
     for lo, idx in pages:
-        for i in idx.tolist():
-            ctypes.string_at(lo + i * _PAGE, 1)
+        size = (int(idx[-1]) + 1) * _PAGE
+        view = np.frombuffer((ctypes.c_char * size).from_address(lo), dtype=np.uint8)
+        view[idx * _PAGE].sum()
 
 
-def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]]) -> None:
+def file_rss_bytes() -> int:
+    """Resident file-backed memory of this process (``RssFile``), 0 where unknown."""
+    kib = memory._status_kib("RssFile:")
+    return 0 if kib is None else kib * 1024
+
+
+def _settle(parent_file_rss: int) -> int:
+    """Bring the child to the state its readings must start from; returns the baseline shift applied.
+
+    Two things would make a fresh fork read differently from the process it stands for, by amounts that
+    depend on what that process did before forking (1-2.5 MiB between a fork of the analysis child and a
+    fork of the process itself, so that a budget named in one was refused in the other):
+
+    * the heap's free pages (garbage cycles, glibc's retained free chunks) would absorb allocations without
+      raising resident memory: they are released here, as ``prepare`` releases them before the first step;
+    * touching the parent's file pages maps more than those pages (the kernel maps whole folios and the
+      pages around a fault: 1.1-2.1 MiB more of shared-library code than the parent holds, the more so the
+      sparser the parent's mappings): the excess over the parent's ``RssFile`` is taken off every reading by
+      raising the child's baseline by it.
+    """
+    memory.release_heap()
+    excess = max(0, file_rss_bytes() - parent_file_rss) if parent_file_rss else 0
+    memory.shift_baseline(excess)
+    return excess
+
+
+def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]], parent_file_rss: int) -> None:
     result = ChildResult()
     try:
         torch.set_num_threads(CHILD_THREADS)
         _touch(pages)
+        _settle(parent_file_rss)
         memory.reset_peak()
         result.value = fn()
     except BudgetError as e:
@@ -151,6 +186,7 @@ def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
         (killed for memory, a crash): the caller then does the work itself.
     """
     pages = resident_file_pages()
+    parent_file_rss = file_rss_bytes() if pages else 0
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -163,7 +199,7 @@ def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
         code = 0
         try:
             os.close(r)
-            _child(fn, w, pages)
+            _child(fn, w, pages, parent_file_rss)
         except BaseException:  # noqa: BLE001
             code = 1
         finally:

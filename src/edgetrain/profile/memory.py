@@ -120,6 +120,13 @@ def baseline_rss_bytes() -> int:
     return _BASELINE_RSS
 
 
+def shift_baseline(delta_bytes: int) -> None:
+    """Raise the zero point by ``delta_bytes`` (a forked measurement child takes off what touching its
+    parent's pages mapped beyond them; see :func:`edgetrain.profile.fork._settle`)."""
+    global _BASELINE_RSS
+    _BASELINE_RSS += int(delta_bytes)
+
+
 def warm_torch_imports() -> None:
     """Load the parts of torch that every training job loads anyway, so they are import cost.
 
