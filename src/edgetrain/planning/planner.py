@@ -109,6 +109,8 @@ class Planner:
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
         self._ran_at: dict[tuple[int, tuple[str, ...]], int] = {}  # plan -> process RSS after its last run
         self._largest_run: tuple[Plan, int, int] | None = None  # _largest_size_run's one run
+        # every plan run: (plan, model peak, measured peak), the last run of each plan
+        self._runs: dict[tuple[int, tuple[str, ...]], tuple[Plan, int, int]] = {}
         self.whole_batch_only = whole_batch_only  # micro-batching would not be exact (loss, buffers)
 
     def _with_fixed(self, extra: int) -> None:
@@ -198,6 +200,8 @@ class Planner:
             except BudgetError as e:
                 last = e
                 if e.min_feasible_bytes is not None:
+                    if rec and len(kinds) > 1 and not self._min_recomputes(m, e.min_feasible_bytes):
+                        continue  # the DP's smallest keeps every stage: the other branch judges it
                     need_m = max(e.min_feasible_bytes, self.fixed_at(m, rec) + self.update_bytes)
                     need = need_m if need is None else min(need, need_m)
                 continue
@@ -214,6 +218,20 @@ class Planner:
             return best
         assert last is not None
         raise BudgetError(str(last), budget_bytes=plan_budget, min_feasible_bytes=need)
+
+    def _min_recomputes(self, m: int, need: int) -> bool:
+        """Whether the DP's smallest plan at micro-batch ``m`` (``need`` bytes with the fixed bytes of
+        recomputing plans) recomputes. Where it keeps every stage (recomputing saves nothing at that size),
+        its need is not one of a recomputing plan: judged with those plans' fixed bytes, which are lower
+        where recomputing code stays resident, it would name a budget no plan was measured in (an LSTM's
+        named 17.0 MiB, where every plan measured 22 MiB or more)."""
+        from ..planners import solve
+
+        try:
+            return _recomputes(solve(self._costs_at(m), need, solver=self.solver, micro_batch_sizes=[m],
+                                     **self.solver_kw))
+        except BudgetError:
+            return True
 
     def plan(self, plan_budget: int | None) -> Plan:
         if plan_budget is None:
@@ -339,6 +357,12 @@ class Planner:
             log.info("the largest micro-batch size's smallest plan measured %s, inside the budget",
                      format_bytes(largest[2]))
             return self._measured(largest[0].replace(budget_bytes=self.budget), largest[2], largest[1])
+        self.costs = costs_before
+        kept = self._smallest_keep_run(run, unallocated, grads)
+        if kept is not None and kept[2] <= plan_budget:
+            # the named minimum may be such a plan's measurement: a retry at it must find the plan
+            log.info("the smallest plan keeping every stage measured %s, inside the budget", format_bytes(kept[2]))
+            return self._measured(kept[0].replace(budget_bytes=self.budget), kept[2], kept[1])
         self.costs = costs_before  # leave the model as the infeasible path expects it
         return None
 
@@ -367,7 +391,9 @@ class Planner:
             # real steps measured the update itself: its transients replace the probes' estimate
             self.update_bytes = max(0, m.update_peak + unallocated - grads - fixed)
         measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
-        return max(fixed + act_pred, fixed + self.update_bytes), measured
+        model_peak = max(fixed + act_pred, fixed + self.update_bytes)
+        self._runs[_plan_key(plan)] = plan, model_peak, measured
+        return model_peak, measured
 
     def _largest_size_run(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
                           near: int) -> tuple[Plan, int, int] | None:
@@ -406,8 +432,9 @@ class Planner:
         return self._largest_run
 
     def _smallest_keep_run(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
-                           tries: int = 2) -> int | None:
-        """Measured peak of the smallest plan that keeps every stage, or None (not the DP, or none fits).
+                           tries: int = 2) -> tuple[Plan, int, int] | None:
+        """``(plan, model peak, measured peak)`` of the smallest plan that keeps every stage as measured
+        (run here unless it ran before), or None (not the DP, or none fits).
 
         The smallest plan by the cost model recomputes, and recomputing plans leave more resident (code
         pages, see :func:`_recomputes`); on a small model that outweighs the activations they save (GPT-2,
@@ -417,7 +444,11 @@ class Planner:
         """
         if self.solver != "dp":
             return None
-        best: int | None = None
+
+        def best() -> tuple[Plan, int, int] | None:
+            kept = [r for r in self._runs.values() if not _recomputes(r[0])]
+            return min(kept, key=lambda r: r[2]) if kept else None
+
         for _ in range(tries):
             need, plan = None, None
             for m in self.sizes():
@@ -427,16 +458,15 @@ class Planner:
                     if e.min_feasible_bytes is not None and (need is None or e.min_feasible_bytes < need):
                         need, plan = e.min_feasible_bytes, m
                     continue
-                return best  # a plan keeping all fits 0 bytes: nothing to learn
+                return best()  # a plan keeping all fits 0 bytes: nothing to learn
             if plan is None or (plan, False) in self._fixed_at:
                 break
             try:
                 keep = self._solve_keep(plan, int(need))
             except BudgetError:
                 break
-            _, measured = self._correct(keep, run(keep), unallocated, grads)
-            best = measured if best is None else min(best, measured)
-        return best
+            self._correct(keep, run(keep), unallocated, grads)
+        return best()
 
     def _solve_keep(self, m: int, plan_budget: int) -> Plan:
         """The plan keeping every stage at micro-batch ``m``, with the fixed bytes of its kind."""
@@ -475,10 +505,12 @@ class Planner:
             need = measured
         kept = self._smallest_keep_run(run, unallocated, grads)
         if kept is not None:
-            need = min(need, kept)  # a budget at which a plan ran and was measured
+            need = min(need, kept[2])  # a budget at which a plan ran and was measured
         largest = self._largest_size_run(run, unallocated, grads, need)
         if largest is not None:
             need = min(need, largest[2])  # a budget at which a plan ran and was measured
+        if self._runs:  # never below every plan's measurement: a cost-model estimate no run has backed
+            need = max(need, min(r[2] for r in self._runs.values()))
         assert self.budget is not None
         # A fresh process profiling at larger sizes loads kernels for more tensor shapes than this failed
         # attempt did, and a plan's run measures a MiB more or less from one process to the next (GPT-2, 3
