@@ -30,8 +30,9 @@ def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets:
     """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples."""
     start = 0
     for size in micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
-        env = {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
-        loss = loss_fn(executor.forward(env), slice_batch(targets, start, start + size))
+        whole = size == plan.batch_size  # not sliced, as the step does not slice it (measured alike)
+        env = dict(env_full) if whole else {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
+        loss = loss_fn(executor.forward(env), targets if whole else slice_batch(targets, start, start + size))
         (loss * (size / plan.batch_size)).backward()
         del loss, env
         start += size
