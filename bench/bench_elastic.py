@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curve", default="bncnn,vit", help="issue 20's curve tasks, comma-separated "
                     f"({', '.join(elastic_curve.FAMILIES)}), or none")
     ap.add_argument("--curve-only", action="store_true", help="only the curve tasks")
+    ap.add_argument("--curve-seeds", type=int, default=None, help="seeds per configuration of the curve tasks "
+                    "(accuracies compared as means over them; default 5, 1 in --quick runs)")
     ap.add_argument("--backbone-cache", metavar="PREFIX", help="load the (deterministic) pretrained CNN "
                     "backbone from PREFIX.full.pt / .quick.pt, or pretrain and save it there")
     args = ap.parse_args(argv)
@@ -412,8 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     curves = [] if args.curve == "none" else args.curve.split(",")
     targets = []
     for fam in curves:
-        targets += elastic_curve.curve_targets(fam, elastic_curve.curve_bench(fam, args.quick, args.backbone_cache,
-                                                                             train), torch.get_num_threads())
+        targets += elastic_curve.curve_targets(fam, elastic_curve.curve_bench(
+            fam, args.quick, args.backbone_cache, train,
+            max(1, args.curve_seeds or (1 if args.quick else 5))),
+            torch.get_num_threads())
     if targets:
         print("\nTargets (issue 20: speed-up curves):\n" + "\n".join(targets))
     print(f"total {time.perf_counter() - t0:.0f}s")

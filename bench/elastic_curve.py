@@ -14,8 +14,11 @@ as ``ElasticConfig(speedup=s, interval_steps=steps_per_epoch)``). Every run's tr
 interleaved: in each round a full step, every configuration once, a full step again; a configuration's
 speed-up is the median over rounds of the two bracketing full steps' mean over its own step.
 
-Targets (issue 20), per task and run: elastic's measured speed-up within 15% of the request, and its test
-accuracy at least the best static suffix's whose measured speed-up is at least elastic's, minus 1 point.
+Targets (issue 20), per task and run: elastic's measured speed-up within 15% of the request (every seed's
+run), and its test accuracy at least the best static suffix's whose measured speed-up is at least elastic's,
+minus 1 point. With ``--curve-seeds N`` every configuration is trained from N seeds (the new head's
+initialisation) and accuracies are means over them: one training's accuracy moves by 1.5-2 points with the
+seed alone, so a single seed compares elastic with a suffix's luck as much as with its choice.
 """
 
 from __future__ import annotations
@@ -207,66 +210,100 @@ def interleaved_curve(model: nn.Module, batch: Any, configs: dict[str, list[str]
     return {k: statistics.median(v) for k, v in ratios.items()}
 
 
-def curve_bench(family: str, quick: bool, cache_prefix: str | None, train: Callable) -> dict[str, Any]:
-    """Run one task's curve; returns the targets' figures. ``train`` is bench_elastic's training loop."""
+def curve_bench(family: str, quick: bool, cache_prefix: str | None, train: Callable, seeds: int = 1) -> dict[str, Any]:
+    """Run one task's curve; returns the targets' figures. ``train`` is bench_elastic's training loop.
+
+    With ``seeds`` > 1 every configuration (full, each suffix, elastic at each request) is trained from each
+    of seeds 1..seeds (the new head's initialisation), and accuracies are compared as means over the seeds:
+    one training's test accuracy moves by 1.5-2 points with the seed alone (the ViT's "from layer 4":
+    52.0-56.6% over six seeds), more than the 1-point margin being checked."""
     from elastic_task import make_opt, make_opt_all
 
     task = curve_task(family, quick, cache_prefix)
-    print(f"\nCurve ({family}): {task.describe}")
+    print(f"\nCurve ({family}): {task.describe}" + (f"; {seeds} seeds (head initialisation)" if seeds > 1 else ""))
     epochs = 1 if quick else EPOCHS
     decay = epochs * task.steps_per_epoch
     suffixes = task.suffix_names(task.fresh())
-    runs = {"full": train("full", task.fresh(), make_opt, task.batches, task.evaluate, epochs, decay_steps=decay)}
-    for label, names in suffixes.items():
-        runs[label] = train(label, task.fresh(), make_opt, task.batches, task.evaluate, epochs, trainable=names,
-                            decay_steps=decay)
+    seed_list = list(range(1, seeds + 1))
+    runs: dict[str, dict[int, Any]] = {}
+    for seed in seed_list:
+        runs.setdefault("full", {})[seed] = train("full", task.fresh(seed), make_opt, task.batches, task.evaluate,
+                                                  epochs, decay_steps=decay)
+        for label, names in suffixes.items():
+            runs.setdefault(label, {})[seed] = train(label, task.fresh(seed), make_opt, task.batches, task.evaluate,
+                                                     epochs, trainable=names, decay_steps=decay)
+        for s in REQUESTS:
+            cfg = ElasticConfig(speedup=s, interval_steps=task.steps_per_epoch)
+            runs.setdefault(f"elastic {s:g}x", {})[seed] = train(
+                f"elastic {s:g}x", task.fresh(seed), make_opt_all, task.batches, task.evaluate, epochs,
+                decay_steps=decay, elastic=cfg)
+        print(f"    seed {seed}: " + "  ".join(f"{k} {100 * r[seed].epochs[-1][1]:.1f}%" for k, r in runs.items()),
+              flush=True)
+    # every trained set, timed in the same interleaved rounds: a suffix's set is the same for every seed,
+    # elastic's is whatever each of its runs ended on
+    trained = {k: r[seed_list[0]].trainable for k, r in runs.items() if k != "full" and not k.startswith("elastic")}
     for s in REQUESTS:
-        cfg = ElasticConfig(speedup=s, interval_steps=task.steps_per_epoch)
-        runs[f"elastic {s:g}x"] = train(f"elastic {s:g}x", task.fresh(), make_opt_all, task.batches, task.evaluate,
-                                        epochs, decay_steps=decay, elastic=cfg)
-    for k, r in runs.items():
-        print(f"    trained {k}: {100 * r.epochs[-1][1]:.1f}%, median step {1e3 * statistics.median(r.step_s):.1f} ms "
-              f"(in its own run)", flush=True)
-    trained = {k: (r.selector.selected if r.selector else r.trainable) for k, r in runs.items() if k != "full"}
+        for seed in seed_list:
+            trained[f"elastic {s:g}x/{seed}"] = runs[f"elastic {s:g}x"][seed].selector.selected
     speed = interleaved_curve(task.fresh(), next(iter(task.batches(0))), trained, 3 if quick else 9)
     speed["full"] = 1.0
-    acc = {k: r.epochs[-1][1] for k, r in runs.items()}
-    timing = runs[f"elastic {REQUESTS[0]:g}x"].selector.timing      # the time model elastic planned with
+    for s in REQUESTS:
+        k = f"elastic {s:g}x"
+        speed[k] = statistics.mean(speed[f"{k}/{seed}"] for seed in seed_list)
+    acc = {k: statistics.mean(r[seed].epochs[-1][1] for seed in seed_list) for k, r in runs.items()}
+    timing = runs[f"elastic {REQUESTS[0]:g}x"][seed_list[0]].selector.timing   # the time model elastic planned with
     index = {n: i for i, n in enumerate(timing.names)}
+    per_seed = "per seed " + " / ".join(str(seed) for seed in seed_list) if seeds > 1 else ""
     print(f"  {'method':<20}{'tensors':>8}{'speed-up':>10}{'model':>8}{'test acc':>10}  (speed-ups interleaved, "
-          "sorted; model: the elastic time model's prediction for the same set)")
-    for k in sorted(speed, key=lambda k: speed[k]):
-        names = trained.get(k, timing.names)
+          f"sorted; model: the elastic time model's prediction for the same set{'; elastic: mean over seeds, test acc: mean' if seeds > 1 else ''})  {per_seed}")
+    for k in sorted(runs, key=lambda k: speed[k]):
+        names = trained.get(k, trained.get(f"{k}/{seed_list[0]}", timing.names))
         model_x = timing.full_step_s / timing.step_time_s(sorted(index[n] for n in names))
         mark = "  <- elastic" if k.startswith("elastic") else ""
-        print(f"  {k:<20}{len(names):>8}{speed[k]:>9.2f}x{model_x:>7.2f}x{100 * acc[k]:>9.1f}%{mark}")
+        seeds_acc = "  " + " ".join(f"{100 * runs[k][seed].epochs[-1][1]:.1f}" for seed in seed_list) if seeds > 1 else ""
+        print(f"  {k:<20}{len(names):>8}{speed[k]:>9.2f}x{model_x:>7.2f}x{100 * acc[k]:>9.1f}%{seeds_acc}{mark}")
     out: dict[str, Any] = {}
     for s in REQUESTS:
         k = f"elastic {s:g}x"
-        sel, r = runs[k].selector, runs[k]
-        loop = " ".join(f"{c.delivered_speedup:.2f}" for c in sel.corrections)
-        print(f"  {k}: requested {s:.2f}x  predicted {sel.predicted_speedup:.2f}x  calibrated at attach "
-              f"{sel.measured_speedup or math.nan:.2f}x  delivered in training {loop or '-'}x  measured "
-              f"{speed[k]:.2f}x (interleaved)  setup {r.setup_s:.1f}s  re-select {r.reselect_s:.1f}s  deepest "
-              f"{sel.deepest_selected}" + (f"\n    warning: {r.warning}" if r.warning else ""))
+        for seed in seed_list:
+            sel, r = runs[k][seed].selector, runs[k][seed]
+            loop = " ".join(f"{c.delivered_speedup:.2f}" for c in sel.corrections)
+            print(f"  {k}{f' seed {seed}' if seeds > 1 else ''}: requested {s:.2f}x  predicted {sel.predicted_speedup:.2f}x  "
+                  f"calibrated at attach {sel.measured_speedup or math.nan:.2f}x  delivered in training {loop or '-'}x  "
+                  f"measured {speed[f'{k}/{seed}']:.2f}x (interleaved)  setup {r.setup_s:.1f}s  re-select "
+                  f"{r.reselect_s:.1f}s  {len(sel.selected)} tensors, deepest {sel.deepest_selected}"
+                  + (f"\n    warning: {r.warning}" if r.warning else ""))
         rivals = {q: acc[q] for q in suffixes if speed[q] >= speed[k]}
         best = max(rivals, key=rivals.get) if rivals else None
+        measured = [speed[f"{k}/{seed}"] for seed in seed_list]
         out[k] = dict(requested=s, measured=speed[k], acc=acc[k], rival=best,
-                      rival_acc=rivals[best] if best else math.nan, rival_speed=speed[best] if best else math.nan)
+                      rival_acc=rivals[best] if best else math.nan, rival_speed=speed[best] if best else math.nan,
+                      measured_each=measured, seeds=seeds,
+                      diffs=[runs[k][seed].epochs[-1][1] - runs[best][seed].epochs[-1][1] for seed in seed_list]
+                      if best else [])
     return out
 
 
 def curve_targets(task: str, res: dict[str, Any], threads: int) -> list[str]:
+    """The two targets per request: the speed-up of every elastic run within 15% of the request, and the
+    accuracy (mean over seeds when there are several) at least the best static suffix's at >= its speed,
+    minus 1 point."""
     lines = []
     for k, v in res.items():
-        err = abs(v["measured"] / v["requested"] - 1.0)
-        lines.append(f"  {task} {threads}t {k}: measured {v['measured']:.2f}x vs requested {v['requested']:g}x, "
+        each = v.get("measured_each") or [v["measured"]]
+        worst = max(each, key=lambda m: abs(m / v["requested"] - 1.0))
+        err = abs(worst / v["requested"] - 1.0)
+        runs = f" (every seed: {' '.join(f'{m:.2f}' for m in each)}x; worst)" if len(each) > 1 else ""
+        lines.append(f"  {task} {threads}t {k}: measured {worst:.2f}x vs requested {v['requested']:g}x{runs}, "
                      f"off by {100 * err:.0f}% ({'ok' if err <= 0.15 else 'MISSED'}: within 15%)")
         if v["rival"] is None:
             lines.append(f"  {task} {threads}t {k}: no static suffix measured as fast (ok: nothing to beat)")
             continue
         gap = 100 * (v["acc"] - v["rival_acc"])
-        lines.append(f"  {task} {threads}t {k}: accuracy {100 * v['acc']:.1f}% vs best static suffix at >= its speed "
-                     f"({v['rival']}, {v['rival_speed']:.2f}x) {100 * v['rival_acc']:.1f}% ({gap:+.1f} points; "
-                     f"{'ok' if gap >= -1.0 else 'MISSED'}: >= -1 point)")
+        n = v.get("seeds", 1)
+        mean = f"mean over {n} seeds " if n > 1 else ""
+        paired = (f"; per seed {' '.join(f'{100 * d:+.1f}' for d in v['diffs'])}" if n > 1 and v.get("diffs") else "")
+        lines.append(f"  {task} {threads}t {k}: accuracy {mean}{100 * v['acc']:.1f}% vs best static suffix at >= its "
+                     f"speed ({v['rival']}, {v['rival_speed']:.2f}x) {100 * v['rival_acc']:.1f}% ({gap:+.1f} points"
+                     f"{paired}; {'ok' if gap >= -1.0 else 'MISSED'}: >= -1 point)")
     return lines

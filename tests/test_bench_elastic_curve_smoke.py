@@ -58,3 +58,13 @@ def test_curve_targets_flag_misses():
     assert len(lines) == 2 and all("ok:" in ln and "MISSED" not in ln for ln in lines)
     lines = ec.curve_targets("bncnn", {"elastic 2x": bad}, 1)      # the issue's own figures
     assert all("MISSED" in ln for ln in lines)
+
+
+def test_curve_targets_check_every_seeds_speed_and_the_mean_accuracy():
+    v = dict(requested=1.5, measured=1.45, acc=0.540, rival="from layer 4", rival_acc=0.545, rival_speed=1.5,
+             measured_each=[1.45, 1.75, 1.20], seeds=3, diffs=[0.01, -0.02, -0.005])
+    speed, accuracy = ec.curve_targets("vit", {"elastic 1.5x": v}, 1)
+    assert "1.20x vs requested" in speed and "MISSED" in speed       # the worst seed (20% off) misses
+    assert "mean over 3 seeds" in accuracy and "+1.0 -2.0 -0.5" in accuracy and "MISSED" not in accuracy
+    v["measured_each"] = [1.45, 1.55, 1.60]
+    assert "MISSED" not in ec.curve_targets("vit", {"elastic 1.5x": v}, 1)[0]
