@@ -59,7 +59,7 @@ from torch import nn
 
 from ...errors import EdgetrainError, InputError
 from .feedback import Correction, correct_target, secant_target
-from .importance import tensor_importance
+from .importance import IMPORTANCE_KINDS, tensor_importance
 from .measure import batch_size, measure_speedup, slice_batch
 from .select import SpeedupPlan, plan_for_speedup
 from .state import TrainingSnapshot
@@ -82,6 +82,9 @@ class ElasticConfig:
             largest reachable one). Requests beyond reach are lowered to it with a warning.
         interval_steps: re-evaluate importance and re-select every this many steps.
         probe_batch_size: samples of the current batch used for the importance probe.
+        importance: how the probe scores a tensor: ``"gradient"`` (the squared gradient norm, the loss
+            decrease of a unit gradient-descent step) or ``"update"`` (the loss decrease of the step the
+            optimizer itself would take, ElasticTrainer's); see :mod:`.importance`.
         time_units: resolution of the exact selection (``O(N * time_units)``); costs are rounded up, so
             at most one unit per selected tensor of the budget goes unused.
         timing_repeats: repetitions per isolated layer timing (medians).
@@ -112,6 +115,7 @@ class ElasticConfig:
     speedup: float = 2.0
     interval_steps: int = 100
     probe_batch_size: int = 32
+    importance: str = "gradient"
     time_units: int = 10_000
     timing_repeats: int = 5
     timing_cut_repeats: int = 3
@@ -135,6 +139,8 @@ class ElasticConfig:
                      "feedback_min_steps"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.importance not in IMPORTANCE_KINDS:
+            raise InputError(f"importance must be one of {', '.join(IMPORTANCE_KINDS)}, got {self.importance!r}")
         if self.calibration_pairs < 0:
             raise InputError(f"calibration_pairs must be >= 0 (0: off), got {self.calibration_pairs}")
         if not 0.0 < self.calibration_tolerance < 1.0:
@@ -462,9 +468,10 @@ class ElasticSelector:
         """
         timing, model = self._require()
         probe = slice_batch(batch, self.config.probe_batch_size)
-        imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names)
+        imp = tensor_importance(model, self._optimizer, probe, self._loss_fn, timing.names, self.config.importance)
         self.importance = dict(zip(timing.names, imp))
-        if self.plan is not None and max(imp) <= 0.0:
+        no_step = all(float(g.get("lr", 1.0)) == 0.0 for g in self._optimizer.param_groups)
+        if self.plan is not None and (max(imp) <= 0.0 or no_step):
             # no update lowers the loss (e.g. a learning rate decayed to 0): nothing to rank by
             logger.info("elastic re-selection skipped: no tensor's probe update lowers the loss")
             if step_idx is not None:
