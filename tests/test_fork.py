@@ -103,7 +103,7 @@ def test_the_child_lists_its_parents_page_map_and_falls_back_to_the_parent_listi
         return real(pid)
 
     monkeypatch.setattr(_fork, "resident_file_pages", spy)
-    monkeypatch.setattr(_fork, "_LIST_IN_PARENT", None)
+    monkeypatch.setattr(_fork, "_LIST_IN_PARENT", False)
     me = os.getpid()
     assert _fork.run_in_child(lambda: 7).value == 7
     assert me not in listed_by  # the child listed it (its own appends stay in the child)
@@ -113,7 +113,7 @@ def test_the_child_lists_its_parents_page_map_and_falls_back_to_the_parent_listi
         return None if pid != "self" else real(pid)
 
     monkeypatch.setattr(_fork, "resident_file_pages", unreadable)
-    monkeypatch.setattr(_fork, "_LIST_IN_PARENT", None)
+    monkeypatch.setattr(_fork, "_LIST_IN_PARENT", False)
     status = _fork.run_in_child(lambda: _fork.file_rss_bytes())
     assert status.error is None and status.value > 0
     assert _fork._LIST_IN_PARENT is True and listed_by.count(me) == 1  # listed here, once, for the rerun

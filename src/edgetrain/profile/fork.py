@@ -164,9 +164,9 @@ def _settle(parent_file_rss: int, parent_rss: int = 0) -> int:
     return shift
 
 
-#: where the parent's page map must be listed: in the child (None: not known yet), or in the parent itself
-#: (True: a child could not read its parent's, e.g. under a stricter ptrace policy)
-_LIST_IN_PARENT: bool | None = None
+#: the parent lists its page map itself before each fork (set once a child could not read its parent's,
+#: e.g. under a stricter ptrace policy); otherwise the child lists it
+_LIST_IN_PARENT = False
 
 
 def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]] | None, parent: int, parent_file_rss: int,
@@ -176,17 +176,15 @@ def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]] | None, p
         torch.set_num_threads(CHILD_THREADS)
         if pages is None:  # listed here, while the parent waits: its page tables do not change meanwhile
             pages = resident_file_pages(parent)
-            if pages is None:
-                result.error = _NO_PAGE_MAP
-                raise _Stop
-        _touch(pages)
-        listed = bool(pages)
-        pages = None  # the list is freed before the child settles: the readings must not hold it
-        _settle(parent_file_rss if listed else 0, parent_rss)
-        memory.reset_peak()
-        result.value = fn()
-    except _Stop:
-        pass
+        if pages is None:
+            result.error = _NO_PAGE_MAP  # the parent lists them and forks again
+        else:
+            _touch(pages)
+            listed = bool(pages)
+            pages = None  # the list is freed before the child settles: the readings must not hold it
+            _settle(parent_file_rss if listed else 0, parent_rss)
+            memory.reset_peak()
+            result.value = fn()
     except BudgetError as e:
         result.budget_error = (str(e), e.budget_bytes, e.min_feasible_bytes)
     except BaseException as e:  # noqa: BLE001 -- everything goes back to the parent, which decides
@@ -202,10 +200,6 @@ def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]] | None, p
         view = view[os.write(w, view):]
 
 
-class _Stop(Exception):
-    """The child cannot measure faithfully; it answers with :data:`_NO_PAGE_MAP` at once."""
-
-
 _NO_PAGE_MAP = "no page map: the child could not read its parent's"
 
 
@@ -217,13 +211,11 @@ def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
         (killed for memory, a crash): the caller then does the work itself.
     """
     global _LIST_IN_PARENT
-    res = _fork_and_run(fn, resident_file_pages() if _LIST_IN_PARENT else None)
+    res = _fork_and_run(fn, (resident_file_pages() or []) if _LIST_IN_PARENT else None)
     if res is not None and res.error == _NO_PAGE_MAP:
         log.debug("a forked child cannot read its parent's page map; listing it before each fork instead")
         _LIST_IN_PARENT = True
         res = _fork_and_run(fn, resident_file_pages() or [])
-    elif res is not None and _LIST_IN_PARENT is None:
-        _LIST_IN_PARENT = False
     return res
 
 
