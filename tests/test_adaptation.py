@@ -159,7 +159,7 @@ def test_refused_budget_change_under_a_budget_names_one_that_works():
 def test_a_new_budget_holds_back_the_margin_prepare_did():
     """The safety margin of a new budget is prepare's share of it, with the same floor, and it is the margin
     the step then works with (the tensor pool's cap included)."""
-    from edgetrain.planning.planner import MIN_MARGIN_BYTES
+    from edgetrain.planning.budgets import MIN_MARGIN_BYTES
 
     model = mlp(d=64, n_blocks=6)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

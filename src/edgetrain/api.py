@@ -15,7 +15,7 @@ from .planning.analysis import Analysis, Outcome, block_solver_options
 from .profile.fork import analyse_safely
 from .planning.guards import describe_change, loss_norm_safely, model_key
 from .planning.loss import LossNorm
-from .planning.planner import safety_margin_bytes
+from .planning.budgets import safety_margin_bytes
 from ._state import batchnorm_modules, rng_state, set_rng_state
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable

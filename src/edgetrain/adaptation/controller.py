@@ -17,7 +17,7 @@ from ..errors import BudgetError
 from ..graph import micro_batch_sizes
 from ..plan import Plan
 from ..planning.analysis import block_solver_options
-from ..planning.planner import Measured, budget_for, safety_margin_bytes
+from ..planning.budgets import Measured, budget_for, safety_margin_bytes
 from ..planning.runs import first_run_cost
 from ..profile import memory
 from ..runtime import pool

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..profile import memory
-from .planner import Measured, predicted_activations
+from .budgets import Measured, predicted_activations
 from .._state import preserved_model_state
 from ..batch import slice_batch
 from ..graph import micro_batch_sizes

@@ -1,0 +1,60 @@
+"""A validation run's figures (:class:`Measured`) and the arithmetic of budget margins around them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..plan import Plan
+
+__all__ = ["MIN_MARGIN_BYTES", "RETRY_SLACK", "STALE_BYTES", "Measured", "budget_for", "predicted_activations",
+           "safety_margin_bytes"]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One validation run, in bytes above the import baseline.
+
+    ``process_rss``: the resident memory of the process that will train, once the run was done (None when
+    unknown). A run in a fork leaves this process as it was; one in this process leaves its residue here.
+    The run's figures hold for a step started from that state; :meth:`Planner.plan_validated` runs the
+    plan again when the process has grown since.
+    """
+
+    rss_before: int
+    peak: int
+    rss_after: int
+    process_rss: int | None = None
+    # the optimizer updates' peak, where measured apart (real steps): ``peak`` is then the forward and
+    # backward passes' alone, so an update's transients are not mistaken for activations the cost model missed
+    update_peak: int | None = None
+
+
+def predicted_activations(plan: Plan, fixed: int) -> int:
+    """Bytes the cost model predicts a plan's activations take at its peak (above the fixed bytes)."""
+    return int(plan.metadata.get("activation_peak_bytes", plan.peak_bytes - fixed))
+
+
+#: the least a positive safety margin holds back (see ``prepare(safety_margin=)``)
+MIN_MARGIN_BYTES = 2**20
+
+#: what the smallest feasible budget a BudgetError names keeps above the measured need, for a retry in a
+#: fresh process (whose runs measure a little differently)
+RETRY_SLACK = 1.05
+
+#: growth of the process since a plan's validation run beyond which the run no longer speaks for a step
+STALE_BYTES = 256 * 2**10
+
+
+def safety_margin_bytes(budget: int, share: float) -> int:
+    """Bytes of ``budget`` held back: ``share`` of it, at least :data:`MIN_MARGIN_BYTES` (never over half)."""
+    if share <= 0:
+        return 0
+    return min(budget // 2, max(int(budget * share), MIN_MARGIN_BYTES))
+
+
+def budget_for(need: int, share: float) -> int:
+    """The smallest budget whose margin (:func:`safety_margin_bytes`) leaves ``need`` bytes to plan with."""
+    if share <= 0:
+        return need
+    return max(math.ceil(need / (1 - share)), need + MIN_MARGIN_BYTES) if need > MIN_MARGIN_BYTES else 2 * need
