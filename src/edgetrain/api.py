@@ -53,7 +53,8 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
                  chain: Any, costs: CostChain, plan: Plan, *, budget_bytes: int | None, margin_bytes: int,
                  margin_share: float, signature: tuple[Any, ...], solver: str, pager: Any = None,
-                 loss_norm: LossNorm | None = None, capture: Callable[[], Any] | None = None) -> None:
+                 loss_norm: LossNorm | None = None, capture: Callable[[], Any] | None = None,
+                 state_pager: Any = None) -> None:
         self.model = model
         self.loss_norm = loss_norm or LossNorm("mean")
         self._model_key = model_key(model)
@@ -71,6 +72,8 @@ class TrainStep:
         self._bn = FullBatchStats(model)
         self._plan = plan
         self._pager = pager
+        #: pages the optimizer state out during the passes (an OptimizerStatePager), or None
+        self.state_pager = state_pager
         self._executor = self._make_executor(plan)
         self.page_dir: str | None = None
         self.elastic: Any = None
@@ -171,6 +174,8 @@ class TrainStep:
                              "model with them fixed. Prepare a step for each setting.")
         held = self.budget.before_step(n)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.state_pager is not None:
+            self.state_pager.page_out()  # back in memory for the update, with the gradients, not the activations
         accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
         self._bn.begin(accumulate)
         norm = self.loss_norm
@@ -207,6 +212,8 @@ class TrainStep:
             self._bn.abort()
             self.optimizer.zero_grad(set_to_none=True)
             raise
+        if self.state_pager is not None:
+            self.state_pager.page_in()  # (the optimizer's step hook would too; here the order is plain)
         self.optimizer.step()
         self._bn.finish()
         self.steps_done += 1
@@ -311,16 +318,58 @@ class TrainStep:
         return write_report(self, path, batch=batch, **options)
 
     def close(self) -> None:
-        """Remove the hooks edgetrain put on the model and the page file, if any."""
+        """Remove the hooks edgetrain put on the model and the optimizer, and the page files, if any (the
+        optimizer state is read back first)."""
         self._bn.close()
         if self._pager is not None:
             self._pager.close(raise_errors=False)
+        if self.state_pager is not None:
+            self.state_pager.close()
+            self.state_pager = None
 
     def __enter__(self) -> "TrainStep":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: below this much pageable optimizer state, paging it is not worth a page file
+_MIN_PAGEABLE_STATE = 2**20
+
+
+def _pageable_state(optimizer: torch.optim.Optimizer, opt_costs: Any, cfg: PlanConfig, budget: int | None,
+                    poet: bool) -> dict[str, Any]:
+    """The :class:`Analysis` fields of optimizer-state paging: whether it may be planned, the bytes it
+    moves (the state there now and the state the first update creates, tensors of 64 KiB and more), and
+    the page file's cost per byte, measured here on a 4 MiB probe."""
+    mode = cfg.page_optimizer_state
+    if budget is None or mode is False or (mode == "auto" and poet):  # POET costs storage by its device
+        return {}
+    from .runtime.optstate import measure_bandwidth, pageable_state_bytes
+
+    old = pageable_state_bytes(optimizer)
+    new = 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            nbytes = p.numel() * p.element_size()
+            if p.requires_grad and not optimizer.state.get(p) and nbytes >= 65536:
+                new += int(opt_costs.state_per_param * nbytes)
+    if old + new < (_MIN_PAGEABLE_STATE if mode == "auto" else 1):  # True: whatever there is
+        return {}
+    try:
+        w, r = measure_bandwidth(cfg.state_dir, min(old + new, 4 * 2**20))
+    except OSError as e:
+        if mode is True:
+            from .runtime.paging import PagingError
+
+            where = cfg.state_dir or "the temporary directory"
+            raise PagingError(f"cannot write a page file for the optimizer state in {where}: {e}; give "
+                              "PlanConfig(state_dir=) a writable directory") from e
+        log.info("optimizer state stays resident: no page file (%s)", e)
+        return {}
+    return {"state_mode": mode, "pageable_state": old + new, "pageable_new": new, "state_dir": cfg.state_dir,
+            "state_s_per_byte": w + r}
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
@@ -392,6 +441,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     in_use = max(0, rss_start - memory.baseline_rss_bytes())
     opt_costs = optimizer_costs(optimizer)
     fixed = in_use + grad_bytes_missing(model) + opt_costs.state_bytes
+    state = _pageable_state(optimizer, opt_costs, cfg, budget, paging_cfg is not None)
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
     loss_norm = loss_norm_safely(model, env, loss_fn, targets, batch)
@@ -419,7 +469,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         micro_batch_size=micro_batch_size, prefer_full_batch=has_bn and cfg.exact_batchnorm, min_micro=min_micro,
         update_bytes=opt_costs.update_bytes, state_bytes=opt_costs.state_bytes, grads=grad_bytes_missing(model),
         max_stages=cfg.max_stages, use_cache=cfg.use_cache, name=name or type(model).__name__, pager=pager,
-        optimizer=optimizer, margin_share=safety_margin,
+        optimizer=optimizer, margin_share=safety_margin, **state,
         whole_batch_reasons=() if loss_norm.splittable else (
             "the loss is neither a mean nor a sum over samples on the example batch (split in two, its parts "
             "do not add up to the whole), so micro-batches could not reproduce its gradients",))
@@ -434,7 +484,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         if reasons and plan.micro_batch_size < batch:
             raise InputError(f"the plan given splits the batch, which cannot train this model exactly: "
                              f"{'; '.join(reasons)}. Prepare without plan= to plan afresh.")
-        outcome = Outcome(plan, costs, 0, [batch] if reasons else None)
+        paged = "optimizer_state_paged_bytes" in plan.metadata
+        outcome = Outcome(plan, costs, 0, [batch] if reasons else None, page_state=paged,
+                          update_bytes=opt_costs.update_bytes + (analysis.pageable_state if paged else 0))
     else:
         chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
                                         profile=analysis.profile, summary=analysis.profile_summary)
@@ -451,16 +503,18 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         pager = None
     if chain is None and (pager is not None or needs_stages(plan)):
         chain = analysis.capture_chain()  # the step runs stages: capture before its hooks go on the model
+    state_pager = analysis.state_pager(optimizer) if outcome.page_state else None
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      margin_share=0.0 if budget is None else safety_margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager,
-                     loss_norm=loss_norm, capture=analysis.capture_chain)
+                     loss_norm=loss_norm, capture=analysis.capture_chain, state_pager=state_pager)
     step.budget.micro_sizes = outcome.sizes
     if budget is not None:
         step.budget.validate = analysis.validator(chain)
         step.budget.seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
         step.budget.first_run_bytes = outcome.first_run_bytes
-        step.budget.opt_state_bytes = opt_costs.state_bytes
+        step.budget.opt_state_bytes = opt_costs.state_bytes - (analysis.pageable_new if outcome.page_state else 0)
+        step.budget.update_bytes = outcome.update_bytes
     step.page_dir = page_dir
     if speedup is not None:
         from .approx.elastic.selector import ElasticConfig, ElasticSelector

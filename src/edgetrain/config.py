@@ -48,6 +48,12 @@ class PlanConfig:
         tune_allocator: with a budget, install edgetrain's CPU tensor pool (freed tensor memory is reused but
             never held beyond the peak of live tensors; its cap follows the budget); fix glibc's mmap threshold
             for the rest (process-wide, as ``import edgetrain`` does).
+        page_optimizer_state: with a budget, write the optimizer's large state tensors (momentum, Adam's
+            moments) to a page file during the forward and backward passes and read them back for the
+            update (exact: the bytes come back unchanged), so the activations get their memory.
+            ``"auto"``: when the planner predicts a faster step with it, the page file's writes and reads
+            included, or only then a plan fits; True: always; False: never.
+        state_dir: where that page file goes (None: ``<tmp>/edgetrain-pages``); put it on fast storage.
     """
 
     micro_batch_size: int | None = None
@@ -57,8 +63,12 @@ class PlanConfig:
     safety_margin: float = 0.03
     use_cache: bool = True
     tune_allocator: bool = True
+    page_optimizer_state: bool | Literal["auto"] = "auto"
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.page_optimizer_state not in (True, False, "auto"):
+            raise ValueError(f"page_optimizer_state must be True, False or 'auto', got {self.page_optimizer_state!r}")
         m = self.micro_batch_size
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"micro_batch_size must be an integer >= 1 or None, got {m!r}")

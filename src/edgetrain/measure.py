@@ -57,6 +57,7 @@ class Job:
             default, save what the graph saves; 0.0: recompute as much as it can). The first step compiles;
             the peak reported is over the steps after it (``warmup_peak_bytes``: the first step's;
             ``warmup_rss_bytes``: the resident bytes right after it, compiled code and state included).
+        page_optimizer_state: for edgetrain, ``PlanConfig(page_optimizer_state=)``.
     """
 
     model: str
@@ -78,6 +79,7 @@ class Job:
     budget_after: int | str | None = None
     exact_batchnorm: bool = True
     activation_memory_budget: float | None = None
+    page_optimizer_state: bool | str = "auto"
 
 
 @dataclass
@@ -204,7 +206,8 @@ def _worker(job: Job) -> JobResult:
             step = edgetrain.prepare(model, opt, loss_fn, (x, y), memory_budget=job.budget,
                                      **options(micro_batch_size=job.micro_batch_size, solver=job.solver,
                                                paging=job.paging, objective=job.objective,
-                                               exact_batchnorm=job.exact_batchnorm))
+                                               exact_batchnorm=job.exact_batchnorm,
+                                               page_optimizer_state=job.page_optimizer_state))
         except BudgetError as e:
             res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
             res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())

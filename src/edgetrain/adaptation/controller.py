@@ -37,6 +37,7 @@ class Step(Protocol):
     chain: Any
     costs: Any
     elastic: Any
+    state_pager: Any  # an OptimizerStatePager, or None
     budget_bytes: int | None
     margin_bytes: int
     margin_share: float
@@ -80,6 +81,7 @@ class BudgetController:
         self.micro_sizes: list[int] | None = None
         self.first_run_bytes = 0
         self.opt_state_bytes = 0
+        self.update_bytes = 0  # what the update adds to the fixed bytes (a paged state read back included)
         self.source: Callable[[], int | str | None] | None = None
 
     def build_table(self) -> PlanTable:
@@ -115,9 +117,11 @@ class BudgetController:
         new = {m for m in {p.micro_batch_size for p in table.plans}
                if not self.seen_micro.issuperset(micro_batch_sizes(batch, m))}
 
+        update = step.costs.fixed_bytes + self.update_bytes
+
         def need(i: int) -> int:  # plan budget table entry i needs, with the first run of a new size
             extra = self.first_run_bytes if table.plans[i].micro_batch_size in new else 0
-            return table.budgets[i] + drift + extra
+            return max(table.budgets[i], update) + drift + extra
 
         plan_budget = budget - margin
         fits = [i for i in range(len(table)) if need(i) <= plan_budget]
@@ -154,7 +158,9 @@ class BudgetController:
             return 0
         step = self.step
         missing = grad_bytes_missing(step.model) + (0 if step.optimizer.state else self.opt_state_bytes)
-        return max(0, self.held() + missing - step.costs.fixed_bytes)
+        # a paged state is in memory between steps (read back for the last update) but out during the passes
+        paged = step.state_pager.resident_bytes() if step.state_pager is not None else 0
+        return max(0, self.held() - paged + missing - step.costs.fixed_bytes)
 
     @staticmethod
     def held() -> int:

@@ -63,6 +63,8 @@ class Outcome:
     costs: CostChain
     first_run_bytes: int
     sizes: list[int]
+    page_state: bool = False  # the optimizer state is paged out during the passes
+    update_bytes: int = 0  # what the update adds to the fixed bytes (the paged state read back included)
 
 
 @dataclass(kw_only=True)
@@ -97,6 +99,18 @@ class Analysis:
     optimizer: Any = None
     margin_share: float | None = None  # prepare's safety_margin
     whole_batch_reasons: tuple[str, ...] = ()  # why micro-batching would not be exact (loss, buffers)
+    # paging the optimizer state (PlanConfig.page_optimizer_state): "auto", True or False; the bytes it
+    # moves (state there now plus state the first update creates) and the part still to be created; the
+    # page file's directory and its measured seconds per byte written and read back
+    state_mode: Any = False
+    pageable_state: int = 0
+    pageable_new: int = 0
+    state_dir: str | None = None
+    state_s_per_byte: float = 0.0
+
+    @property
+    def can_page_state(self) -> bool:
+        return self.state_mode is not False and self.pageable_state > 0 and self.budget is not None
 
     @property
     def plan_budget(self) -> int | None:
@@ -106,17 +120,28 @@ class Analysis:
         return capture(self.model, slice_batch(self.inputs, 0, min(self.batch, 2)), max_stages=self.max_stages,
                        carry_cuts=not self.solver.startswith("poet"))  # the paging model has no carried tensors
 
-    def validator(self, chain: Any, isolated: bool = False) -> Callable[[Plan], Measured]:
+    def unallocated(self, paged: bool) -> int:
+        """Bytes real steps hold during the passes that validation runs do not: the gradients, and the
+        optimizer state the first update creates (unless it is paged out then)."""
+        return self.grads + self.state_bytes - (self.pageable_new if paged else 0)
+
+    def state_pager(self, optimizer: Any) -> Any:
+        from ..runtime.optstate import OptimizerStatePager
+
+        return OptimizerStatePager(optimizer, self.state_dir)
+
+    def validator(self, chain: Any, isolated: bool = False, paged: bool = False) -> Callable[[Plan], Measured]:
         """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process
         (when it can: one intra-op thread, no pager), so that every run is measured as this process's first
-        step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave."""
+        step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave.
+        ``paged``: the steps page the optimizer state out during the passes (the fork's steps do too)."""
         def run(p: Plan) -> Measured:
             measured = None
             if isolated and self.pager is None:
                 if self.optimizer is not None:  # the fork is thrown away: run real steps, update included
                     measured = measure_in_child(lambda: run_steps(
                         chain, p, self.model, self.env, self.targets, self.loss_fn, self.optimizer,
-                        self.grads + self.state_bytes, self.grads))
+                        self.unallocated(paged), self.grads, state_pager=self.state_pager if paged else None))
                 else:
                     measured = measure_in_child(
                         lambda: run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, None))
@@ -132,7 +157,9 @@ class Analysis:
 
     def profile(self, chain: Any, with_overhead: bool = False) -> CostChain:
         """The chain's costs; ``with_overhead`` counts what profiling left resident in the fixed bytes."""
-        costs = self._profile_at(chain, self.fixed, self.plan_budget)
+        # where the state may be paged out, the passes have that much more room: profile sizes it admits
+        costs = self._profile_at(chain, self.fixed - (self.pageable_state if self.can_page_state else 0),
+                                 self.plan_budget)
         pool.release()  # blocks the profiling runs left cached are not overhead the step will carry
         overhead = max(0, memory.rss_bytes() - self.rss_start) if with_overhead else 0
         return CostChain(costs.stages, self.batch, costs.input_bytes, self.fixed + overhead, costs.loss_s,
@@ -178,17 +205,68 @@ class Analysis:
             # in a fork when it can: the kernels profiling builds must not inflate later validation runs
             return measure_in_child(work) or work()
 
-        planner = Planner(costs, self.budget, self.margin, self.solver, micro,
-                          self.prefer_full_batch, self.min_micro, self.update_bytes,
-                          {**self.solver_kw, **block_solver_options(chain, self.solver)},
-                          reprofile=reprofile, margin_share=self.margin_share, whole_batch_only=bool(reasons))
+        def planner_for(paged: bool) -> Planner:
+            shift = self.pageable_state if paged else 0  # out during the passes, back for the update
+            return Planner(replace(costs, fixed_bytes=costs.fixed_bytes - shift), self.budget, self.margin,
+                           self.solver, micro, self.prefer_full_batch, self.min_micro, self.update_bytes + shift,
+                           {**self.solver_kw, **block_solver_options(chain, self.solver)},
+                           reprofile=reprofile, margin_share=self.margin_share, whole_batch_only=bool(reasons))
+
         if self.plan_budget is None:
+            planner = planner_for(False)
             plan = planner.plan(None)
             return Outcome(_noted(plan, reasons), costs, 0, planner.sizes())
-        plan, costs = planner.plan_validated(self.validator(chain, isolated=True), self.grads + self.state_bytes,
-                                             self.grads)
-        floor = planner.floor if planner.floor is not None else costs.fixed_bytes
-        return Outcome(_noted(plan, reasons), costs, max(0, costs.fixed_bytes - floor), planner.sizes())
+        errors: list[BudgetError] = []
+        for paged in self._state_modes(planner_for):
+            planner = planner_for(paged)
+            try:
+                plan, costs_v = planner.plan_validated(self.validator(chain, isolated=True, paged=paged),
+                                                       self.unallocated(paged), self.grads)
+            except BudgetError as e:
+                errors.append(e)  # the other way of holding the state may fit
+                continue
+            if paged:
+                plan = self._paged_plan(plan)
+            floor = planner.floor if planner.floor is not None else costs_v.fixed_bytes
+            return Outcome(_noted(plan, reasons), costs_v, max(0, costs_v.fixed_bytes - floor), planner.sizes(),
+                           page_state=paged, update_bytes=planner.update_bytes)
+        # neither way fits: name the smaller of the two smallest budgets (a retry there takes that way)
+        raise min(errors, key=lambda e: e.min_feasible_bytes or float("inf"))
+
+    def state_io_s(self) -> float:
+        """Predicted seconds a step spends writing the optimizer state out and reading it back."""
+        return self.pageable_state * self.state_s_per_byte
+
+    def _state_modes(self, planner_for: Callable[[bool], Planner]) -> list[bool]:
+        """Whether to page the optimizer state, in the order to try: by the cost model's fastest plan
+        each way (the page file's transfers added to the paged one), the faster first; ``"auto"`` falls
+        back to the other when the first fits no validated plan."""
+        if not self.can_page_state:
+            return [False]
+        if self.state_mode is True:
+            return [True]
+        times = {}
+        for paged in (False, True):
+            try:
+                times[paged] = planner_for(paged).plan(self.plan_budget).step_time_s + (
+                    self.state_io_s() if paged else 0.0)
+            except BudgetError:
+                times[paged] = float("inf")
+        # paging must win clearly: the transfers' cost is a estimate until steps measure it
+        return [True, False] if times[True] < 0.98 * times[False] or times[False] == float("inf") else [False, True]
+
+    def _paged_plan(self, plan: Plan) -> Plan:
+        from ..units import format_bytes
+
+        io = self.state_io_s()
+        where = self.state_dir or "the temporary directory"
+        return plan.replace(
+            step_time_s=plan.step_time_s + io,
+            metadata={**plan.metadata, "optimizer_state_paged_bytes": self.pageable_state,
+                      "optimizer_state_io_s": io},
+            notes=plan.notes + (f"optimizer state ({format_bytes(self.pageable_state)}) paged out to "
+                                f"{where} during the forward and backward passes, read back for the update "
+                                f"(predicted {io * 1e3:.0f} ms a step)",))
 
 
 def block_solver_options(chain: Any, solver: str) -> dict[str, Any]:

@@ -412,12 +412,13 @@ class Planner:
             return None
 
         def best() -> tuple[Plan, int, int] | None:
-            kept = [r for r in self._runs.values() if not _recomputes(r[0])]
+            kept = [r for r in self._runs.values() if not _recomputes(r[0]) and r[0].micro_batch_size in allowed]
             return min(kept, key=lambda r: r[2]) if kept else None
 
+        allowed = sorted({m for group in self._sizes() for m in group})  # a fixed micro_batch_size is kept
         for _ in range(tries):
             need, plan = None, None
-            for m in self.sizes():
+            for m in allowed:
                 try:
                     self._solve_keep(m, 0)
                 except BudgetError as e:

@@ -56,7 +56,7 @@ def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any],
 
 def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
               loss_fn: Callable[..., torch.Tensor], optimizer: Any, unallocated: int, grads: int,
-              steps: int = 2) -> Measured:
+              steps: int = 2, state_pager: Callable[[Any], Any] | None = None) -> Measured:
     """Run ``steps`` whole training steps of ``plan`` (optimizer update included) and measure them.
 
     For a process that is thrown away afterwards (a fork): it changes the model and the optimizer. What it
@@ -64,23 +64,41 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
     tensor pool and allocator heaps as the previous step left them, which one forward/backward from a
     fresh state does not show. The result is expressed as :func:`run_plan`'s (gradients allocated during the
     run, the ``unallocated`` bytes added by the planner), so that the planner corrects its model the same way.
+
+    ``state_pager(optimizer)``: makes an :class:`~edgetrain.runtime.optstate.OptimizerStatePager` (its own page
+    file) when the plan pages the optimizer state; it is paged out around the passes as a step does, and
+    the update's peak then holds the state read back.
     """
     executor = make_executor(chain, plan)
-    base = memory.baseline_rss_bytes()
-    memory.reset_peak()
-    before = memory.rss_bytes()
-    peak = update = 0
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        _micro_batches(executor, plan, env_full, targets, loss_fn)
-        peak = max(peak, memory.peak_rss_bytes())
-        memory.reset_peak()  # the update's transients are the optimizer's, measured apart from activations
-        optimizer.step()
-        update = max(update, memory.peak_rss_bytes())
+    sp = state_pager(optimizer) if state_pager is not None else None
+    try:
+        if sp is not None:
+            sp.page_out()
+            pool.release()
+        base = memory.baseline_rss_bytes()
         memory.reset_peak()
-    optimizer.zero_grad(set_to_none=True)
-    pool.release()
-    after = memory.rss_bytes()  # holds the optimizer state; the gradients are freed
+        before = memory.rss_bytes()
+        peak = update = 0
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            if sp is not None:
+                sp.page_out()
+            _micro_batches(executor, plan, env_full, targets, loss_fn)
+            peak = max(peak, memory.peak_rss_bytes())
+            memory.reset_peak()  # the update's transients are the optimizer's, measured apart from activations
+            if sp is not None:
+                sp.page_in()
+            optimizer.step()
+            update = max(update, memory.peak_rss_bytes())
+            memory.reset_peak()
+        optimizer.zero_grad(set_to_none=True)
+        if sp is not None:
+            sp.page_out()  # between steps a paging step holds no state: rss_after must not count it
+        pool.release()
+        after = memory.rss_bytes()  # holds the optimizer state (unless paged); the gradients are freed
+    finally:
+        if sp is not None:
+            sp.close()
     # as run_plan's: peaks with the gradients but without what the planner adds (unallocated)
     return Measured(before - base, peak - base - unallocated + grads, after - base - (unallocated - grads),
                     update_peak=update - base - unallocated + grads)
