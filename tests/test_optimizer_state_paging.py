@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
-import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,17 +155,28 @@ def test_prepare_paging_the_state_matches_plain_pytorch_and_removes_its_file(tmp
 
 
 def _min_budget(model, opt, x, y, mode, tmp_path, micro=None) -> int:
-    with pytest.raises(BudgetError) as e:
+    try:
         edgetrain.prepare(model, opt, _loss, (x, y), memory_budget="1MiB",
                           planning=PlanConfig(page_optimizer_state=mode, state_dir=str(tmp_path), use_cache=False,
                                               micro_batch_size=micro))
-    assert e.value.min_feasible_bytes
-    return e.value.min_feasible_bytes
+    except BudgetError as e:
+        assert e.min_feasible_bytes
+        return e.min_feasible_bytes
+    raise AssertionError("1 MiB was accepted")
 
 
 def test_auto_pages_the_state_where_only_that_fits_and_the_budget_holds(tmp_path):
     """A model with 14 MiB of SGD momentum trained on whole batches: paging the momentum out lowers the
-    smallest feasible budget by about that much, and "auto" takes it at a budget between the two."""
+    smallest feasible budget by about that much, and "auto" takes it at a budget between the two. In a
+    fresh process: the named minimums keep 5% for a retry, which in this test process (hundreds of MiB
+    above its baseline by now) would be more than the 14 MiB apart the test needs."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import test_optimizer_state_paging as t; t._auto_pages_case(t.Path({str(tmp_path)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _auto_pages_case(tmp_path: Path) -> None:
     from edgetrain.profile import memory
 
     model = _bert(hidden=256, layers=2, vocab=8000)
@@ -185,8 +198,12 @@ def test_auto_pages_the_state_where_only_that_fits_and_the_budget_holds(tmp_path
     # a budget change between steps: the momentum, resident then, is not counted as drift of the passes,
     # and the update's need (momentum read back) bounds how low the budget may go
     step.set_memory_budget(budget)
-    with pytest.raises(BudgetError):
+    try:
         step.set_memory_budget(paged // 2)
+    except BudgetError:
+        pass
+    else:
+        raise AssertionError(f"a budget of {paged // 2} bytes was accepted")
     step(x, y)
     step.close()
 
