@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .profile import memory
-from .planning.analysis import Analysis, Outcome, block_solver_options
+from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
 from .planning.guards import describe_change, loss_norm_safely, model_key
 from .planning.loss import LossNorm
@@ -334,44 +334,6 @@ class TrainStep:
         self.close()
 
 
-#: below this much pageable optimizer state, paging it is not worth a page file
-_MIN_PAGEABLE_STATE = 2**20
-
-
-def _pageable_state(optimizer: torch.optim.Optimizer, opt_costs: Any, cfg: PlanConfig, budget: int | None,
-                    poet: bool) -> dict[str, Any]:
-    """The :class:`Analysis` fields of optimizer-state paging: whether it may be planned, the bytes it
-    moves (the state there now and the state the first update creates, tensors of 64 KiB and more), and
-    the page file's cost per byte, measured here on a 4 MiB probe."""
-    mode = cfg.page_optimizer_state
-    if budget is None or mode is False or (mode == "auto" and poet):  # POET costs storage by its device
-        return {}
-    from .runtime.optstate import measure_bandwidth, pageable_state_bytes
-
-    old = pageable_state_bytes(optimizer)
-    new = 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            nbytes = p.numel() * p.element_size()
-            if p.requires_grad and not optimizer.state.get(p) and nbytes >= 65536:
-                new += int(opt_costs.state_per_param * nbytes)
-    if old + new < (_MIN_PAGEABLE_STATE if mode == "auto" else 1):  # True: whatever there is
-        return {}
-    try:
-        w, r = measure_bandwidth(cfg.state_dir, min(old + new, 4 * 2**20))
-    except OSError as e:
-        if mode is True:
-            from .runtime.paging import PagingError
-
-            where = cfg.state_dir or "the temporary directory"
-            raise PagingError(f"cannot write a page file for the optimizer state in {where}: {e}; give "
-                              "PlanConfig(state_dir=) a writable directory") from e
-        log.info("optimizer state stays resident: no page file (%s)", e)
-        return {}
-    return {"state_mode": mode, "pageable_state": old + new, "pageable_new": new, "state_dir": cfg.state_dir,
-            "state_s_per_byte": w + r}
-
-
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
             example: Any, memory_budget: int | str | None = None, *, planning: PlanConfig | None = None,
             paging: PagingConfig | None = None, speedup: float | ElasticConfig | None = None,
@@ -441,7 +403,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     in_use = max(0, rss_start - memory.baseline_rss_bytes())
     opt_costs = optimizer_costs(optimizer)
     fixed = in_use + grad_bytes_missing(model) + opt_costs.state_bytes
-    state = _pageable_state(optimizer, opt_costs, cfg, budget, paging_cfg is not None)
+    state = state_paging_fields(optimizer, opt_costs, cfg, budget, paging_cfg is not None)
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
     loss_norm = loss_norm_safely(model, env, loss_fn, targets, batch)

@@ -7,6 +7,7 @@ plan in a fresh fork of its own) in a second, and again here from the children's
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -25,7 +26,9 @@ from ..plan import Plan
 from ..profile.stages import profile_chain
 from ..runtime import pool
 
-__all__ = ["Analysis", "ChainSummary", "Outcome", "block_solver_options"]
+__all__ = ["Analysis", "ChainSummary", "Outcome", "block_solver_options", "state_paging_fields"]
+
+log = logging.getLogger("edgetrain.api")
 
 
 @dataclass(frozen=True)
@@ -292,3 +295,41 @@ def _noted(plan: Plan, reasons: tuple[str, ...]) -> Plan:
     if not reasons:
         return plan
     return plan.replace(notes=plan.notes + tuple(f"never micro-batched: {r}" for r in reasons))
+
+
+#: below this much pageable optimizer state, paging it is not worth a page file
+_MIN_PAGEABLE_STATE = 2**20
+
+
+def state_paging_fields(optimizer: torch.optim.Optimizer, opt_costs: Any, cfg: Any, budget: int | None,
+                        poet: bool) -> dict[str, Any]:
+    """The :class:`Analysis` fields of optimizer-state paging: whether it may be planned, the bytes it
+    moves (the state there now and the state the first update creates, tensors of 64 KiB and more), and
+    the page file's cost per byte, measured here on a 4 MiB probe."""
+    mode = cfg.page_optimizer_state
+    if budget is None or mode is False or (mode == "auto" and poet):  # POET costs storage by its device
+        return {}
+    from ..runtime.optstate import measure_bandwidth, pageable_state_bytes
+
+    old = pageable_state_bytes(optimizer)
+    new = 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            nbytes = p.numel() * p.element_size()
+            if p.requires_grad and not optimizer.state.get(p) and nbytes >= 65536:
+                new += int(opt_costs.state_per_param * nbytes)
+    if old + new < (_MIN_PAGEABLE_STATE if mode == "auto" else 1):  # True: whatever there is
+        return {}
+    try:
+        w, r = measure_bandwidth(cfg.state_dir, min(old + new, 4 * 2**20))
+    except OSError as e:
+        if mode is True:
+            from ..runtime.paging import PagingError
+
+            where = cfg.state_dir or "the temporary directory"
+            raise PagingError(f"cannot write a page file for the optimizer state in {where}: {e}; give "
+                              "PlanConfig(state_dir=) a writable directory") from e
+        log.info("optimizer state stays resident: no page file (%s)", e)
+        return {}
+    return {"state_mode": mode, "pageable_state": old + new, "pageable_new": new, "state_dir": cfg.state_dir,
+            "state_s_per_byte": w + r}

@@ -9,14 +9,30 @@ import logging
 import os
 import queue
 import re
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FILE_RE", "write_all", "read_all", "remove_stale_page_files", "cleanup", "work"]
+__all__ = ["FILE_RE", "page_dir_or_default", "open_page_file", "write_all", "read_all", "remove_stale_page_files",
+           "cleanup", "work"]
 
 log = logging.getLogger(__name__)
 FILE_RE = re.compile(r"^edgetrain-pages-(\d+)-[0-9a-f]+\.bin$")
+
+
+def page_dir_or_default(directory: str | os.PathLike[str] | None) -> Path:
+    """``directory``, or ``<tmp>/edgetrain-pages`` when None."""
+    return Path(directory) if directory is not None else Path(tempfile.gettempdir()) / "edgetrain-pages"
+
+
+def open_page_file(directory: Path) -> tuple[Path, int]:
+    """Create a new page file of this process in ``directory`` (made if missing, stale files of dead
+    processes removed first): its path and a read-write descriptor. Raises ``OSError``."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    remove_stale_page_files(directory)
+    path = directory / f"edgetrain-pages-{os.getpid()}-{os.urandom(6).hex()}.bin"
+    return path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
 
 def write_all(fd: int, view: memoryview, offset: int) -> None:

@@ -27,17 +27,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..units import format_bytes
-from ._pagefile import read_all, remove_stale_page_files, write_all
+from ._pagefile import open_page_file, page_dir_or_default, read_all, write_all
 from .paging import PagingError
 
 __all__ = ["OptimizerStatePager", "StatePagerStats", "pageable_state_bytes", "measure_bandwidth"]
@@ -107,12 +105,9 @@ class OptimizerStatePager:
                  min_bytes: int = 65536) -> None:
         self.optimizer = optimizer
         self.min_bytes = int(min_bytes)
-        self.directory = Path(directory) if directory is not None else Path(tempfile.gettempdir()) / "edgetrain-pages"
+        self.directory = page_dir_or_default(directory)
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            remove_stale_page_files(self.directory)
-            self.path = self.directory / f"edgetrain-pages-{os.getpid()}-{os.urandom(6).hex()}.bin"
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self.path, self._fd = open_page_file(self.directory)
         except OSError as e:
             raise PagingError(f"cannot create a page file for the optimizer state in {self.directory}: {e}; "
                               "give a writable directory (PlanConfig(state_dir=...)) or plan with "
@@ -265,11 +260,8 @@ class OptimizerStatePager:
 def measure_bandwidth(directory: str | os.PathLike[str] | None, nbytes: int = 16 * 2**20) -> tuple[float, float]:
     """Seconds per byte to write and to read back ``nbytes`` through a page file in ``directory`` (what
     paging the optimizer state costs a step there, before the first step measures it)."""
-    directory = Path(directory) if directory is not None else Path(tempfile.gettempdir()) / "edgetrain-pages"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = directory / f"edgetrain-pages-{os.getpid()}-{os.urandom(6).hex()}.bin"
+    path, fd = open_page_file(page_dir_or_default(directory))
     buf = torch.ones(max(_ALIGN, nbytes) // 4)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         view = _view(buf)
         write_all(fd, view, 0)  # first write allocates the file's blocks; time the second, as steps do

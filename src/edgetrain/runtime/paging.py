@@ -42,19 +42,18 @@ import errno
 import logging
 import os
 import queue
-import tempfile
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from ..errors import EdgetrainError
 from ..units import format_bytes
-from ._pagefile import cleanup, read_all, remove_stale_page_files, work, write_all
+from ._pagefile import (cleanup, open_page_file, page_dir_or_default, read_all, remove_stale_page_files, work,
+                        write_all)
 
 __all__ = ["Pager", "PagingError", "PagerStats", "remove_stale_page_files"]
 
@@ -132,14 +131,11 @@ class Pager:
 
     def __init__(self, page_dir: str | os.PathLike[str] | None = None, *, min_bytes: int = 65536,
                  keep: Iterable[torch.Tensor] = (), auto_prefetch: bool = True) -> None:
-        self.page_dir = Path(page_dir) if page_dir is not None else Path(tempfile.gettempdir()) / "edgetrain-pages"
+        self.page_dir = page_dir_or_default(page_dir)
         self.min_bytes, self.auto_prefetch = int(min_bytes), auto_prefetch
         self._keep = {t.untyped_storage().data_ptr() for t in keep}
         try:
-            self.page_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            remove_stale_page_files(self.page_dir)
-            self.path = self.page_dir / f"edgetrain-pages-{os.getpid()}-{os.urandom(6).hex()}.bin"
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self.path, self._fd = open_page_file(self.page_dir)
         except OSError as e:
             raise PagingError(f"cannot create a page file in {self.page_dir}: {e}; pass page_dir= a writable "
                               "directory, or plan with paging=False") from e
