@@ -95,6 +95,8 @@ class BudgetController:
                 # The last step's gradients are spent (the next step starts from zero); freeing them lets
                 # the measuring run allocate its own, as a step does.
                 step.optimizer.zero_grad(set_to_none=True)
+                if step.state_pager is not None:
+                    step.state_pager.page_out()  # out during the passes, as in a step: the run measures them
                 room = step.budget_bytes - step.margin_bytes - self.drift()
                 probed = first_run_cost(table, self.seen_micro, self.validate, room, step.costs.fixed_bytes,
                                         grad_bytes_missing(step.model))
