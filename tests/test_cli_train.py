@@ -79,6 +79,26 @@ def test_train_user_factory_on_an_image_folder_then_resume(project, capsys):
     assert "resumed from ck at epoch 2, step 3" in out and "epoch 2/2" in out and "epoch 1/2" not in out
 
 
+@pytest.mark.parametrize("setting", ["true", "false"])
+def test_train_pages_the_optimizer_state_as_the_config_says(project, capsys, setting):
+    # 96 channels: the second convolution's weight (324 KiB) and its momentum are large enough to page
+    state_dir = project / "state"
+    state_dir.mkdir()
+    args = ["train", "cfg.yaml", "model_kwargs.width=96", f"page_optimizer_state={setting}", "state_dir=state"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "epoch 1/1: train_loss" in out and "within budget" in out
+    assert ("paged out to state during the forward and backward passes" in out) == (setting == "true")
+    assert list(state_dir.iterdir()) == []  # the page file is removed when training ends
+
+
+def test_page_optimizer_state_reads_auto_or_a_switch(tmp_path):
+    for given, read in (("auto", "auto"), ("on", True), ("false", False), (True, True)):
+        assert load_train_config(None, {"page_optimizer_state": given}).page_optimizer_state == read
+    with pytest.raises(ConfigError, match="page_optimizer_state must be auto, true or false; got 'sometimes'"):
+        load_train_config(None, {"page_optimizer_state": "sometimes"})
+
+
 @pytest.mark.parametrize("args,message", [
     (["train", "cfg.yaml", "memory_budget=lots"], "cannot read size 'lots'"),
     (["train", "missing.yaml"], "config file missing.yaml does not exist"),

@@ -84,7 +84,8 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     classification = data.task == "classification"
     loss_fn: nn.Module = nn.CrossEntropyLoss() if classification else nn.MSELoss()
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
-    prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging),
+    prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging,
+                                  page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir),
                        "name": cfg.model}
     trainer = Trainer(model, opt, loss_fn, loader, val_loader, memory_budget=budget, scheduler=sched,
                       metrics={"accuracy": _accuracy} if classification else None,
@@ -160,7 +161,7 @@ def add_config_flags(parser: Any) -> None:
         shown = "null" if default is None else ("{}" if default == {} else default)
         extra: dict[str, Any] = {}
         if typ.startswith("bool"):
-            extra = {"nargs": "?", "const": "true", "metavar": "BOOL"}
+            extra = {"nargs": "?", "const": "true", "metavar": "AUTO|BOOL" if typ == "bool | str" else "BOOL"}
         aliases = {"memory_budget": ["--budget"]}.get(name, [])
         parser.add_argument(flag, *aliases, dest=f"cfg_{name}", default=_UNSET,
                             help=f"{help_text} (default: {shown})", **extra)

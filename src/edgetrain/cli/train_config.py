@@ -57,6 +57,13 @@ class TrainConfig:
     solver: str = _opt("dp", "planner: dp, no_saving, recompute_all, chen_sqrt, checkpoint_sequential, poet")
     micro_batch_size: int | None = _opt(None, "fix the micro-batch size (null: the planner chooses)")
     paging: bool = _opt(False, "let the planner page saved activations to disk as well as recompute")
+    page_optimizer_state: bool | str = _opt("auto", "with a memory_budget, write the optimizer's large state "
+                                            "(momentum, Adam's moments) to a file during the forward and "
+                                            "backward passes and read it back for the update: auto (when "
+                                            "the planner finds that faster, or the only way to fit), true "
+                                            "or false")
+    state_dir: str | None = _opt(None, "directory of that file (null: the system's temporary directory); "
+                                 "put it on fast local storage")
     grad_clip_norm: float | None = _opt(None, "clip the gradient norm to this before each step (null: no clipping)")
     early_stopping_patience: int | None = _opt(None, "stop after this many epochs without a better val_loss")
     checkpoint_dir: str | None = _opt(None, "directory of crash-safe checkpoints (null: none)")
@@ -80,6 +87,8 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.page_optimizer_state not in (True, False, "auto"):
+            raise ConfigError(f"page_optimizer_state must be auto, true or false; got {self.page_optimizer_state!r}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ConfigError(f"epochs and batch_size must be >= 1; got {self.epochs} and {self.batch_size}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -111,6 +120,12 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
             return None
         raise ConfigError(f"{name} must not be null")
     try:
+        if base == "bool|str":  # a switch with a third, named setting ("auto")
+            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
+                return value.lower() in ("true", "yes", "on")
+            if isinstance(value, (bool, str)):
+                return value
+            raise ValueError
         if base == "bool":
             if isinstance(value, bool):
                 return value
