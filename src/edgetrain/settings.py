@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["Setting", "SETTINGS", "allocator", "cache_dir", "cache_enabled", "conv_chunk_bytes", "flag",
-           "fork_enabled", "huge_pages", "native_enabled", "selective_enabled", "markdown_table", "override"]
+           "fork_enabled", "huge_pages", "native_enabled", "lean_batchnorm_enabled", "selective_enabled", "markdown_table", "override"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -49,8 +49,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EDGETRAIN_CACHE_DIR", "~/.cache/edgetrain", "where stage profiles and compiled native kernels "
             "are cached"),
     Setting("EDGETRAIN_NO_CACHE", "0", "`1`: never read or write the profile cache (profile afresh each time)"),
-    Setting("EDGETRAIN_NATIVE", "1", "gradient filtering's compiled kernels; `0` runs the PyTorch "
-            "formulation (same gradients, slower)"),
+    Setting("EDGETRAIN_NATIVE", "1", "compiled kernels (gradient filtering, lean BatchNorm); `0` runs the "
+            "PyTorch formulation (same gradients, slower)"),
+    Setting("EDGETRAIN_LEAN_BN", "0", "captured graphs run BatchNorm and the ReLU/ReLU6 after it as one "
+            "function with a two-tensor backward, and write input gradients over owned inputs; `0` turns "
+            "both off"),
     Setting("EDGETRAIN_SELECTIVE", "1", "per-op (selective) recompute options inside stages are profiled and "
             "planned; `0` plans whole-stage keep / recompute only"),
     Setting("EDGETRAIN_CONV_CHUNK_BYTES", str(DEFAULT_CONV_CHUNK_BYTES), "slice size of the lean "
@@ -103,8 +106,15 @@ def fork_enabled() -> bool:
 
 
 def native_enabled() -> bool:
-    """``EDGETRAIN_NATIVE``: gradient filtering may compile and use its C kernels (default on)."""
+    """``EDGETRAIN_NATIVE``: gradient filtering and lean BatchNorm may compile and use C kernels (default on)."""
     return flag("EDGETRAIN_NATIVE")
+
+
+def lean_batchnorm_enabled() -> bool:
+    """``EDGETRAIN_LEAN_BN``: captured graphs run BatchNorm (and the ReLU / ReLU6 after it) as one function
+    with a two-tensor backward, and write input gradients over owned inputs (default off: see
+    docs/design.md, "Lean BatchNorm")."""
+    return flag("EDGETRAIN_LEAN_BN")
 
 
 def selective_enabled() -> bool:

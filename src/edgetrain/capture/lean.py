@@ -44,9 +44,10 @@ class _LeanConv2dFn(torch.autograd.Function):
     """``F.conv2d`` whose backward runs ``convolution_backward`` over slices of ``rows`` samples."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, rows):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, rows, owned):  # type: ignore[override]
         ctx.save_for_backward(x, weight)  # what PyTorch's own convolution saves
         ctx.conv = (stride, padding, dilation, groups, rows)
+        ctx.owned = owned
         return _sliced_forward(x, weight, bias, stride, padding, dilation, groups, rows)
 
     @staticmethod
@@ -59,7 +60,9 @@ class _LeanConv2dFn(torch.autograd.Function):
         gb = gy.sum((0, 2, 3)) if need_b else None
         gx = gw = None
         if need_x or need_w:
-            gx = torch.empty_like(x) if need_x else None
+            # an owned input is read by nothing after its slice's gradients: each slice of the input
+            # gradient goes where that slice of the input was
+            gx = (x.detach() if ctx.owned else torch.empty_like(x)) if need_x else None
             for start in range(0, x.shape[0], rows):
                 part = slice(start, start + rows)
                 gi, gwi, _ = torch.ops.aten.convolution_backward(
@@ -69,7 +72,7 @@ class _LeanConv2dFn(torch.autograd.Function):
                 if need_w:
                     gw = gwi if gw is None else gw.add_(gwi)
                 del gi, gwi
-        return gx, gw, gb, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None
 
 
 def _sliced_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -97,7 +100,7 @@ def _slices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st
 
 def lean_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
-                groups: int, limit: int | None = None) -> torch.Tensor:
+                groups: int, limit: int | None = None, owned: bool = False) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` with a batch-sliced backward.
 
     Args:
@@ -108,6 +111,8 @@ def lean_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         groups: as in ``F.conv2d``.
         limit: bytes of input plus output a slice may cover (None: :func:`chunk_bytes`, read from the
             environment; a graph rewrite passes it once instead of reading it on every call).
+        owned: nothing but this convolution holds ``x`` for backward (the graph rewrite proves it), so
+            its gradient is written over ``x`` slice by slice instead of into a new tensor.
 
     Returns:
         The convolution output, ``F.conv2d``'s up to float rounding. The forward and backward run over
@@ -129,7 +134,7 @@ def lean_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if not (wants_grad and torch.is_grad_enabled()):
         return _sliced_forward(x, weight, bias, stride, padding, dilation, groups, rows)
-    return _LeanConv2dFn.apply(x, weight, bias, stride, padding, dilation, groups, rows)
+    return _LeanConv2dFn.apply(x, weight, bias, stride, padding, dilation, groups, rows, bool(owned))
 
 
 class _HardtanhFn(torch.autograd.Function):

@@ -11,6 +11,14 @@
    in-place ReLU6 saves, kept by the out-of-place form.
 3. **Lean convolutions** (:func:`edgetrain.capture.lean.lean_conv2d`): plain ``nn.Conv2d`` calls get a
    batch-sliced backward with the same maths and a fraction of oneDNN's transient copies.
+4. **Lean BatchNorm** (:func:`edgetrain.capture.lean_bn.lean_batch_norm`): a BatchNorm module call, with
+   the ReLU / ReLU6 that is its only reader, runs as one autograd function whose backward holds two
+   tensors of the layer's size instead of four.
+5. **Gradients written over owned inputs**: where the graph shows that a lean BatchNorm's or a lean
+   convolution's input is read by nothing else and saved by no other op (its maker, a convolution, a
+   BatchNorm or an addition, keeps only its own inputs), the call is told it owns that input
+   (``owned=True``) and writes its input gradient over it. A tensor that crosses a stage boundary is
+   never owned (:func:`disown_stage_inputs`): the runtime keeps it as the next stage's input.
 
 Modules with hooks keep their calls (the hooks must fire); a rewritten module call records the module's
 qualified name in ``node.meta[MODULE_META]`` so the stage still lists the module it runs.
@@ -28,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .. import settings
 from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
+from .lean_bn import lean_batch_norm
 
-__all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input"]
+__all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +70,13 @@ class Rewrites:
     inplace: int = 0
     activations: int = 0
     convs: int = 0
+    batchnorms: int = 0
+    owned: int = 0
 
     def __str__(self) -> str:
         return (f"{self.inplace} in-place op(s) made out-of-place, {self.activations} ReLU6/Hardtanh saving "
-                f"outputs, {self.convs} convolution(s) with a batch-sliced backward")
+                f"outputs, {self.convs} convolution(s) with a batch-sliced backward, {self.batchnorms} lean "
+                f"BatchNorm(s), {self.owned} input gradient(s) written over their input")
 
 
 def _has_hooks(m: nn.Module) -> bool:
@@ -71,6 +84,20 @@ def _has_hooks(m: nn.Module) -> bool:
     glob = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
             nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks)
     return any(own) or any(glob)
+
+
+def _has_backward_hooks(m: nn.Module) -> bool:
+    return bool(m._backward_hooks or m._backward_pre_hooks or nn.modules.module._global_backward_hooks
+                or nn.modules.module._global_backward_pre_hooks)
+
+
+def _has_foreign_forward_hooks(m: nn.Module) -> bool:
+    """Forward hooks that may keep a reference to the output: any but edgetrain's own BatchNorm statistics
+    hooks (their owner says ``keeps_outputs = False``)."""
+    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values(),
+             *nn.modules.module._global_forward_hooks.values(),
+             *nn.modules.module._global_forward_pre_hooks.values()]
+    return any(getattr(getattr(h, "__self__", None), "keeps_outputs", True) for h in hooks)
 
 
 def _op_name(n: fx.Node) -> str:
@@ -237,6 +264,90 @@ def _lean_convs(gm: fx.GraphModule) -> int:
     return count
 
 
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_CONV_FUNCTIONS = (lean_conv2d, F.conv1d, F.conv2d, F.conv3d, F.linear, torch.conv1d, torch.conv2d,
+                   torch.conv3d)
+_ADDS = (operator.add, torch.add)
+
+
+def _fused_activation(gm: fx.GraphModule, u: fx.Node, z: fx.Node) -> tuple[str, float, float] | None:
+    """``(act, lo, hi)`` when ``u`` is a ReLU or ReLU6/Hardtanh of ``z`` alone, else None."""
+    if u.op == "call_function" and u.target is lean_hardtanh and len(u.args) == 3 and u.args[0] is z:
+        return "hardtanh", float(u.args[1]), float(u.args[2])
+    if u.op == "call_function" and u.target in (torch.relu, F.relu) and u.args == (z,) and not u.kwargs.get(
+            "inplace"):
+        return "relu", 0.0, 0.0
+    if u.op == "call_method" and u.target == "relu" and u.args == (z,) and not u.kwargs:
+        return "relu", 0.0, 0.0
+    if u.op == "call_module" and u.args == (z,) and not u.kwargs:
+        m = gm.get_submodule(str(u.target))
+        if type(m) is nn.ReLU and not _has_hooks(m):
+            return "relu", 0.0, 0.0
+    return None
+
+
+def _lean_batch_norms(gm: fx.GraphModule) -> int:
+    """BatchNorm module calls (with a ReLU / ReLU6 that is their only reader) -> :func:`lean_batch_norm` (pass 4)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_module" or len(n.args) != 1 or n.kwargs or not isinstance(n.args[0], fx.Node):
+            continue
+        m = gm.get_submodule(str(n.target))
+        if type(m) not in _BATCHNORMS or _has_backward_hooks(m):
+            continue
+        fused = _fused_activation(gm, next(iter(n.users)), n) if len(n.users) == 1 else None
+        act, lo, hi = fused if fused is not None and not _has_foreign_forward_hooks(m) else ("none", 0.0, 0.0)
+        with gm.graph.inserting_before(n):
+            module = gm.graph.get_attr(str(n.target))
+        target = next(iter(n.users)) if fused is not None else n
+        with gm.graph.inserting_after(target):
+            new = gm.graph.call_function(lean_batch_norm, (n.args[0], module, act, lo, hi), {"owned": False})
+        new.meta.update(target.meta)
+        new.meta[MODULE_META] = str(n.target)
+        target.replace_all_uses_with(new)
+        gm.graph.erase_node(target)
+        if target is not n:
+            gm.graph.erase_node(n)
+        count += 1
+    return count
+
+
+def _makes_unshared(gm: fx.GraphModule, a: fx.Node) -> bool:
+    """Whether ``a`` makes a fresh tensor that no op saves for backward: a convolution, linear layer,
+    BatchNorm or addition keeps only its inputs (and a lean BatchNorm its input and a bit mask)."""
+    if a.op == "call_function":
+        return a.target in _CONV_FUNCTIONS or a.target is lean_batch_norm or a.target in _ADDS
+    if a.op == "call_method":
+        return a.target == "add"
+    if a.op == "call_module":
+        m = gm.get_submodule(str(a.target))
+        return type(m) in _CONV_MODULES + _BATCHNORMS and not _has_hooks(m)
+    return False
+
+
+def _own_inputs(gm: fx.GraphModule) -> int:
+    """Mark lean calls whose input nothing else reads or saves ``owned=True`` (pass 5)."""
+    count = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (lean_batch_norm, lean_conv2d):
+            continue
+        a = n.args[0]
+        if isinstance(a, fx.Node) and len(a.users) == 1 and _makes_unshared(gm, a):
+            n.update_kwarg("owned", True)
+            count += 1
+    return count
+
+
+def disown_stage_inputs(graph: fx.Graph) -> None:
+    """A stage's graph: lean calls whose input is the stage's input do not own it (the runtime keeps it
+    to re-run the stage; the profiler reuses it)."""
+    for n in graph.nodes:
+        if (n.op == "call_function" and n.target in (lean_batch_norm, lean_conv2d) and n.kwargs.get("owned")
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
+            n.update_kwarg("owned", False)
+
+
 # Ops whose backward needs none of their inputs: they read their output (ReLU, sigmoid, tanh), a mask
 # (dropout) or nothing (addition).
 _OUTPUT_SAVING_FUNCTIONS = (lean_hardtanh, torch.relu, F.relu, torch.sigmoid, torch.tanh, F.dropout,
@@ -260,6 +371,10 @@ def keeps_input(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "call_function":
         if n.target in (F.relu, F.relu6, F.hardtanh) and n.kwargs.get("inplace"):
             return True
+        if n.target is lean_batch_norm and n.kwargs.get("owned"):
+            # it writes its gradient over its input (a convolution's output, read by nothing else): a cut
+            # before it would keep that input whole as the next stage's, where inside the stage it goes
+            return False
         return n.target not in _OUTPUT_SAVING_FUNCTIONS
     if n.op == "call_method":
         return str(n.target) not in _OUTPUT_SAVING_METHODS
@@ -280,9 +395,12 @@ def rewrite(gm: fx.GraphModule) -> Rewrites:
         The counts of rewritten nodes.
     """
     done = Rewrites(_functionalize(gm), _lean_activations(gm), _lean_convs(gm))
+    if settings.lean_batchnorm_enabled():
+        done.batchnorms = _lean_batch_norms(gm)
+        done.owned = _own_inputs(gm)
     gm.graph.lint()
     gm.recompile()
-    if done.inplace or done.activations or done.convs:
+    if done.inplace or done.activations or done.convs or done.batchnorms:
         log.debug("graph rewrites: %s", done)
     return done
 

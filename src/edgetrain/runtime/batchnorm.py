@@ -103,6 +103,10 @@ class RecomputeGuard:
 class FullBatchStats:
     """Makes BatchNorm running statistics of a micro-batched step equal those of one full-batch forward."""
 
+    #: its forward hooks keep no reference to a layer's output (the graph rewrite may then let a reader
+    #: write over that output, :mod:`edgetrain.capture.rewrite`)
+    keeps_outputs = False
+
     def __init__(self, model: nn.Module) -> None:
         self.bns = [m for _, m in batchnorm_modules(model)]
         self.recomputing = 0

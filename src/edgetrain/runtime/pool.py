@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import settings
-from .native import build_library
+from ..native import build_library
 
 __all__ = ["PoolStats", "available", "huge_pages", "install", "installed", "stats", "set_cap", "release", "reset_peak"]
 

@@ -11,7 +11,7 @@ with the pooled maps in L1-sized buffers (the speed-ups are measured in ``bench/
 
 The library is compiled on first use with the system's C compiler (``$CC``, else ``gcc``, ``cc`` or
 ``clang``; GCC 12 or newer, or Clang) with ``-O3 -march=native`` and OpenMP where they work, cached like
-the tensor pool (:mod:`edgetrain.runtime.native`), and loaded with ctypes. Without a compiler, or with
+the tensor pool (:mod:`edgetrain.native`), and loaded with ctypes. Without a compiler, or with
 ``EDGETRAIN_NATIVE=0``, every caller falls back to the PyTorch formulation, which gives the same results
 (tested), more slowly; the first fallback is logged once.
 """
@@ -21,17 +21,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ... import settings
-from ...runtime.native import build_library
+from ...native import load_c_library
 
 if TYPE_CHECKING:
     from ._axis import _Axis
@@ -41,56 +37,29 @@ __all__ = ["available", "pool", "pool_into", "unpool", "depthwise_sums", "depthw
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_native.c")
-_FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
 _LIB: ctypes.CDLL | None = None
 _FAILED: str | None = None
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-
-
-def _cpu_key() -> bytes:
-    """What ``-march=native`` depends on: the architecture and, on Linux, the CPU's feature flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return (platform.machine() + flags).encode()
 
 
 def _load() -> ctypes.CDLL | None:
     global _LIB, _FAILED
     if _LIB is not None or _FAILED is not None:
         return _LIB
-    errors = []
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
-    if cc is None:
-        errors.append("no C compiler found (install gcc or set CC)")
-    for flags in _FLAG_SETS if cc else ():
-        def cmd(out: Path, flags=flags) -> list[str]:
-            return [cc, "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, str(_SOURCE), "-o", str(out)]
-        try:
-            target = build_library(_SOURCE, "native", "libedgetrain_gradfilter",
-                                   " ".join((cc, *flags)).encode() + _cpu_key(), cmd,
-                                   "gradient filtering's native kernels")
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            errors.append(str(e))
-            continue
-        lib.et_pool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
-        lib.et_unpool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
-        lib.et_dw_core.argtypes = [_PTR] * 6 + [_I64] * 6 + [_PTR] * 6 + [_INT]
-        lib.et_dw_fused.argtypes = [_PTR] * 6 + [_I64] * 15 + [_PTR] * 6 + [_INT]
-        for f in (lib.et_pool, lib.et_unpool, lib.et_dw_core, lib.et_dw_fused):
-            f.restype = _INT
-        _LIB = lib
-        return _LIB
-    _FAILED = "; ".join(errors)
-    log.warning("gradient filtering's native kernels are unavailable (%s); using the PyTorch formulation, "
-                "which gives the same gradients more slowly", _FAILED[-300:])
-    return None
+    lib, why = load_c_library(_SOURCE, "libedgetrain_gradfilter", "gradient filtering's native kernels")
+    if lib is None:
+        _FAILED = why
+        log.warning("gradient filtering's native kernels are unavailable (%s); using the PyTorch formulation, "
+                    "which gives the same gradients more slowly", _FAILED[-300:])
+        return None
+    lib.et_pool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
+    lib.et_unpool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
+    lib.et_dw_core.argtypes = [_PTR] * 6 + [_I64] * 6 + [_PTR] * 6 + [_INT]
+    lib.et_dw_fused.argtypes = [_PTR] * 6 + [_I64] * 15 + [_PTR] * 6 + [_INT]
+    for f in (lib.et_pool, lib.et_unpool, lib.et_dw_core, lib.et_dw_fused):
+        f.restype = _INT
+    _LIB = lib
+    return _LIB
 
 
 def available(*tensors: torch.Tensor) -> bool:

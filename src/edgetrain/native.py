@@ -1,7 +1,8 @@
 """Build a small native library from a source file shipped in the package, once, and cache it.
 
-edgetrain's native parts (the CPU tensor pool, gradient filtering's pooling kernels) are compiled on first
-use with the system's compiler, because they must match the installed torch or the machine's SIMD. The
+edgetrain's native parts (the CPU tensor pool, lean BatchNorm's passes, gradient filtering's kernels) are
+compiled on first use with the system's compiler, because they must match the installed torch or the
+machine's SIMD. The
 result is cached under ``$EDGETRAIN_CACHE_DIR`` (default ``~/.cache/edgetrain``), named by a hash of the
 source and everything else it was built from; a read-only home builds in the temp directory instead.
 Concurrent processes never load a half-written library: it is compiled in a temporary directory beside
@@ -10,17 +11,20 @@ its final name and moved there atomically.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
+import platform
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .. import settings
+from . import settings
 
-__all__ = ["build_library"]
+__all__ = ["build_library", "load_c_library", "cpu_key", "C_FLAG_SETS"]
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +72,49 @@ def build_library(source: Path, folder: str, stem: str, key: bytes,
         if not target.exists():
             _compile(cmd, target, what)
     return target
+
+
+#: Compiler flag sets tried in turn for a C library: the fastest first, the plainest last.
+C_FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
+
+
+def cpu_key() -> bytes:
+    """What ``-march=native`` depends on: the architecture and, on Linux, the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return (platform.machine() + flags).encode()
+
+
+def load_c_library(source: Path, stem: str, what: str) -> tuple[ctypes.CDLL | None, str]:
+    """Compile (once, cached by :func:`build_library`) and load a C source shipped in the package.
+
+    The system's C compiler (``$CC``, else ``gcc``, ``cc`` or ``clang``) builds it with ``-O3`` and the
+    first of :data:`C_FLAG_SETS` that works (``-march=native`` and OpenMP where they do).
+
+    Args:
+        source: the ``.c`` file.
+        stem: file name prefix of the library.
+        what: what is built, for log lines and errors.
+
+    Returns:
+        ``(library, "")``, or ``(None, why)`` when no compiler or no flag set works.
+    """
+    errors = []
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+    if cc is None:
+        return None, "no C compiler found (install gcc or set CC)"
+    for flags in C_FLAG_SETS:
+        def cmd(out: Path, flags: tuple[str, ...] = flags) -> list[str]:
+            return [cc, "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, str(source), "-o", str(out)]
+        try:
+            target = build_library(source, "native", stem, " ".join((cc, *flags)).encode() + cpu_key(), cmd, what)
+            return ctypes.CDLL(str(target)), ""
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+    return None, "; ".join(errors)
