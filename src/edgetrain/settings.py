@@ -51,9 +51,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EDGETRAIN_NO_CACHE", "0", "`1`: never read or write the profile cache (profile afresh each time)"),
     Setting("EDGETRAIN_NATIVE", "1", "compiled kernels (gradient filtering, lean BatchNorm); `0` runs the "
             "PyTorch formulation (same gradients, slower)"),
-    Setting("EDGETRAIN_LEAN_BN", "0", "captured graphs run BatchNorm and the ReLU/ReLU6 after it as one "
-            "function with a two-tensor backward, and write input gradients over owned inputs; `0` turns "
-            "both off"),
+    Setting("EDGETRAIN_LEAN_BN", "0", "`1`: captured graphs run BatchNorm and the ReLU/ReLU6 after it as one "
+            "function with a two-tensor backward, and write input gradients over inputs nothing else holds "
+            "(experimental: the planner does not model it yet)"),
     Setting("EDGETRAIN_SELECTIVE", "1", "per-op (selective) recompute options inside stages are profiled and "
             "planned; `0` plans whole-stage keep / recompute only"),
     Setting("EDGETRAIN_CONV_CHUNK_BYTES", str(DEFAULT_CONV_CHUNK_BYTES), "slice size of the lean "

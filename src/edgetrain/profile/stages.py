@@ -291,7 +291,8 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
     parts = ["v5" if selective else "v4", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
-             f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}"]  # both change measured costs
+             f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs
+             f"lean-bn:{settings.lean_batchnorm_enabled()}"]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
     parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
     for p in parts:
