@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import settings
 from ..native import load_c_library
+from .composite import frames
 
 __all__ = ["lean_batch_norm", "ACTIVATIONS", "SLICE_BYTES"]
 
@@ -126,17 +127,21 @@ def _activation(z: torch.Tensor, act: str, lo: float, hi: float) -> tuple[torch.
     """The activation's output and its packed gradient mask (None: no activation, every element passes)."""
     if act == "none":
         return z, None
+    # z is this call's own tensor unless a selective checkpoint (or the profiler) keeps the BatchNorm's
+    # output: then the activation must not overwrite it
+    own = not frames()
     lib = _native(z) if z.is_contiguous() else None
     if lib is not None:
-        y = torch.empty_like(z)
+        y = z if own else torch.empty_like(z)
         bits = torch.empty(-(-z.numel() // 8), dtype=torch.uint8)
         lib.et_bn_act(z.data_ptr(), y.data_ptr(), bits.data_ptr(), z.numel(), _ACT_CODE[act], lo, hi,
                       torch.get_num_threads())
         return y, bits
+    own = not frames()
     if act == "relu":
-        y = torch.relu(z)
+        y = torch.relu_(z) if own else torch.relu(z)
         return y, _pack(y > 0)  # threshold_backward(g, y, 0): g where y > 0
-    y = F.hardtanh(z, lo, hi)
+    y = F.hardtanh_(z, lo, hi) if own else F.hardtanh(z, lo, hi)
     return y, _pack((y > lo) & (y < hi))  # hardtanh_backward: g strictly inside the bounds
 
 
