@@ -81,9 +81,8 @@ def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
             return None
         i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         lib.et_bn_act.argtypes = [ptr, ptr, ptr, i64, cint, f32, f32, cint]
-        lib.et_bn_sums.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, cint]
-        lib.et_bn_dx.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint]
-        for f in (lib.et_bn_act, lib.et_bn_sums, lib.et_bn_dx):
+        lib.et_bn_backward.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, cint, ptr, ptr, ptr, cint]
+        for f in (lib.et_bn_act, lib.et_bn_backward):
             f.restype = cint
         _LIB = lib
     return _LIB
@@ -170,6 +169,20 @@ class _LeanBatchNormFn(torch.autograd.Function):
         x, mask, mean, invstd, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g_y = g_y.contiguous()
+        lib = _native(x, g_y, mean, invstd)
+        if lib is not None and (weight is None or weight.dtype == torch.float32):
+            channels = x.shape[1]
+            spatial = x[0, 0].numel() if x.shape[0] else 0
+            g_x = (x if ctx.owned else torch.empty_like(x)) if need_x else None
+            g_w = x.new_empty(channels) if need_w else None
+            g_b = x.new_empty(channels) if need_b else None
+            lib.et_bn_backward(x.data_ptr(), g_y.data_ptr(), _ptr(mask), x.shape[0], channels, spatial,
+                               mean.data_ptr(), invstd.data_ptr(), _ptr(weight), int(ctx.batch_stats),
+                               _ptr(g_x), _ptr(g_w), _ptr(g_b), torch.get_num_threads())
+            if g_x is not None:
+                torch.autograd.graph.increment_version(g_x)  # a write autograd must see (a raw pointer's is not)
+                g_x = g_x.detach()
+            return g_x, g_w, g_b, None, None, None, None, None
         n_rows = x.shape[0]
         per_row = x[0].numel() if n_rows else 0
         channels = x.shape[1]
@@ -187,13 +200,7 @@ class _LeanBatchNormFn(torch.autograd.Function):
 
         total = torch.zeros(channels, dtype=torch.float64)
         dotp = torch.zeros(channels, dtype=torch.float64)
-        spatial = per_row // max(1, channels)
-        lib = _native(x, g_y, mean)
-        threads = torch.get_num_threads()
-        if lib is not None:
-            lib.et_bn_sums(x.data_ptr(), g_y.data_ptr(), _ptr(mask), n_rows, channels, spatial,
-                           mean.data_ptr(), total.data_ptr(), dotp.data_ptr(), threads)
-        for start in range(0, n_rows if lib is None else 0, rows):
+        for start in range(0, n_rows, rows):
             stop = min(n_rows, start + rows)
             g = masked(start, stop)
             total += g.sum(dims, dtype=torch.float64)
@@ -211,12 +218,7 @@ class _LeanBatchNormFn(torch.autograd.Function):
                 k = g_mean = x.new_zeros(shape)
             scale = (inv if weight is None else inv * weight.to(torch.float64)).to(x.dtype).view(shape)
             g_x = x if ctx.owned else torch.empty_like(x)
-            if lib is not None:
-                k, g_mean, scale = k.contiguous(), g_mean.contiguous(), scale.contiguous()
-                lib.et_bn_dx(x.data_ptr(), g_y.data_ptr(), _ptr(mask), n_rows, channels, spatial, mean.data_ptr(),
-                             k.data_ptr(), g_mean.data_ptr(), scale.data_ptr(), g_x.data_ptr(), threads)
-                torch.autograd.graph.increment_version(g_x)  # a write autograd must see (a raw pointer's is not)
-            for start in range(0, n_rows if lib is None else 0, rows):
+            for start in range(0, n_rows, rows):
                 stop = min(n_rows, start + rows)
                 t = (x[start:stop] - mean_b).mul_(k)
                 out = masked(start, stop).sub(g_mean).sub_(t).mul_(scale)
