@@ -12,7 +12,7 @@ from torch import fx, nn
 import edgetrain
 from edgetrain.capture import capture, lean_bn
 from edgetrain.capture.lean_bn import lean_batch_norm
-from edgetrain.capture.rewrite import rewrite
+from edgetrain.capture.rewrite import fresh_activation, rewrite
 from edgetrain.models.zoo import ZOO, has_transformers
 
 
@@ -119,15 +119,19 @@ def test_rewrite_fuses_and_owns_only_what_nothing_else_reads(monkeypatch):
     assert torch.equal(gm(x), block(x))
 
 
-def test_stage_inputs_are_never_owned(monkeypatch):
+def test_a_stage_owns_an_input_only_when_a_fused_activation_made_it(monkeypatch):
     monkeypatch.setenv("EDGETRAIN_LEAN_BN", "1")
     model = nn.Sequential(_Block(4), _Block(4), _Block(4))
     chain = capture(model, (torch.randn(2, 4, 6, 6),))
     assert len(chain) > 1
+    made = {n.name: n for st in chain.stages for n in st.fn.graph.nodes if n.op == "call_function"}
+    owned_inputs = 0
     for st in chain.stages:
         for n in st.fn.graph.nodes:
-            if n.op == "call_function" and n.kwargs.get("owned"):
-                assert n.args[0].op != "placeholder", st.name
+            if n.op == "call_function" and n.kwargs.get("owned") and n.args[0].op == "placeholder":
+                assert fresh_activation(made[str(n.args[0].target)]), st.name
+                owned_inputs += 1
+    assert owned_inputs  # the block's convolutions after a cut own what the BatchNorm's activation made
 
 
 def _plain_step(model, opt, x, y):

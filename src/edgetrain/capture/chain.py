@@ -137,14 +137,15 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
 
 
 def stage_inputs(stage: Any, env: dict[str, Any], produced: Container[str]) -> tuple[list[Any], list[torch.Tensor]]:
-    """A stage's arguments from ``env``, each floating-point tensor an earlier stage produced detached into a
+    """A stage's arguments from ``env``, each floating-point tensor an earlier stage produced copied into a
     leaf that requires grad (as the stage sees it in a step); returns the arguments and those leaves."""
     args: list[Any] = []
     leaves: list[torch.Tensor] = []
     for k in stage.inputs:
         v = env[k]
         if k in produced and isinstance(v, torch.Tensor) and v.is_floating_point():
-            v = v.detach().requires_grad_(True)
+            # a copy: a stage may write its input gradient over an input it owns (capture/rewrite.py)
+            v = v.detach().clone().requires_grad_(True)
             leaves.append(v)
         args.append(v)
     return args, leaves

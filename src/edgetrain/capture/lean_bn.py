@@ -144,6 +144,19 @@ def _activation(z: torch.Tensor, act: str, lo: float, hi: float) -> tuple[torch.
     return y, _pack((y > lo) & (y < hi))  # hardtanh_backward: g strictly inside the bounds
 
 
+class _SaveInput(torch.autograd.Function):
+    """Saves the BatchNorm input ahead of the BatchNorm (module docstring: the replay stops here)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g
+
+
 class _LeanBatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, act, lo, hi, owned):  # type: ignore[override]
@@ -159,14 +172,22 @@ class _LeanBatchNormFn(torch.autograd.Function):
             ctx.batch_stats = False
         y, mask = _activation(z, act, lo, hi)
         del z
-        ctx.save_for_backward(x, mask, mean, invstd, weight)
+        # The input is saved by the _SaveInput call before this one when it needs a gradient; the mask
+        # and statistics (1/32 of the input and less) stay with this node, so that a recomputed stage
+        # ending here stops once the input is back, without making this layer's output again.
+        source = x.grad_fn if isinstance(x.grad_fn, _SaveInput._backward_cls) else None
+        if source is None:
+            ctx.save_for_backward(x)
+        ctx.source = source
+        ctx.mask, ctx.mean, ctx.invstd, ctx.weight = mask, mean, invstd, weight
         ctx.owned = owned
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_y):  # type: ignore[override]
-        x, mask, mean, invstd, weight = ctx.saved_tensors
+        (x,) = ctx.source.saved_tensors if ctx.source is not None else ctx.saved_tensors
+        mask, mean, invstd, weight = ctx.mask, ctx.mean, ctx.invstd, ctx.weight
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g_y = g_y.contiguous()
         lib = _native(x, g_y, mean, invstd)
@@ -246,6 +267,8 @@ def lean_batch_norm(x: torch.Tensor, module: nn.Module, act: str = "none", lo: f
         p is not None and p.requires_grad for p in (module.weight, module.bias)))
     if (wants_grad and x.dtype in (torch.float32, torch.float64) and x.is_contiguous()
             and x.dim() >= 2 and x.shape[0] > 0):
+        if x.requires_grad:
+            x = _SaveInput.apply(x)
         return _LeanBatchNormFn.apply(x, module.weight, module.bias, module, act, float(lo), float(hi),
                                       bool(owned))
     z = module(x)

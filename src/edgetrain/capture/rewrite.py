@@ -18,7 +18,9 @@
    convolution's input is read by nothing else and saved by no other op (its maker, a convolution, a
    BatchNorm or an addition, keeps only its own inputs), the call is told it owns that input
    (``owned=True``) and writes its input gradient over it. A tensor that crosses a stage boundary is
-   never owned (:func:`disown_stage_inputs`): the runtime keeps it as the next stage's input.
+   owned only when a lean BatchNorm's activation made it (:func:`disown_stage_inputs`): the runtime's
+   copy of a stage input is read again only to re-run that stage, before its backward, and no selective
+   checkpoint caches such a tensor.
 
 Modules with hooks keep their calls (the hooks must fire); a rewritten module call records the module's
 qualified name in ``node.meta[MODULE_META]`` so the stage still lists the module it runs.
@@ -40,7 +42,7 @@ from .. import settings
 from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
 from .lean_bn import lean_batch_norm
 
-__all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs"]
+__all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs", "fresh_activation"]
 
 log = logging.getLogger(__name__)
 
@@ -339,12 +341,20 @@ def _own_inputs(gm: fx.GraphModule) -> int:
     return count
 
 
-def disown_stage_inputs(graph: fx.Graph) -> None:
-    """A stage's graph: lean calls whose input is the stage's input do not own it (the runtime keeps it
-    to re-run the stage; the profiler reuses it)."""
+def fresh_activation(a: fx.Node) -> bool:
+    """Whether ``a`` is a lean BatchNorm with an activation: its output is a tensor no op saves and no
+    selective checkpoint caches (the activation writes it, out of place under a checkpoint that keeps
+    the BatchNorm's output), so a stage that reads it alone may own it."""
+    return a.op == "call_function" and a.target is lean_batch_norm and len(a.args) > 2 and a.args[2] != "none"
+
+
+def disown_stage_inputs(graph: fx.Graph, ownable: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """A stage's graph: lean calls whose input is a stage input do not own it (the runtime keeps it to re-run
+    the stage, a selective checkpoint may have cached it), except the inputs named in ``ownable``."""
     for n in graph.nodes:
         if (n.op == "call_function" and n.target in (lean_batch_norm, lean_conv2d) and n.kwargs.get("owned")
-                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+                and str(n.args[0].target) not in ownable):
             n.update_kwarg("owned", False)
 
 

@@ -24,7 +24,7 @@ from .._state import preserved_model_state, rng_state, set_rng_state
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
 from .modules import module_chain
-from .rewrite import MODULE_META, disown_stage_inputs, keeps_input, rewrite
+from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
 
 __all__ = ["capture"]
 
@@ -254,7 +254,8 @@ def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int],
             out_vals.append(fx.node.map_arg(out_node.args[0], lambda a: fetch(a) if a not in local else local[a]))
             out_names.append(OUTPUT_KEY)
         g.output(tuple(out_vals))
-        disown_stage_inputs(g)
+        disown_stage_inputs(g, {a.name for a in local if a.op != "placeholder" and fresh_activation(a)
+                                and owner.get(a) != s})
         sub = fx.GraphModule(gm, g, f"stage{s}")
         mods = tuple(gm.get_submodule(m) for m in map(_module_name, members) if m is not None)
         stages.append(Stage(index=s, name=_stage_name(members), fn=sub, inputs=tuple(inputs),

@@ -16,11 +16,12 @@ plain run from the same RNG state: an option whose outputs or gradients differ i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,6 +98,20 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def _inputs_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Puts the values of ``tensors`` back after the block: a stage's backward may write its input gradient
+    over an input it owns (:mod:`edgetrain.capture.rewrite`), and the profiler runs a stage again on the
+    same inputs."""
+    saved = [t.detach().clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, v in zip(tensors, saved):
+                t.copy_(v)
+
+
 def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int]) -> OpSample:
     """Record one forward ``run()`` (then free its graph by a backward of ones).
 
@@ -125,7 +140,8 @@ def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int]) 
     rec.hold.clear()
     diff = [o for o in outs_t if o.requires_grad]
     if diff:
-        torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+        with _inputs_restored([t for t in ins if t.is_floating_point()]):
+            torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
     return sample
 
 
@@ -144,17 +160,18 @@ def option_is_exact(run: Callable[..., Any], args: Sequence[Any], grad_inputs: S
     def once(selective: bool) -> list[torch.Tensor | None]:
         state = torch.get_rng_state()
         try:
-            if selective:
-                outs = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                                  context_fn=selective_context_fn(name))
-            else:
-                outs = run(*args)
-            outs_t = tensors_in(outs)
-            diff = [o for o in outs_t if o.requires_grad]
-            wrt = list(grad_inputs) + list(params)
-            grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True) \
-                if diff and wrt else ()
-            return [o.detach() for o in outs_t] + list(grads)
+            with _inputs_restored(list(grad_inputs)):
+                if selective:
+                    outs = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                                      context_fn=selective_context_fn(name))
+                else:
+                    outs = run(*args)
+                outs_t = tensors_in(outs)
+                diff = [o for o in outs_t if o.requires_grad]
+                wrt = list(grad_inputs) + list(params)
+                grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True) \
+                    if diff and wrt else ()
+                return [o.detach() for o in outs_t] + [None if g is None else g.clone() for g in grads]
         finally:
             torch.set_rng_state(state)
 
