@@ -333,7 +333,10 @@ class Planner:
         # so in the fixed bytes below; measuring activations from before the run would count it twice.
         act_meas = m.peak - max(m.rss_before, m.rss_after) - grads
         act_excess = max(0, act_meas - act_pred)
-        fixed = m.rss_after + unallocated + act_excess
+        # A run never leaves less than nothing resident: a reading below the zero point is the heap of a
+        # grown process given back (a test suite's process: -12 KiB after a tiny model's run, and a 1 KiB
+        # budget then "fitted"), not a negative cost.
+        fixed = max(0, m.rss_after) + unallocated + act_excess
         log.info("validation: activations measured %.1f MiB vs %.1f predicted; fixed %.1f MiB at micro-batch "
                  "%d (was %.1f)", act_meas / 2**20, act_pred / 2**20, fixed / 2**20, plan.micro_batch_size,
                  self.fixed_at(plan.micro_batch_size, rec) / 2**20)
