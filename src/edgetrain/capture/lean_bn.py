@@ -15,12 +15,18 @@ is the BatchNorm backward formula of PyTorch's CPU kernel, fed the masked gradie
     g_x  = (g - sum / N - (x - mean) * dotp * invstd^2 / N) * invstd * weight
     g_weight = dotp * invstd,  g_bias = sum
 
-in two passes over slices of the batch (the sums, then ``g_x``), with slice-sized temporaries only. When
+in one native call, channel by channel (``_lean_bn.c``; a PyTorch formulation over slices of the batch
+where it cannot run), with no temporary of the layer's size. When
 the graph shows that nothing but this BatchNorm holds ``x`` (a convolution or linear layer made it and
 this is its one reader: ``owned``), ``g_x`` is written over ``x`` in place: the backward then holds ``x``
 and ``g_y`` and nothing of their size more. The mean and inverse standard deviation are the ones the
 kernel computed in forward (read from its ``native_batch_norm`` call), so the values equal PyTorch's up to
 float rounding in the sums' order, as for the lean convolution.
+
+The activation runs in place on the BatchNorm's own output (out of place where a selective checkpoint or
+the profiler keeps that output). ``x`` is saved by a small call ahead of the BatchNorm, the mask and the
+statistics stay with the BatchNorm's node: a recomputed stage that ends here stops its replay once ``x``
+is back, without making the layer's output again.
 
 An eval-mode layer (frozen statistics) takes the same path with the running statistics as constants.
 Anything else (a dtype other than float32/float64, a non-contiguous input, no gradient wanted) runs the
@@ -48,7 +54,7 @@ __all__ = ["lean_batch_norm", "ACTIVATIONS", "SLICE_BYTES"]
 
 log = logging.getLogger(__name__)
 
-#: Activations fused after the BatchNorm: name -> the function of ``(z, lo, hi)`` it computes.
+#: Activations fused after the BatchNorm (``hardtanh`` with bounds ``(lo, hi)``; ReLU6 is ``(0, 6)``).
 ACTIVATIONS = ("none", "relu", "hardtanh")
 
 #: Bytes of ``x`` one slice of the two passes covers: the slice's temporaries stay in cache.
