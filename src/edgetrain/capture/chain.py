@@ -57,6 +57,8 @@ class Stage:
         modules: the submodules whose code runs inside the stage.
         mutates: qualified names of the model buffers its forward changes in place (BatchNorm running
             statistics, counters, power-iteration vectors), as seen on the example batch.
+        owns_input: its backward may write an input gradient over one of its inputs
+            (:mod:`edgetrain.capture.rewrite`): whoever runs it twice on the same inputs copies them.
     """
 
     index: int
@@ -66,6 +68,7 @@ class Stage:
     outputs: tuple[str, ...]
     modules: tuple[nn.Module, ...] = ()
     mutates: tuple[str, ...] = ()
+    owns_input: bool = False
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         return self.fn(*args)
@@ -137,15 +140,16 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
 
 
 def stage_inputs(stage: Any, env: dict[str, Any], produced: Container[str]) -> tuple[list[Any], list[torch.Tensor]]:
-    """A stage's arguments from ``env``, each floating-point tensor an earlier stage produced copied into a
-    leaf that requires grad (as the stage sees it in a step); returns the arguments and those leaves."""
+    """A stage's arguments from ``env``, each floating-point tensor an earlier stage produced detached into a
+    leaf that requires grad (as the stage sees it in a step; copied for a stage that owns an input);
+    returns the arguments and those leaves."""
     args: list[Any] = []
     leaves: list[torch.Tensor] = []
     for k in stage.inputs:
         v = env[k]
         if k in produced and isinstance(v, torch.Tensor) and v.is_floating_point():
-            # a copy: a stage may write its input gradient over an input it owns (capture/rewrite.py)
-            v = v.detach().clone().requires_grad_(True)
+            # a stage that owns an input writes its gradient there: it gets a copy, env keeps the value
+            v = (v.detach().clone() if getattr(stage, "owns_input", False) else v.detach()).requires_grad_(True)
             leaves.append(v)
         args.append(v)
     return args, leaves

@@ -50,14 +50,11 @@ from .. import settings
 from ..native import load_c_library
 from .composite import frames
 
-__all__ = ["lean_batch_norm", "ACTIVATIONS", "SLICE_BYTES"]
+__all__ = ["lean_batch_norm", "SLICE_BYTES"]
 
 log = logging.getLogger(__name__)
 
-#: Activations fused after the BatchNorm (``hardtanh`` with bounds ``(lo, hi)``; ReLU6 is ``(0, 6)``).
-ACTIVATIONS = ("none", "relu", "hardtanh")
-
-#: Bytes of ``x`` one slice of the two passes covers: the slice's temporaries stay in cache.
+#: Bytes of ``x`` one slice of the PyTorch formulation's two passes covers (temporaries stay in cache).
 SLICE_BYTES = 1 << 20
 
 _BN_OPS = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,

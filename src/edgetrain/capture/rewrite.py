@@ -348,14 +348,22 @@ def fresh_activation(a: fx.Node) -> bool:
     return a.op == "call_function" and a.target is lean_batch_norm and len(a.args) > 2 and a.args[2] != "none"
 
 
-def disown_stage_inputs(graph: fx.Graph, ownable: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+def disown_stage_inputs(graph: fx.Graph, ownable: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
     """A stage's graph: lean calls whose input is a stage input do not own it (the runtime keeps it to re-run
-    the stage, a selective checkpoint may have cached it), except the inputs named in ``ownable``."""
+    the stage, a selective checkpoint may have cached it), except the inputs named in ``ownable``.
+
+    Returns:
+        Whether the stage still owns one of its inputs.
+    """
+    owns = False
     for n in graph.nodes:
         if (n.op == "call_function" and n.target in (lean_batch_norm, lean_conv2d) and n.kwargs.get("owned")
-                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
-                and str(n.args[0].target) not in ownable):
-            n.update_kwarg("owned", False)
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
+            if str(n.args[0].target) in ownable:
+                owns = True
+            else:
+                n.update_kwarg("owned", False)
+    return owns
 
 
 # Ops whose backward needs none of their inputs: they read their output (ReLU, sigmoid, tanh), a mask

@@ -254,12 +254,12 @@ def _build_stages(gm: fx.GraphModule, nodes: list[fx.Node], cuts: list[int],
             out_vals.append(fx.node.map_arg(out_node.args[0], lambda a: fetch(a) if a not in local else local[a]))
             out_names.append(OUTPUT_KEY)
         g.output(tuple(out_vals))
-        disown_stage_inputs(g, {a.name for a in local if a.op != "placeholder" and fresh_activation(a)
-                                and owner.get(a) != s})
+        owns = disown_stage_inputs(g, {a.name for a in local if a.op != "placeholder" and fresh_activation(a)
+                                       and owner.get(a) != s})
         sub = fx.GraphModule(gm, g, f"stage{s}")
         mods = tuple(gm.get_submodule(m) for m in map(_module_name, members) if m is not None)
         stages.append(Stage(index=s, name=_stage_name(members), fn=sub, inputs=tuple(inputs),
-                            outputs=tuple(out_names), modules=mods))
+                            outputs=tuple(out_names), modules=mods, owns_input=owns))
     return stages, last_use
 
 

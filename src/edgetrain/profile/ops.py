@@ -112,13 +112,14 @@ def _inputs_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
                 t.copy_(v)
 
 
-def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int]) -> OpSample:
+def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int], restore: bool = False) -> OpSample:
     """Record one forward ``run()`` (then free its graph by a backward of ones).
 
     Args:
         run: runs the stage forward on fixed inputs and returns its outputs.
         inputs: the stage inputs (their storages are resident anyway).
         params: storage keys of the model's parameters.
+        restore: the stage owns an input (its backward writes there): put the inputs back after it.
     """
     sample = OpSample()
 
@@ -140,7 +141,7 @@ def record_ops(run: Callable[[], Any], inputs: Sequence[Any], params: set[int]) 
     rec.hold.clear()
     diff = [o for o in outs_t if o.requires_grad]
     if diff:
-        with _inputs_restored([t for t in ins if t.is_floating_point()]):
+        with _inputs_restored([t for t in ins if t.is_floating_point()] if restore else []):
             torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
     return sample
 
@@ -155,12 +156,13 @@ def candidate_options(samples: Sequence[OpSample]) -> list[tuple[str, ...]]:
 
 
 def option_is_exact(run: Callable[..., Any], args: Sequence[Any], grad_inputs: Sequence[torch.Tensor],
-                    params: Sequence[torch.Tensor], name: str) -> bool:
-    """Whether option ``name`` gives bit-identical outputs and gradients to a plain run (and does not raise)."""
+                    params: Sequence[torch.Tensor], name: str, restore: bool = False) -> bool:
+    """Whether option ``name`` gives bit-identical outputs and gradients to a plain run (and does not raise).
+    ``restore``: the stage owns an input, so each run starts from the inputs as they were."""
     def once(selective: bool) -> list[torch.Tensor | None]:
         state = torch.get_rng_state()
         try:
-            with _inputs_restored(list(grad_inputs)):
+            with _inputs_restored(list(grad_inputs) if restore else []):
                 if selective:
                     outs = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
                                       context_fn=selective_context_fn(name))
@@ -171,7 +173,8 @@ def option_is_exact(run: Callable[..., Any], args: Sequence[Any], grad_inputs: S
                 wrt = list(grad_inputs) + list(params)
                 grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True) \
                     if diff and wrt else ()
-                return [o.detach() for o in outs_t] + [None if g is None else g.clone() for g in grads]
+                # an owned input's gradient lies in the input's storage, which the block puts back
+                return [o.detach() for o in outs_t] + [g.clone() if restore and g is not None else g for g in grads]
         finally:
             torch.set_rng_state(state)
 
@@ -314,14 +317,17 @@ def selective_stages(chain: Any, inputs_env: dict[str, Any], lo: int, hi: int, p
             def run(*args: Any, fn: Any = fn) -> Any:
                 return fn(*args)
         runs.append(run)
-        samples.append([record_ops(lambda a=args, run=run: run(*a), args, params) for args, _ in (at_lo[t], at_hi[t])])
+        owns = getattr(st, "owns_input", False)
+        samples.append([record_ops(lambda a=args, run=run: run(*a), args, params, owns)
+                        for args, _ in (at_lo[t], at_hi[t])])
     options = candidate_options([s for pair in samples for s in pair])
     out = []
     for t, (st, cost) in enumerate(zip(chain.stages, stages)):
         args_lo, leaves_lo = at_lo[t]
         stage_params = [p for mod in st.modules for p in mod.parameters() if p.requires_grad]
         opts = tuple(fit_option(c, lo, samples[t][0], fwd_lo[t], hi, samples[t][1], fwd_hi[t]) for c in options
-                     if option_is_exact(runs[t], args_lo, leaves_lo, stage_params, option_name(c)))
+                     if option_is_exact(runs[t], args_lo, leaves_lo, stage_params, option_name(c),
+                                        getattr(st, "owns_input", False)))
         out.append(replace(cost, selective=opts,
                            mutates_input=samples[t][0].mutates_input or samples[t][1].mutates_input))
     return out
