@@ -104,7 +104,10 @@ def test_batchnorm_micro_batched_running_stats_are_full_batch():
     for h in hooks:
         h.remove()
     for i, xs in seen.items():
-        inp = torch.cat(xs[0::2])  # forward, then its replay in backward, per micro-batch
+        # per micro-batch: the forward, then (where the recomputed stage's replay reaches the layer; a lean
+        # BatchNorm at a stage's end stops it earlier) the replay in backward, on the same input
+        firsts = [t for j, t in enumerate(xs) if j == 0 or not torch.equal(t, xs[j - 1])]
+        inp = torch.cat(firsts)
         assert inp.shape[0] == 20
         mean = inp.mean(dim=(0, 2, 3))
         var = inp.var(dim=(0, 2, 3), unbiased=True)

@@ -49,11 +49,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EDGETRAIN_CACHE_DIR", "~/.cache/edgetrain", "where stage profiles and compiled native kernels "
             "are cached"),
     Setting("EDGETRAIN_NO_CACHE", "0", "`1`: never read or write the profile cache (profile afresh each time)"),
-    Setting("EDGETRAIN_NATIVE", "1", "compiled kernels (gradient filtering, lean BatchNorm); `0` runs the "
-            "PyTorch formulation (same gradients, slower)"),
-    Setting("EDGETRAIN_LEAN_BN", "0", "`1`: captured graphs run BatchNorm and the ReLU/ReLU6 after it as one "
-            "function with a two-tensor backward, and write input gradients over inputs nothing else holds "
-            "(experimental: the planner does not model it yet)"),
+    Setting("EDGETRAIN_NATIVE", "1", "compiled kernels (gradient filtering, lean BatchNorm); `0` runs "
+            "gradient filtering's PyTorch formulation (same gradients, slower) and BatchNorm as written"),
+    Setting("EDGETRAIN_LEAN_BN", "1", "captured graphs run BatchNorm and the ReLU/ReLU6 after it as one "
+            "function with a two-tensor backward (bit-exact: PyTorch's own kernel, checked at first use), and "
+            "write input gradients over inputs nothing else holds; `0` runs them as written"),
     Setting("EDGETRAIN_SELECTIVE", "1", "per-op (selective) recompute options inside stages are profiled and "
             "planned; `0` plans whole-stage keep / recompute only"),
     Setting("EDGETRAIN_CONV_CHUNK_BYTES", str(DEFAULT_CONV_CHUNK_BYTES), "slice size of the lean "
@@ -112,7 +112,7 @@ def native_enabled() -> bool:
 
 def lean_batchnorm_enabled() -> bool:
     """``EDGETRAIN_LEAN_BN``: captured graphs run BatchNorm (and the ReLU / ReLU6 after it) as one function
-    with a two-tensor backward, and write input gradients over owned inputs (default off: see
+    with a two-tensor backward, and write input gradients over owned inputs (default on; see
     docs/design.md, "Lean BatchNorm")."""
     return flag("EDGETRAIN_LEAN_BN")
 

@@ -9,28 +9,33 @@ and the gradient it makes ``g_z`` are alive at once; then BatchNorm's backward h
 :func:`lean_batch_norm` runs the BatchNorm module itself (its own forward: running statistics, momentum,
 ``num_batches_tracked`` and forward hooks behave as written) and the activation inside one autograd
 function that saves ``x`` and the activation's gradient mask packed to one bit per element. Its backward
-is the BatchNorm backward formula of PyTorch's CPU kernel, fed the masked gradient on the fly:
+is PyTorch's own CPU BatchNorm backward, re-done operation for operation in one native call
+(``_lean_bn.c``) that reads the masked gradient on the fly, with no temporary of the layer's size:
 
-    sum  = sum(g),  dotp = sum((x - mean) * g)          (per channel, over batch and space; float64)
+    sum  = sum(g),  dotp = sum((x - mean) * g)          (per channel: float lanes per plane, double across)
     g_x  = (g - sum / N - (x - mean) * dotp * invstd^2 / N) * invstd * weight
     g_weight = dotp * invstd,  g_bias = sum
 
-in one native call, channel by channel (``_lean_bn.c``; a PyTorch formulation over slices of the batch
-where it cannot run), with no temporary of the layer's size. When
-the graph shows that nothing but this BatchNorm holds ``x`` (a convolution or linear layer made it and
-this is its one reader: ``owned``), ``g_x`` is written over ``x`` in place: the backward then holds ``x``
-and ``g_y`` and nothing of their size more. The mean and inverse standard deviation are the ones the
-kernel computed in forward (read from its ``native_batch_norm`` call), so the values equal PyTorch's up to
-float rounding in the sums' order, as for the lean convolution.
+When the graph shows that nothing but this BatchNorm holds ``x`` (``owned``), ``g_x`` is written over ``x``
+in place: the backward then holds ``x`` and ``g_y`` and nothing of their size more.
+
+**Exact, or not used.** The results are the same bits as autograd's ``threshold_backward`` /
+``hardtanh_backward`` followed by ``native_batch_norm_backward``: same reduction order (ATen's vector lanes,
+tail and lane fold), same types, same rounding. What the installed torch's build did that C cannot see (its
+vector width, whether it fused a multiply-add) is settled once per process by a self-check
+(:func:`exact_variant`) that runs both kernels on small random problems and keeps the variant that agrees
+bit for bit. Where none agrees, or the native library cannot be built, or a call is outside what the
+kernel reproduces (not float32 on CPU, not contiguous, one element per channel plane, which ATen runs
+through its channels-last kernel), the module and activation run as written: slower in memory, never
+different in value.
 
 The activation runs in place on the BatchNorm's own output (out of place where a selective checkpoint or
 the profiler keeps that output). ``x`` is saved by a small call ahead of the BatchNorm, the mask and the
 statistics stay with the BatchNorm's node: a recomputed stage that ends here stops its replay once ``x``
 is back, without making the layer's output again.
 
-An eval-mode layer (frozen statistics) takes the same path with the running statistics as constants.
-Anything else (a dtype other than float32/float64, a non-contiguous input, no gradient wanted) runs the
-module and activation as written.
+An eval-mode layer (frozen statistics) takes the same path with the running statistics, as ATen's
+eval-mode backward uses them.
 """
 
 from __future__ import annotations
@@ -50,49 +55,130 @@ from .. import settings
 from ..native import load_c_library
 from .composite import frames
 
-__all__ = ["lean_batch_norm", "SLICE_BYTES"]
+__all__ = ["lean_batch_norm", "exact_variant", "available"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes of ``x`` one slice of the PyTorch formulation's two passes covers (temporaries stay in cache).
-SLICE_BYTES = 1 << 20
-
 _BN_OPS = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
                      torch.ops.aten._batch_norm_with_update.default})
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _ACT_CODE = {"relu": 1, "hardtanh": 2}
 
 _SOURCE = Path(__file__).with_name("_lean_bn.c")
 _LIB: ctypes.CDLL | None = None
 _FAILED: str | None = None
+_VARIANT: tuple[int, int, int, int] | None = None
 
 
-def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The compiled passes (``_lean_bn.c``) when they can run on these tensors (float32, CPU), else None.
-
-    Compiled on first use like gradient filtering's kernels; ``EDGETRAIN_NATIVE=0`` or no C compiler
-    leaves the PyTorch formulation below, which computes the same values more slowly."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled passes (``_lean_bn.c``), built on first use, or None (no compiler: logged once)."""
     global _LIB, _FAILED
-    if not settings.native_enabled() or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
-        return None
     if _LIB is None and _FAILED is None:
-        lib, _FAILED = load_c_library(_SOURCE, "libedgetrain_lean_bn", "lean BatchNorm's passes")
+        lib, why = load_c_library(_SOURCE, "libedgetrain_lean_bn", "lean BatchNorm's passes")
         if lib is None:
-            _FAILED = _FAILED or "unknown"
-            log.warning("lean BatchNorm's native passes are unavailable (%s); using the PyTorch formulation, "
-                        "which gives the same gradients more slowly", _FAILED[-300:])
+            _FAILED = why or "unknown"
+            log.warning("lean BatchNorm is off: its native passes cannot be built (%s); BatchNorm layers run "
+                        "as written", _FAILED[-300:])
             return None
         i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         lib.et_bn_act.argtypes = [ptr, ptr, ptr, i64, cint, f32, f32, cint]
-        lib.et_bn_backward.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, cint, ptr, ptr, ptr, cint]
+        lib.et_bn_backward.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, cint, ptr, ptr, ptr, cint,
+                                       cint, cint, cint, cint]
         for f in (lib.et_bn_act, lib.et_bn_backward):
             f.restype = cint
         _LIB = lib
     return _LIB
 
 
+def _check_cases() -> list[tuple[torch.Tensor, ...]]:
+    """Small problems whose planes cover ATen's code paths: shorter than a vector, whole vectors, tails."""
+    gen = torch.Generator().manual_seed(20261203)
+    cases = []
+    for n, c, s in ((1, 2, 3), (2, 3, 7), (3, 2, 8), (2, 3, 9), (4, 2, 15), (2, 3, 16), (4, 2, 17), (2, 3, 31),
+                    (3, 2, 64), (2, 2, 100), (5, 3, 37), (2, 2, 1000)):
+        x = torch.randn(n, c, s, generator=gen) * 3 + 0.7
+        z = torch.randn(n, c, s, generator=gen)
+        gy = torch.randn(n, c, s, generator=gen) * 2
+        w = torch.rand(c, generator=gen) + 0.5
+        rv = torch.rand(c, generator=gen) + 0.5
+        cases.append((x, z, gy, w, torch.randn(c, generator=gen), rv))
+    return cases
+
+
+def _agrees(lib: ctypes.CDLL, variant: tuple[int, int, int, int]) -> bool:
+    """Whether the kernel in ``variant`` gives autograd's bits on every check case, train and eval."""
+    aten = torch.ops.aten
+    eps = 1e-5
+    for x, z, gy, w, rm, rv in _check_cases():
+        n, c, s = x.shape
+        bits = torch.zeros(-(-z.numel() // 8) + 1, dtype=torch.uint8)
+        y = torch.empty_like(z)
+        lib.et_bn_act(z.data_ptr(), y.data_ptr(), bits.data_ptr(), z.numel(), _ACT_CODE["relu"], 0.0, 0.0, 1)
+        if not torch.equal(y, torch.relu(z)):
+            return False
+        for mask, g in ((None, gy), (bits, aten.threshold_backward(gy, y, 0))):
+            for train in (True, False):
+                for weight in (w, None):
+                    if train:
+                        _, mean, invstd = aten.native_batch_norm(x, weight, None, None, None, True, 0.1, eps)
+                        ref = aten.native_batch_norm_backward(g, x, weight, None, None, mean, invstd, True, eps,
+                                                              [True, True, True])
+                    else:
+                        mean, invstd = rm, _eval_invstd(rv, eps)
+                        ref = aten.native_batch_norm_backward(g, x, weight, rm, rv, None, None, False, eps,
+                                                              [True, True, True])
+                    out, gw, gb = torch.empty_like(x), torch.empty(c), torch.empty(c)
+                    lib.et_bn_backward(x.data_ptr(), gy.data_ptr(), _ptr(mask), n, c, s, mean.data_ptr(),
+                                       invstd.data_ptr(), _ptr(weight), int(train), out.data_ptr(),
+                                       gw.data_ptr(), gb.data_ptr(), 1, *variant)
+                    if not (torch.equal(out, ref[0]) and torch.equal(gb, ref[2])
+                            and (weight is None or torch.equal(gw, ref[1]))):
+                        return False
+    return True
+
+
+def exact_variant() -> tuple[int, int, int, int] | None:
+    """``(lanes, seq, fma_dot, fma_dx)``: how the installed torch's CPU BatchNorm backward rounds, or None.
+
+    Settled once per process (milliseconds) by running the native kernel in each variant beside
+    ``aten.native_batch_norm_backward`` on :func:`_check_cases` and keeping the first that agrees bit for bit
+    (``_lean_bn.c`` says what each field means). None (lean BatchNorm stays off, logged once) when none
+    agrees or the kernel cannot be built."""
+    global _VARIANT, _FAILED
+    if _VARIANT is not None or _FAILED is not None:
+        return _VARIANT
+    lib = _library()
+    if lib is None:
+        return None
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    widths = (16, 8, 4) if capability.startswith("AVX512") else (8, 16, 4)
+    for lanes in widths:
+        for seq in (0, 1):  # ATen's SIMD lane fold, or its generic one
+            for fma_dot in (0, 2, 1, 3):  # bit 0: whole vectors, bit 1: the tail (_lean_bn.c)
+                for fma_dx in (0, 1):
+                    if _agrees(lib, (lanes, seq, fma_dot, fma_dx)):
+                        _VARIANT = (lanes, seq, fma_dot, fma_dx)
+                        log.debug("lean BatchNorm reproduces torch %s's backward (%s) as lanes %d, fold %s, "
+                                  "fma %d/%d", torch.__version__, capability, lanes, "seq" if seq else "tree",
+                                  fma_dot, fma_dx)
+                        return _VARIANT
+    _FAILED = (f"no kernel variant reproduces torch {torch.__version__}'s BatchNorm backward ({capability}) bit "
+               "for bit")
+    log.warning("lean BatchNorm is off: %s; BatchNorm layers run as written", _FAILED)
+    return None
+
+
+def available() -> bool:
+    """Whether lean BatchNorm runs here: native passes built and bit-exact against the installed torch."""
+    return settings.native_enabled() and exact_variant() is not None
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _eval_invstd(running_var: torch.Tensor, eps: float) -> torch.Tensor:
+    """ATen's eval-mode ``1 / std::sqrt(running_var + eps)``: in double, then float."""
+    return (1.0 / torch.sqrt(running_var.detach().double() + eps)).to(running_var.dtype)
 
 
 class _Statistics(TorchDispatchMode):
@@ -109,42 +195,17 @@ class _Statistics(TorchDispatchMode):
         return out
 
 
-def _pack(mask: torch.Tensor) -> torch.Tensor:
-    """A bool tensor as one bit per element (uint8, little-endian within each byte, zero-padded)."""
-    flat = mask.reshape(-1)
-    pad = -flat.numel() % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8).view(torch.uint8) * _BITS).sum(1, dtype=torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements ``start:stop`` of the bool tensor :func:`_pack` packed."""
-    first, last = start // 8, -(-stop // 8)
-    bits = packed[first:last].unsqueeze(1).bitwise_and(_BITS).ne_(0).reshape(-1)
-    return bits[start - first * 8: stop - first * 8]
-
-
 def _activation(z: torch.Tensor, act: str, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The activation's output and its packed gradient mask (None: no activation, every element passes)."""
     if act == "none":
         return z, None
     # z is this call's own tensor unless a selective checkpoint (or the profiler) keeps the BatchNorm's
     # output: then the activation must not overwrite it
-    own = not frames()
-    lib = _native(z) if z.is_contiguous() else None
-    if lib is not None:
-        y = z if own else torch.empty_like(z)
-        bits = torch.empty(-(-z.numel() // 8), dtype=torch.uint8)
-        lib.et_bn_act(z.data_ptr(), y.data_ptr(), bits.data_ptr(), z.numel(), _ACT_CODE[act], lo, hi,
-                      torch.get_num_threads())
-        return y, bits
-    own = not frames()
-    if act == "relu":
-        y = torch.relu_(z) if own else torch.relu(z)
-        return y, _pack(y > 0)  # threshold_backward(g, y, 0): g where y > 0
-    y = F.hardtanh_(z, lo, hi) if own else F.hardtanh(z, lo, hi)
-    return y, _pack((y > lo) & (y < hi))  # hardtanh_backward: g strictly inside the bounds
+    y = z if not frames() else torch.empty_like(z)
+    bits = torch.zeros(-(-z.numel() // 8) + 1, dtype=torch.uint8)  # + 1: the kernel reads 16 bits at a time
+    _library().et_bn_act(z.data_ptr(), y.data_ptr(), bits.data_ptr(), z.numel(), _ACT_CODE[act], lo, hi,
+                         torch.get_num_threads())
+    return y, bits
 
 
 class _SaveInput(torch.autograd.Function):
@@ -169,9 +230,9 @@ class _LeanBatchNormFn(torch.autograd.Function):
         if grab.stats is not None and grab.stats[0].numel():  # normalised with the batch's statistics
             mean, invstd = grab.stats
             ctx.batch_stats = True
-        else:  # eval mode: the running statistics, as the kernel uses them
+        else:  # eval mode: the running statistics, as ATen's eval-mode backward reads them
             mean = module.running_mean.detach().clone()
-            invstd = (module.running_var.detach() + module.eps).rsqrt()
+            invstd = _eval_invstd(module.running_var, module.eps)
             ctx.batch_stats = False
         y, mask = _activation(z, act, lo, hi)
         del z
@@ -193,63 +254,28 @@ class _LeanBatchNormFn(torch.autograd.Function):
         mask, mean, invstd, weight = ctx.mask, ctx.mean, ctx.invstd, ctx.weight
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g_y = g_y.contiguous()
-        lib = _native(x, g_y, mean, invstd)
-        if lib is not None and (weight is None or weight.dtype == torch.float32):
-            channels = x.shape[1]
-            spatial = x[0, 0].numel() if x.shape[0] else 0
-            g_x = (x if ctx.owned else torch.empty_like(x)) if need_x else None
-            g_w = x.new_empty(channels) if need_w else None
-            g_b = x.new_empty(channels) if need_b else None
-            lib.et_bn_backward(x.data_ptr(), g_y.data_ptr(), _ptr(mask), x.shape[0], channels, spatial,
-                               mean.data_ptr(), invstd.data_ptr(), _ptr(weight), int(ctx.batch_stats),
-                               _ptr(g_x), _ptr(g_w), _ptr(g_b), torch.get_num_threads())
-            if g_x is not None:
-                torch.autograd.graph.increment_version(g_x)  # a write autograd must see (a raw pointer's is not)
-                g_x = g_x.detach()
-            return g_x, g_w, g_b, None, None, None, None, None
-        n_rows = x.shape[0]
-        per_row = x[0].numel() if n_rows else 0
         channels = x.shape[1]
-        dims = [0] + list(range(2, x.dim()))
-        shape = (1, channels) + (1,) * (x.dim() - 2)
-        rows = max(1, SLICE_BYTES // max(1, per_row * x.element_size()))
-        mean_b = mean.view(shape).to(x.dtype)
-
-        def masked(start: int, stop: int) -> torch.Tensor:
-            g = g_y[start:stop]
-            if mask is None:
-                return g
-            keep = _unpack(mask, start * per_row, stop * per_row).view(g.shape)
-            return g * keep
-
-        total = torch.zeros(channels, dtype=torch.float64)
-        dotp = torch.zeros(channels, dtype=torch.float64)
-        for start in range(0, n_rows, rows):
-            stop = min(n_rows, start + rows)
-            g = masked(start, stop)
-            total += g.sum(dims, dtype=torch.float64)
-            dotp += ((x[start:stop] - mean_b) * g).sum(dims, dtype=torch.float64)
-        count = x.numel() // channels
-        inv = invstd.to(torch.float64)
-        g_w = (dotp * inv).to(x.dtype) if need_w else None
-        g_b = total.to(x.dtype) if need_b else None
-        g_x = None
-        if need_x:
-            if ctx.batch_stats:
-                k = (dotp * inv * inv / count).to(x.dtype).view(shape)
-                g_mean = (total / count).to(x.dtype).view(shape)
-            else:  # the statistics are constants: g_x = g * invstd * weight
-                k = g_mean = x.new_zeros(shape)
-            scale = (inv if weight is None else inv * weight.to(torch.float64)).to(x.dtype).view(shape)
-            g_x = x if ctx.owned else torch.empty_like(x)
-            for start in range(0, n_rows, rows):
-                stop = min(n_rows, start + rows)
-                t = (x[start:stop] - mean_b).mul_(k)
-                out = masked(start, stop).sub(g_mean).sub_(t).mul_(scale)
-                g_x[start:stop] = out
-                del t, out
+        g_x = (x if ctx.owned else torch.empty_like(x)) if need_x else None
+        g_w = x.new_empty(channels) if need_w else None
+        g_b = x.new_empty(channels) if need_b else None
+        _library().et_bn_backward(x.data_ptr(), g_y.data_ptr(), _ptr(mask), x.shape[0], channels,
+                                  x[0, 0].numel(), mean.data_ptr(), invstd.data_ptr(), _ptr(weight),
+                                  int(ctx.batch_stats), _ptr(g_x), _ptr(g_w), _ptr(g_b), torch.get_num_threads(),
+                                  *_VARIANT)
+        if g_x is not None:
+            torch.autograd.graph.increment_version(g_x)  # a write autograd must see (a raw pointer's is not)
             g_x = g_x.detach()
         return g_x, g_w, g_b, None, None, None, None, None
+
+
+def _fits(x: torch.Tensor, module: nn.Module) -> bool:
+    """Whether the exact kernel covers this call (module docstring): float32 on CPU, contiguous, planes of
+    more than one element, parameters float32 too, and the kernel verified against the installed torch."""
+    params = [t for t in (module.weight, module.bias, module.running_mean, module.running_var) if t is not None]
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and x.dim() >= 3
+            and x.shape[0] > 0 and x[0, 0].numel() > 1
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in params)
+            and available())
 
 
 def lean_batch_norm(x: torch.Tensor, module: nn.Module, act: str = "none", lo: float = 0.0, hi: float = 0.0,
@@ -264,12 +290,11 @@ def lean_batch_norm(x: torch.Tensor, module: nn.Module, act: str = "none", lo: f
         owned: nothing but this call holds ``x`` for backward, so its gradient may be written over it.
 
     Returns:
-        The activation's output, equal to ``act(module(x))``.
+        The activation's output, equal to ``act(module(x))``; its gradients are autograd's, bit for bit.
     """
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(
         p is not None and p.requires_grad for p in (module.weight, module.bias)))
-    if (wants_grad and x.dtype in (torch.float32, torch.float64) and x.is_contiguous()
-            and x.dim() >= 2 and x.shape[0] > 0):
+    if wants_grad and _fits(x, module):
         if x.requires_grad:
             x = _SaveInput.apply(x)
         return _LeanBatchNormFn.apply(x, module.weight, module.bias, module, act, float(lo), float(hi),

@@ -13,7 +13,8 @@
    batch-sliced backward with the same maths and a fraction of oneDNN's transient copies.
 4. **Lean BatchNorm** (:func:`edgetrain.capture.lean_bn.lean_batch_norm`): a BatchNorm module call, with
    the ReLU / ReLU6 that is its only reader, runs as one autograd function whose backward holds two
-   tensors of the layer's size instead of four.
+   tensors of the layer's size instead of four, with autograd's results bit for bit (on by default where
+   its native kernel reproduces the installed torch: :func:`edgetrain.capture.lean_bn.available`).
 5. **Gradients written over owned inputs**: where the graph shows that a lean BatchNorm's or a lean
    convolution's input is read by nothing else and saved by no other op (its maker, a convolution, a
    BatchNorm or an addition, keeps only its own inputs), the call is told it owns that input
@@ -40,7 +41,7 @@ from torch import fx, nn
 
 from .. import settings
 from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
-from .lean_bn import lean_batch_norm
+from .lean_bn import available as lean_bn_available, lean_batch_norm
 
 __all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs", "fresh_activation"]
 
@@ -413,7 +414,7 @@ def rewrite(gm: fx.GraphModule) -> Rewrites:
         The counts of rewritten nodes.
     """
     done = Rewrites(_functionalize(gm), _lean_activations(gm), _lean_convs(gm))
-    if settings.lean_batchnorm_enabled():
+    if settings.lean_batchnorm_enabled() and lean_bn_available():
         done.batchnorms = _lean_batch_norms(gm)
         done.owned = _own_inputs(gm)
     gm.graph.lint()

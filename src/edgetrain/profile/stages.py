@@ -33,6 +33,7 @@ from .._state import preserved_model_state
 from ..batch import batch_signature, slice_batch
 from ..capture import OUTPUT_KEY, Chain
 from ..capture.chain import stage_inputs
+from ..capture.lean_bn import available as lean_bn_available
 from ..capture.lean import chunk_bytes
 from ..errors import ProfileError
 from ..graph import CostChain, Linear, StageCost
@@ -288,11 +289,11 @@ def _with_selective(chain: Chain, inputs_env: dict[str, Any], lo: int, hi: int, 
 def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...],
                selective: bool = True) -> str:
     h = hashlib.sha256()
-    parts = ["v6" if selective else "v4", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+    parts = ["v7" if selective else "v4", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs
-             f"lean-bn:{settings.lean_batchnorm_enabled()}"]
+             f"lean-bn:{settings.lean_batchnorm_enabled() and lean_bn_available()}"]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
     parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
     for p in parts:
