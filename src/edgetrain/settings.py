@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["Setting", "SETTINGS", "allocator", "cache_dir", "cache_enabled", "conv_chunk_bytes", "flag",
-           "fork_enabled", "huge_pages", "native_enabled", "lean_batchnorm_enabled", "selective_enabled", "markdown_table", "override"]
+           "fork_enabled", "huge_pages", "native_enabled", "lean_batchnorm_enabled", "lean_dropout_enabled", "selective_enabled", "markdown_table", "override"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -54,6 +54,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EDGETRAIN_LEAN_BN", "1", "captured graphs run BatchNorm and the ReLU/ReLU6 after it as one "
             "function with a two-tensor backward (bit-exact: PyTorch's own kernel, checked at first use), and "
             "write input gradients over inputs nothing else holds; `0` runs them as written"),
+    Setting("EDGETRAIN_LEAN_DROPOUT", "1", "captured graphs run training dropout through a compiled pass that "
+            "draws PyTorch's own masks (bit-exact, checked at first use; off where torch draws otherwise) and "
+            "keeps a one-bit mask; `0` runs dropout as written"),
     Setting("EDGETRAIN_SELECTIVE", "1", "per-op (selective) recompute options inside stages are profiled and "
             "planned; `0` plans whole-stage keep / recompute only"),
     Setting("EDGETRAIN_CONV_CHUNK_BYTES", str(DEFAULT_CONV_CHUNK_BYTES), "slice size of the lean "
@@ -115,6 +118,12 @@ def lean_batchnorm_enabled() -> bool:
     with a two-tensor backward, and write input gradients over owned inputs (default on; see
     docs/design.md, "Lean BatchNorm")."""
     return flag("EDGETRAIN_LEAN_BN")
+
+
+def lean_dropout_enabled() -> bool:
+    """``EDGETRAIN_LEAN_DROPOUT``: captured graphs run training dropout through lean dropout (default on; it
+    stays off where its self-check finds torch drawing otherwise)."""
+    return flag("EDGETRAIN_LEAN_DROPOUT")
 
 
 def selective_enabled() -> bool:

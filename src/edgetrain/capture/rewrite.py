@@ -23,6 +23,10 @@
    copy of a stage input is read again only to re-run that stage, before its backward, and no selective
    checkpoint caches such a tensor.
 
+6. **Lean dropout** (:func:`edgetrain.capture.lean_dropout.lean_dropout`): out-of-place ``nn.Dropout``
+   calls and ``F.dropout`` / ``torch.dropout`` calls draw PyTorch's own masks in one compiled pass and keep
+   one bit per element for backward (on where its self-check finds it bit-exact against ``torch.dropout``).
+
 Modules with hooks keep their calls (the hooks must fire); a rewritten module call records the module's
 qualified name in ``node.meta[MODULE_META]`` so the stage still lists the module it runs.
 """
@@ -42,6 +46,7 @@ from torch import fx, nn
 from .. import settings
 from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
 from .lean_bn import available as lean_bn_available, lean_batch_norm
+from .lean_dropout import available as lean_dropout_available, lean_dropout, lean_dropout_module
 
 __all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs", "fresh_activation"]
 
@@ -75,11 +80,13 @@ class Rewrites:
     convs: int = 0
     batchnorms: int = 0
     owned: int = 0
+    dropouts: int = 0
 
     def __str__(self) -> str:
         return (f"{self.inplace} in-place op(s) made out-of-place, {self.activations} ReLU6/Hardtanh saving "
                 f"outputs, {self.convs} convolution(s) with a batch-sliced backward, {self.batchnorms} lean "
-                f"BatchNorm(s), {self.owned} input gradient(s) written over their input")
+                f"BatchNorm(s), {self.owned} input gradient(s) written over their input, {self.dropouts} "
+                "lean dropout(s)")
 
 
 def _has_hooks(m: nn.Module) -> bool:
@@ -316,6 +323,53 @@ def _lean_batch_norms(gm: fx.GraphModule) -> int:
     return count
 
 
+def _dropout_args(n: fx.Node) -> tuple[Any, Any] | None:
+    """``(p, training)`` of an out-of-place ``F.dropout`` / ``torch.dropout`` call, or None."""
+    names = ("input", "p", "training", "inplace") if n.target is F.dropout else ("input", "p", "train")
+    if len(n.args) > len(names) or any(k not in names for k in n.kwargs):
+        return None
+    bound = dict(zip(names, n.args), **n.kwargs)
+    if n.target is F.dropout:
+        bound.setdefault("p", 0.5)
+        bound.setdefault("training", True)
+        if bound.get("inplace", False) is not False:
+            return None
+        return bound["p"], bound["training"]
+    if "p" not in bound or "train" not in bound:
+        return None
+    return bound["p"], bound["train"]
+
+
+def _lean_dropouts(gm: fx.GraphModule) -> int:
+    """Out-of-place ``nn.Dropout`` module calls and ``F.dropout`` / ``torch.dropout`` calls -> lean dropout (pass 6)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        if n.op == "call_module":
+            m = gm.get_submodule(str(n.target))
+            if type(m) is not nn.Dropout or m.inplace or _has_hooks(m) or len(n.args) != 1 or n.kwargs:
+                continue
+            with gm.graph.inserting_before(n):
+                module = gm.graph.get_attr(str(n.target))
+                new = gm.graph.call_function(lean_dropout_module, (n.args[0], module))
+            new.meta.update(n.meta)
+            new.meta[MODULE_META] = str(n.target)
+        elif n.op == "call_function" and n.target in (F.dropout, torch.dropout):
+            args = _dropout_args(n)
+            if args is None:
+                continue
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(lean_dropout, (n.args[0], *args))
+            new.meta.update(n.meta)
+        else:
+            continue
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+        count += 1
+    return count
+
+
 def _makes_unshared(gm: fx.GraphModule, a: fx.Node) -> bool:
     """Whether ``a`` makes a fresh tensor that no op saves for backward: a convolution, linear layer,
     BatchNorm or addition keeps only its inputs (and a lean BatchNorm its input and a bit mask)."""
@@ -370,7 +424,7 @@ def disown_stage_inputs(graph: fx.Graph, ownable: set[str] = frozenset()) -> boo
 # Ops whose backward needs none of their inputs: they read their output (ReLU, sigmoid, tanh), a mask
 # (dropout) or nothing (addition).
 _OUTPUT_SAVING_FUNCTIONS = (lean_hardtanh, torch.relu, F.relu, torch.sigmoid, torch.tanh, F.dropout,
-                            operator.add, operator.sub, torch.add, torch.sub)
+                            lean_dropout, lean_dropout_module, operator.add, operator.sub, torch.add, torch.sub)
 _OUTPUT_SAVING_METHODS = frozenset({"relu", "sigmoid", "tanh", "add", "sub"})
 _OUTPUT_SAVING_MODULES = (nn.ReLU, nn.Sigmoid, nn.Tanh, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
@@ -417,9 +471,11 @@ def rewrite(gm: fx.GraphModule) -> Rewrites:
     if settings.lean_batchnorm_enabled() and lean_bn_available():
         done.batchnorms = _lean_batch_norms(gm)
         done.owned = _own_inputs(gm)
+    if lean_dropout_available():
+        done.dropouts = _lean_dropouts(gm)
     gm.graph.lint()
     gm.recompile()
-    if done.inplace or done.activations or done.convs or done.batchnorms:
+    if done.inplace or done.activations or done.convs or done.batchnorms or done.dropouts:
         log.debug("graph rewrites: %s", done)
     return done
 

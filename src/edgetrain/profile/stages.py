@@ -34,6 +34,7 @@ from ..batch import batch_signature, slice_batch
 from ..capture import OUTPUT_KEY, Chain
 from ..capture.chain import stage_inputs
 from ..capture.lean_bn import available as lean_bn_available
+from ..capture.lean_dropout import available as lean_dropout_available
 from ..capture.lean import chunk_bytes
 from ..errors import ProfileError
 from ..graph import CostChain, Linear, StageCost
@@ -293,7 +294,8 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs
-             f"lean-bn:{settings.lean_batchnorm_enabled() and lean_bn_available()}"]
+             f"lean-bn:{settings.lean_batchnorm_enabled() and lean_bn_available()}",
+             f"lean-dropout:{lean_dropout_available()}"]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
     parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
     for p in parts:

@@ -1,0 +1,160 @@
+"""Lean dropout: PyTorch's CPU dropout, same masks and values bit for bit, in one pass and a one-bit mask.
+
+On a CPU without MKL's Bernoulli (AMD, ARM, or any build without MKL), ``torch.dropout`` in training makes a
+float noise tensor, fills it with ``bernoulli_(1 - p)`` one element at a time through the generic
+distribution kernel (two MT19937 draws per element behind a lock and a tensor iterator), divides it by
+``1 - p``, multiplies, and saves the float noise for backward. On a transformer step that is a third of the
+time (``bench/RESULTS.md``) and four bytes per element of every dropout's input kept until backward.
+
+:func:`lean_dropout` does the same draws in C (``_lean_dropout.c``): it reads torch's CPU generator state,
+advances the same MT19937 the same way, turns each pair of draws into the same 53-bit uniform, compares it
+with the same keep probability, writes ``x * noise`` with the noise value torch's own division makes, and
+puts the advanced state back, so everything drawn afterwards is what plain PyTorch would draw. It keeps one
+bit per element for backward (``g * noise``, the same multiplication as autograd's ``MulBackward0``).
+Recomputation replays it like any random op: the checkpoint restores the generator state before the
+replay, and the replay draws again.
+
+**Exact, or not used.** At first use a self-check runs ``torch.dropout`` and this kernel from the same
+generator states on tensors that cross the generator's 624-word refills, comparing outputs, gradients and
+the generator state afterwards bit for bit (:func:`available`); any difference (an Intel CPU where torch
+takes MKL's Bernoulli, another torch version) leaves dropout as written. So do non-float32, non-contiguous
+or non-CPU inputs, and ``p`` of 0 or 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import settings
+from ..native import load_c_library
+
+__all__ = ["lean_dropout", "lean_dropout_module", "available"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("_lean_dropout.c")
+_LIB: ctypes.CDLL | None = None
+_STATUS: str | None = None  # "ok", or why lean dropout is off
+
+
+def _library() -> ctypes.CDLL | None:
+    global _LIB
+    if _LIB is None:
+        lib, why = load_c_library(_SOURCE, "libedgetrain_lean_dropout", "lean dropout's passes")
+        if lib is None:
+            return None
+        i64, ptr, f32, f64, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double, ctypes.c_int
+        lib.et_dropout.argtypes = [ptr, ptr, ptr, i64, ptr, f64, f32]
+        lib.et_dropout_backward.argtypes = [ptr, ptr, ptr, i64, f32]
+        lib.et_dropout.restype = lib.et_dropout_backward.restype = cint
+        _LIB = lib
+    return _LIB
+
+
+def _scale(p: float) -> float:
+    """The value a kept element's noise has in ``torch.dropout``: ``1`` divided by ``1 - p`` as torch divides."""
+    return torch.ones(1).div_(1 - p).item()
+
+
+def _draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``y = x * noise`` and the packed mask, advancing torch's CPU generator as ``torch.dropout`` does."""
+    lib = _LIB
+    assert lib is not None
+    state = torch.get_rng_state()  # a copy of the default CPU generator's state
+    scale = _scale(p)
+    y = torch.empty_like(x)
+    bits = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
+    if lib.et_dropout(x.data_ptr(), y.data_ptr(), bits.data_ptr(), x.numel(), state.data_ptr(), 1 - p, scale):
+        raise RuntimeError("lean dropout: the CPU generator's state is not one torch makes (was it set by hand?); "
+                           "set EDGETRAIN_LEAN_DROPOUT=0 to run dropout as written")
+    torch.set_rng_state(state)
+    return y, bits, scale
+
+
+class _LeanDropoutFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p):  # type: ignore[override]
+        y, bits, scale = _draw(x, p)
+        # the mask stays with the node (1/32 of the input): a recomputed stage's replay draws it again
+        ctx.bits, ctx.scale = bits, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        g = g.contiguous()
+        gx = torch.empty_like(g)
+        _LIB.et_dropout_backward(g.data_ptr(), ctx.bits.data_ptr(), gx.data_ptr(), g.numel(), ctx.scale)
+        return gx, None
+
+
+def _reference_and_ours(x: torch.Tensor, p: float, g: torch.Tensor) -> bool:
+    torch.manual_seed(int(x.numel() * 7919 + p * 1000))
+    for _ in range(x.numel() % 5):  # start at different places in the generator's 624 words
+        torch.rand(1)
+    start = torch.get_rng_state()
+    xr = x.clone().requires_grad_()
+    yr = torch.dropout(xr, p, True)
+    yr.backward(g)
+    after = torch.get_rng_state()
+    torch.set_rng_state(start)
+    xo = x.clone().requires_grad_()
+    yo = _LeanDropoutFn.apply(xo, p)
+    yo.backward(g)
+    return (torch.equal(yr, yo) and torch.equal(xr.grad, xo.grad)
+            and torch.equal(after, torch.get_rng_state()))
+
+
+def available() -> bool:
+    """Whether lean dropout runs here: its kernel built and bit-exact against ``torch.dropout`` (checked once)."""
+    global _STATUS
+    if not settings.lean_dropout_enabled() or not settings.native_enabled():
+        return False
+    if _STATUS is None:
+        if _library() is None:
+            _STATUS = "its native passes cannot be built"
+        else:
+            gen = torch.Generator().manual_seed(20261203)
+            ok = True
+            with torch.random.fork_rng(devices=[]), torch.enable_grad():
+                for n, p in ((1, 0.1), (7, 0.5), (8, 0.25), (9, 0.1), (1000, 0.37), (5000, 0.1), (3001, 0.9)):
+                    x = torch.randn(n, generator=gen) * 3
+                    x[0] = -0.0
+                    if not _reference_and_ours(x, p, torch.randn(n, generator=gen)):
+                        ok = False
+                        break
+            _STATUS = "ok" if ok else (f"its draws differ from torch {torch.__version__}'s dropout on this CPU "
+                                       "(torch may use MKL's Bernoulli here)")
+        if _STATUS != "ok":
+            log.info("lean dropout is off: %s; dropout runs as written", _STATUS)
+    return _STATUS == "ok"
+
+
+def lean_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
+    """``torch.dropout(x, p, training)``, the same values and generator stream, faster and with a 1-bit mask.
+
+    Args:
+        x: the input.
+        p: the probability of zeroing an element.
+        training: dropout applies only in training; otherwise ``x`` comes back as is.
+
+    Returns:
+        What ``torch.dropout`` returns; its gradient is autograd's, bit for bit.
+    """
+    if not training or p == 0 or x.numel() == 0:
+        return torch.dropout(x, p, training)
+    if (0 < p < 1 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+            and not torch.is_inference_mode_enabled() and available()):
+        if x.requires_grad and torch.is_grad_enabled():
+            return _LeanDropoutFn.apply(x, float(p))
+        return _draw(x, float(p))[0]
+    return torch.dropout(x, p, training)
+
+
+def lean_dropout_module(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """An ``nn.Dropout`` module's call through :func:`lean_dropout` (reads its ``p`` and ``training`` now)."""
+    return lean_dropout(x, module.p, module.training)
