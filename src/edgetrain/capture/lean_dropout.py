@@ -24,6 +24,7 @@ or non-CPU inputs, and ``p`` of 0 or 1.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def _library() -> ctypes.CDLL | None:
     return _LIB
 
 
+@functools.lru_cache(maxsize=64)
 def _scale(p: float) -> float:
     """The value a kept element's noise has in ``torch.dropout``: ``1`` divided by ``1 - p`` as torch divides."""
     return torch.ones(1).div_(1 - p).item()
