@@ -25,7 +25,7 @@ def _native_on(monkeypatch):
 def test_library_builds_where_a_compiler_exists():
     if not HAS_CC:
         pytest.skip("no C compiler on this machine: the fallback is tested below")
-    assert native.available(torch.zeros(1)), native._FAILED
+    assert native.available(torch.zeros(1)), native._NATIVE.failed
     assert not native.available(torch.zeros(1, dtype=torch.float64))  # float32 only
 
 
@@ -134,8 +134,8 @@ def test_weight_only_and_broadcast_output_gradient(cfg):
 
 
 def test_without_a_compiler_the_pytorch_formulation_runs(monkeypatch, caplog, tmp_path):
-    monkeypatch.setattr(native, "_LIB", None)
-    monkeypatch.setattr(native, "_FAILED", None)
+    monkeypatch.setattr(native._NATIVE, "lib", None)
+    monkeypatch.setattr(native._NATIVE, "failed", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("EDGETRAIN_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger=native.__name__):

@@ -21,10 +21,11 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from . import settings
 
-__all__ = ["build_library", "load_c_library", "cpu_key", "C_FLAG_SETS"]
+__all__ = ["build_library", "load_c_library", "cpu_key", "C_FLAG_SETS", "NativeLibrary"]
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +119,44 @@ def load_c_library(source: Path, stem: str, what: str) -> tuple[ctypes.CDLL | No
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             errors.append(str(e))
     return None, "; ".join(errors)
+
+
+class NativeLibrary:
+    """A C source shipped in the package, compiled, loaded and typed on first use, once per process.
+
+    Every exported function returns ``int`` and takes the ctypes argument types ``signatures`` names. A
+    build that fails is logged once (as ``"<what> are unavailable (<why>); <fallback>"``) and not retried.
+
+    Args:
+        source: the ``.c`` file.
+        stem: file name prefix of the compiled library.
+        what: what the library is, plural (``"lean BatchNorm's passes"``), for log lines.
+        signatures: ``{function name: [ctypes argument types]}``.
+        fallback: what runs instead when the library cannot be built, for the log line.
+    """
+
+    def __init__(self, source: Path, stem: str, what: str, signatures: dict[str, Sequence[Any]],
+                 fallback: str) -> None:
+        self.source, self.stem, self.what, self.fallback = source, stem, what, fallback
+        self.signatures = {name: list(args) for name, args in signatures.items()}
+        self.lib: ctypes.CDLL | None = None
+        self.failed: str | None = None  # why the build failed
+
+    def get(self) -> ctypes.CDLL | None:
+        """The typed library, building it on the first call; None when it cannot be built."""
+        if self.lib is None and self.failed is None:
+            lib, why = load_c_library(self.source, self.stem, self.what)
+            if lib is None:
+                self.failed = why or "unknown"
+                log.warning("%s are unavailable (%s); %s", self.what, self.failed[-300:], self.fallback)
+                return None
+            for name, args in self.signatures.items():
+                fn = getattr(lib, name)
+                fn.argtypes = args
+                fn.restype = ctypes.c_int
+            self.lib = lib
+        return self.lib
+
+    def reset(self) -> None:
+        """Forget the library and any failure (the next :meth:`get` builds again); for tests."""
+        self.lib = self.failed = None

@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import settings
-from ..native import load_c_library
+from ..native import NativeLibrary
 from .composite import frames
 
 __all__ = ["lean_batch_norm", "exact_variant", "available"]
@@ -63,30 +63,19 @@ _BN_OPS = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten._n
                      torch.ops.aten._batch_norm_with_update.default})
 _ACT_CODE = {"relu": 1, "hardtanh": 2}
 
-_SOURCE = Path(__file__).with_name("_lean_bn.c")
-_LIB: ctypes.CDLL | None = None
-_FAILED: str | None = None
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_NATIVE = NativeLibrary(Path(__file__).with_name("_lean_bn.c"), "libedgetrain_lean_bn", "lean BatchNorm's passes",
+                        {"et_bn_act": [_PTR, _PTR, _PTR, _I64, _INT, _F32, _F32, _INT],
+                         "et_bn_backward": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _PTR,
+                                            _PTR, _INT, _INT, _INT, _INT, _INT]},
+                        "lean BatchNorm is off; BatchNorm layers run as written")
+_FAILED: str | None = None  # why no kernel variant reproduces the installed torch
 _VARIANT: tuple[int, int, int, int] | None = None
 
 
 def _library() -> ctypes.CDLL | None:
     """The compiled passes (``_lean_bn.c``), built on first use, or None (no compiler: logged once)."""
-    global _LIB, _FAILED
-    if _LIB is None and _FAILED is None:
-        lib, why = load_c_library(_SOURCE, "libedgetrain_lean_bn", "lean BatchNorm's passes")
-        if lib is None:
-            _FAILED = why or "unknown"
-            log.warning("lean BatchNorm is off: its native passes cannot be built (%s); BatchNorm layers run "
-                        "as written", _FAILED[-300:])
-            return None
-        i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        lib.et_bn_act.argtypes = [ptr, ptr, ptr, i64, cint, f32, f32, cint]
-        lib.et_bn_backward.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, cint, ptr, ptr, ptr, cint,
-                                       cint, cint, cint, cint]
-        for f in (lib.et_bn_act, lib.et_bn_backward):
-            f.restype = cint
-        _LIB = lib
-    return _LIB
+    return _NATIVE.get()
 
 
 def _check_cases() -> list[tuple[torch.Tensor, ...]]:

@@ -32,29 +32,22 @@ import torch
 from torch import nn
 
 from .. import settings
-from ..native import load_c_library
+from ..native import NativeLibrary
 
 __all__ = ["lean_dropout", "lean_dropout_module", "available"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("_lean_dropout.c")
-_LIB: ctypes.CDLL | None = None
+_I64, _PTR, _F32, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
+_NATIVE = NativeLibrary(Path(__file__).with_name("_lean_dropout.c"), "libedgetrain_lean_dropout",
+                        "lean dropout's passes", {"et_dropout": [_PTR, _PTR, _PTR, _I64, _PTR, _F64, _F32],
+                                                  "et_dropout_backward": [_PTR, _PTR, _PTR, _I64, _F32]},
+                        "lean dropout is off; dropout runs as written")
 _STATUS: str | None = None  # "ok", or why lean dropout is off
 
 
 def _library() -> ctypes.CDLL | None:
-    global _LIB
-    if _LIB is None:
-        lib, why = load_c_library(_SOURCE, "libedgetrain_lean_dropout", "lean dropout's passes")
-        if lib is None:
-            return None
-        i64, ptr, f32, f64, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double, ctypes.c_int
-        lib.et_dropout.argtypes = [ptr, ptr, ptr, i64, ptr, f64, f32]
-        lib.et_dropout_backward.argtypes = [ptr, ptr, ptr, i64, f32]
-        lib.et_dropout.restype = lib.et_dropout_backward.restype = cint
-        _LIB = lib
-    return _LIB
+    return _NATIVE.get()
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,7 +58,7 @@ def _scale(p: float) -> float:
 
 def _draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``y = x * noise`` and the packed mask, advancing torch's CPU generator as ``torch.dropout`` does."""
-    lib = _LIB
+    lib = _NATIVE.lib
     assert lib is not None
     state = torch.get_rng_state()  # a copy of the default CPU generator's state
     scale = _scale(p)
@@ -90,7 +83,7 @@ class _LeanDropoutFn(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         g = g.contiguous()
         gx = torch.empty_like(g)
-        _LIB.et_dropout_backward(g.data_ptr(), ctx.bits.data_ptr(), gx.data_ptr(), g.numel(), ctx.scale)
+        _NATIVE.lib.et_dropout_backward(g.data_ptr(), ctx.bits.data_ptr(), gx.data_ptr(), g.numel(), ctx.scale)
         return gx, None
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ... import settings
-from ...native import load_c_library
+from ...native import NativeLibrary
 
 if TYPE_CHECKING:
     from ._axis import _Axis
@@ -36,30 +36,14 @@ __all__ = ["available", "pool", "pool_into", "unpool", "depthwise_sums", "depthw
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("_native.c")
-_LIB: ctypes.CDLL | None = None
-_FAILED: str | None = None
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-
-
-def _load() -> ctypes.CDLL | None:
-    global _LIB, _FAILED
-    if _LIB is not None or _FAILED is not None:
-        return _LIB
-    lib, why = load_c_library(_SOURCE, "libedgetrain_gradfilter", "gradient filtering's native kernels")
-    if lib is None:
-        _FAILED = why
-        log.warning("gradient filtering's native kernels are unavailable (%s); using the PyTorch formulation, "
-                    "which gives the same gradients more slowly", _FAILED[-300:])
-        return None
-    lib.et_pool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
-    lib.et_unpool.argtypes = [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT]
-    lib.et_dw_core.argtypes = [_PTR] * 6 + [_I64] * 6 + [_PTR] * 6 + [_INT]
-    lib.et_dw_fused.argtypes = [_PTR] * 6 + [_I64] * 15 + [_PTR] * 6 + [_INT]
-    for f in (lib.et_pool, lib.et_unpool, lib.et_dw_core, lib.et_dw_fused):
-        f.restype = _INT
-    _LIB = lib
-    return _LIB
+_NATIVE = NativeLibrary(
+    Path(__file__).with_name("_native.c"), "libedgetrain_gradfilter", "gradient filtering's native kernels",
+    {"et_pool": [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT],
+     "et_unpool": [_PTR, _PTR] + [_I64] * 5 + [_F32] + [_I64] * 7 + [_INT],
+     "et_dw_core": [_PTR] * 6 + [_I64] * 6 + [_PTR] * 6 + [_INT],
+     "et_dw_fused": [_PTR] * 6 + [_I64] * 15 + [_PTR] * 6 + [_INT]},
+    "using the PyTorch formulation, which gives the same gradients more slowly")
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -73,14 +57,12 @@ def available(*tensors: torch.Tensor) -> bool:
     Returns:
         True when the kernels are usable for them.
     """
-    if _LIB is None and _FAILED is not None:
-        return False
-    if not settings.native_enabled():
+    if _NATIVE.failed is not None or not settings.native_enabled():
         return False
     for t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu":
             return False
-    return _LIB is not None or _load() is not None
+    return _NATIVE.get() is not None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -122,7 +104,7 @@ def pool_into(x: torch.Tensor, radius: int, out: torch.Tensor, strides: tuple[in
         ``out``.
     """
     n, c, h, w = x.shape
-    _check(_LIB.et_pool(x.data_ptr(), out.data_ptr(), n, c, h, w, radius, scale, *x.stride(), *strides,
+    _check(_NATIVE.lib.et_pool(x.data_ptr(), out.data_ptr(), n, c, h, w, radius, scale, *x.stride(), *strides,
                         torch.get_num_threads()), "pooling")
     return out
 
@@ -140,7 +122,7 @@ def unpool(t: torch.Tensor, radius: int, out: torch.Tensor, scale: float = 1.0) 
         ``out``.
     """
     n, c, h, w = out.shape
-    _check(_LIB.et_unpool(t.data_ptr(), out.data_ptr(), n, c, h, w, radius, scale, *t.stride(), *out.stride(),
+    _check(_NATIVE.lib.et_unpool(t.data_ptr(), out.data_ptr(), n, c, h, w, radius, scale, *t.stride(), *out.stride(),
                           torch.get_num_threads()), "unpooling")
     return out
 
@@ -217,7 +199,7 @@ def depthwise_sums(g: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor
     """
     n, l_out, c = g.shape
     dxc = torch.empty(n, n_in, c) if weight is not None else None
-    return _depthwise_call(_LIB.et_dw_core, g, x, weight, entries, dxc, (n, c, l_out, n_in)), dxc
+    return _depthwise_call(_NATIVE.lib.et_dw_core, g, x, weight, entries, dxc, (n, c, l_out, n_in)), dxc
 
 
 def plane_rows(t: torch.Tensor) -> bool:
@@ -248,7 +230,7 @@ def depthwise_fused(gy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
     n, c, ho, wo = gy.shape
     h, w = (gx.shape[2:] if gx is not None else (0, 0))
     gx_strides = gx.stride()[:3] if gx is not None else (0, 0, 0)
-    return _depthwise_call(_LIB.et_dw_fused, gy, x, weight, entries, gx,
+    return _depthwise_call(_NATIVE.lib.et_dw_fused, gy, x, weight, entries, gx,
                            (n, c, ho, wo, h, w, radius, *gy.stride()[:3], *gx_strides))
 
 
