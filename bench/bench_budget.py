@@ -73,10 +73,10 @@ class Settings:
     """How much to measure (``--quick`` picks the small values)."""
 
     budgets: tuple[float, ...] = (0.2, 0.35, 0.5, 0.75, 1.0)
-    steps: int = 4
+    steps: int = 6  # a shared host's step times swing +-15% within a job: the median of 5 steadies a ratio
     threads: int = 0
     repeats: int = 1
-    versus_repeats: int = 2
+    versus_repeats: int = 4
     quick_segments: bool = False
     job_timeout_s: float = 900.0
     maxbatch: ModelSpec = field(default_factory=lambda: replace(FULL_MODELS["mobilenet_v2"], batch_size=32))
