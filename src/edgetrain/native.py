@@ -156,7 +156,3 @@ class NativeLibrary:
                 fn.restype = ctypes.c_int
             self.lib = lib
         return self.lib
-
-    def reset(self) -> None:
-        """Forget the library and any failure (the next :meth:`get` builds again); for tests."""
-        self.lib = self.failed = None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["available", "pool", "pool_into", "unpool", "depthwise_sums", "depthwise_fused", "depthwise_entries", "plane_rows"]
 
-log = logging.getLogger(__name__)
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _NATIVE = NativeLibrary(
@@ -105,7 +103,7 @@ def pool_into(x: torch.Tensor, radius: int, out: torch.Tensor, strides: tuple[in
     """
     n, c, h, w = x.shape
     _check(_NATIVE.lib.et_pool(x.data_ptr(), out.data_ptr(), n, c, h, w, radius, scale, *x.stride(), *strides,
-                        torch.get_num_threads()), "pooling")
+                               torch.get_num_threads()), "pooling")
     return out
 
 
@@ -122,8 +120,8 @@ def unpool(t: torch.Tensor, radius: int, out: torch.Tensor, scale: float = 1.0) 
         ``out``.
     """
     n, c, h, w = out.shape
-    _check(_NATIVE.lib.et_unpool(t.data_ptr(), out.data_ptr(), n, c, h, w, radius, scale, *t.stride(), *out.stride(),
-                          torch.get_num_threads()), "unpooling")
+    _check(_NATIVE.lib.et_unpool(t.data_ptr(), out.data_ptr(), n, c, h, w, radius, scale, *t.stride(),
+                                 *out.stride(), torch.get_num_threads()), "unpooling")
     return out
 
 
