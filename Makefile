@@ -24,11 +24,14 @@ venv: $(VENV)/.installed-core
 demo: $(VENV)/.installed-core
 	$(BIN)/edgetrain demo
 
+# One pytest worker per core (at most 4); tests/conftest.py gives each worker its share of the threads.
+PYTEST := $(BIN)/python -m pytest -q -n auto --maxprocesses=4
+
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-all: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q -m ''
+	$(PYTEST) -m ''
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/bench_budget.py

@@ -6,6 +6,15 @@ import torch
 # Profiles measured by one test must not leak into another through the on-disk cache.
 os.environ.setdefault("EDGETRAIN_NO_CACHE", "1")
 
+# Under pytest-xdist (`make test` runs one worker per core) each worker gets its share of the cores, and so do
+# the fresh processes tests start (OMP_NUM_THREADS): workers that each start a thread per core oversubscribe
+# the machine and every test runs slower than alone.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    torch.set_num_threads(_THREADS)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
