@@ -10,6 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import torch_threads
 from torch import nn
 
 from edgetrain.data import Digits, load_digits8x8, load_mnist, random_affine
@@ -21,10 +22,8 @@ pytest.importorskip("sklearn")
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Tiny ops on cores shared with other processes run far slower with two threads spinning.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import torch_threads
 import torch.fx as fx
 from torch import nn
 
@@ -13,10 +14,8 @@ from edgetrain.models import MODEL_NAMES, get_model, mobilenet_v2, resnet18, tra
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Tiny ops on cores shared with other processes run far slower with two threads spinning.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def chain_blocks(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:

@@ -7,7 +7,7 @@ single-threaded only. Each test re-runs a check of the kernel's own test module 
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import torch_threads
 from test_gradfilter_native import WIDE
 
 from edgetrain.models.zoo import has_transformers
@@ -15,10 +15,8 @@ from edgetrain.models.zoo import has_transformers
 
 @pytest.fixture(autouse=True)
 def _two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(2):
+        yield
 
 
 @pytest.mark.parametrize("act", ["none", "relu", "hardtanh"])
