@@ -4,9 +4,11 @@
    ``F.relu(x, inplace=True)``, ``x.relu_()`` and the like. An in-place op on a tensor that crosses a stage
    boundary overwrites what the runtime keeps as the input of a recomputed stage (and the profiler's leaf
    inputs: "a leaf Variable that requires grad is being used in an in-place operation"). Every in-place
-   call of an element-wise op is turned into its out-of-place twin, and later readers of the overwritten
-   tensor read the new value instead (the functional form of the same program). Ops whose input is a
-   view of another tensor are left alone (the write would reach the base), as are ops not on the list.
+   call of an element-wise op, and every ``nn.Dropout(inplace=True)``-style module (classifier heads of
+   torchvision and Hugging Face models), is turned into its out-of-place twin, and later readers of the
+   overwritten tensor read the new value instead (the functional form of the same program). Ops whose
+   input is a view of another tensor are left alone (the write would reach the base), as are ops not on
+   the list; the cutter then puts no stage boundary across the tensor they write.
 2. **ReLU6 / Hardtanh save their output** (:func:`edgetrain.capture.lean.lean_hardtanh`): the memory an
    in-place ReLU6 saves, kept by the out-of-place form.
 3. **Lean convolutions** (:func:`edgetrain.capture.lean.lean_conv2d`): plain ``nn.Conv2d`` calls get a
@@ -164,6 +166,18 @@ def _module_replacement(m: nn.Module) -> tuple[Callable[..., Any], tuple[Any, ..
     return None
 
 
+# Dropout modules and their out-of-place functional forms (same mask draw from the same generator).
+_DROPOUT_FUNCTIONS: dict[type[nn.Module], Callable[..., torch.Tensor]] = {
+    nn.Dropout: F.dropout, nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d,
+    nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout,
+}
+
+
+def dropout_module_out_of_place(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """An in-place dropout module's call made out-of-place (reads its ``p`` and ``training`` now)."""
+    return _DROPOUT_FUNCTIONS[type(module)](x, module.p, module.training, False)
+
+
 def _replace(gm: fx.GraphModule, node: fx.Node, fn: Callable[..., Any] | str, args: tuple[Any, ...],
              kwargs: dict[str, Any] | None = None, module: str | None = None) -> fx.Node:
     """Put a call of ``fn`` (a method name when a string) where ``node`` was."""
@@ -200,9 +214,14 @@ def _functionalize(gm: fx.GraphModule) -> int:
         new_call: tuple[Callable[..., Any] | str, tuple[Any, ...], dict[str, Any], str | None] | None = None
         if n.op == "call_module":
             m = gm.get_submodule(str(n.target))
-            rep = _module_replacement(m) if getattr(m, "inplace", False) and not _has_hooks(m) else None
-            if rep is not None and len(n.args) == 1 and not n.kwargs:
+            inplace = getattr(m, "inplace", False) and not _has_hooks(m) and len(n.args) == 1 and not n.kwargs
+            rep = _module_replacement(m) if inplace else None
+            if rep is not None:
                 new_call = (rep[0], (n.args[0],) + rep[1], {}, str(n.target))
+            elif inplace and type(m) in _DROPOUT_FUNCTIONS and _mutated_arg(n) is not None:
+                with gm.graph.inserting_before(n):
+                    module = gm.graph.get_attr(str(n.target))
+                new_call = (dropout_module_out_of_place, (n.args[0], module), {}, str(n.target))
         elif n.op == "call_method" and str(n.target) in _INPLACE_METHODS:
             new_call = (str(n.target)[:-1], tuple(n.args), dict(n.kwargs), None)
         elif n.op == "call_function":
@@ -355,6 +374,11 @@ def _lean_dropouts(gm: fx.GraphModule) -> int:
                 new = gm.graph.call_function(lean_dropout_module, (n.args[0], module))
             new.meta.update(n.meta)
             new.meta[MODULE_META] = str(n.target)
+        elif (n.op == "call_function" and n.target is dropout_module_out_of_place
+              and type(gm.get_submodule(str(n.args[1].target))) is nn.Dropout):
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(lean_dropout_module, tuple(n.args))
+            new.meta.update(n.meta)
         elif n.op == "call_function" and n.target in (F.dropout, torch.dropout):
             args = _dropout_args(n)
             if args is None:

@@ -106,21 +106,34 @@ def _trace(model: nn.Module, concrete: dict[str, Any], max_retries: int = 64) ->
     raise CaptureError(f"torch.fx cannot trace {type(model).__name__}.forward: {last_err}")
 
 
-def _node_values(gm: fx.GraphModule, env: dict[str, Any]) -> dict[fx.Node, Any]:
-    """Run the traced graph once, returning every node's value (for shapes and tensor-ness)."""
+def _storage(v: Any) -> int | None:
+    return v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
+
+
+def _node_values(gm: fx.GraphModule, env: dict[str, Any]) -> tuple[dict[fx.Node, Any], dict[int, int]]:
+    """Run the traced graph once: every node's value (for shapes and tensor-ness), and for each storage an
+    op wrote into in place (its version counter advanced), the position of the last node that did."""
     values: dict[fx.Node, Any] = {}
+    last_write: dict[int, int] = {}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     class _Rec(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             if n.op == "placeholder":
                 v = env[n.target] if n.target in env else (n.args[0] if n.args else None)
             else:
+                args = [values[a] for a in n.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
+                before = [a._version for a in args]
                 v = super().run_node(n)
+                for a, version in zip(args, before):
+                    ptr = _storage(a)
+                    if a._version != version and ptr is not None:
+                        last_write[ptr] = position[n]
             values[n] = v
             return v
 
     _Rec(gm).run(*[env.get(n.target) for n in gm.graph.nodes if n.op == "placeholder"])
-    return values
+    return values, last_write
 
 
 def _nbytes(v: Any) -> int:
@@ -134,7 +147,8 @@ def _nbytes(v: Any) -> int:
 
 
 def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
-                keeps_input: Callable[[fx.Node], bool] = lambda n: True, carry: bool = True) -> list[int]:
+                keeps_input: Callable[[fx.Node], bool] = lambda n: True, carry: bool = True,
+                last_write: dict[int, int] | None = None) -> list[int]:
     """Indices p where exactly one non-input tensor made since the previous cut is used after p.
 
     With ``carry``, tensors made before the previous cut may cross too (a residual block's skip input:
@@ -142,7 +156,12 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
     No cut goes after a view (its bytes are its source's), nor where every later reader of the new tensor
     frees it (``keeps_input`` false for all of them, e.g. a ReLU, whose backward reads its output): uncut,
     the tensor dies right after its reader; cut, a recomputed segment would keep it as its input.
+    Nor where a node after p writes in place into a tensor crossing the cut (``last_write``: storage ->
+    position of the last in-place write, from :func:`_node_values`): the runtime keeps a stage's inputs to
+    re-run it, and an in-place op the graph passes could not make out-of-place would overwrite them (or
+    fail on the leaf tensor a stage's gradient input is).
     """
+    last_write = last_write or {}
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
     cuts: list[int] = []
@@ -159,7 +178,8 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
         since = cuts[-1] if cuts else -1
         fresh = [x for x in live if index[x] > since]
         if len(fresh) == 1 and (carry or len(live) == 1) and not _is_view(fresh[0], values) and any(
-                keeps_input(u) for u in fresh[0].users if index[u] > p):
+                keeps_input(u) for u in fresh[0].users if index[u] > p) and not any(
+                last_write.get(_storage(values[x]), -1) > p for x in live):
             cuts.append(p)
     return cuts
 
@@ -355,7 +375,7 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             gm, leaves = _trace(model, concrete)
             rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
             set_rng_state(state)
-            values = _node_values(gm, env)
+            values, last_write = _node_values(gm, env)
         except Exception as e:  # CaptureError from tracing, or the traced graph failing to run
             set_rng_state(state)
             why = str(e) if isinstance(e, CaptureError) else \
@@ -369,7 +389,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
                "(data-dependent Python control flow?)")
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
-    cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts), nodes, values,
+    cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts, last_write), nodes,
+                    values,
                     max_stages)
     if not cuts and strict:
         raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "

@@ -1,0 +1,111 @@
+"""In-place writes into tensors that would cross a stage boundary: captured, cut elsewhere, trained exactly.
+
+A stage's inputs are kept to re-run it (and are leaf tensors while it is profiled), so an in-place op on one
+either fails ("a leaf Variable that requires grad is being used in an in-place operation") or, re-run,
+reads what it wrote itself. Hugging Face's MobileViT ends in ``nn.Dropout(inplace=True)`` on the pooled
+features; before, edgetrain failed to prepare it at all.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import edgetrain
+
+OPTIONS = [{"solver": "no_saving"}, {"solver": "recompute_all"}]
+
+
+def _verify(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options) -> edgetrain.VerifyReport:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return edgetrain.verify(model, opt, nn.CrossEntropyLoss(), (x, y), tolerance=0.0, **options)
+
+
+class ViewWrite(nn.Module):
+    """Scales a fresh activation in place through a view (an op the graph passes leave in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = torch.sigmoid(x * 3.0)
+        m.view(-1).mul_(2.0)
+        return self.fc3(torch.relu(self.fc2(self.fc1(m))))
+
+
+class IndexWrite(nn.Module):
+    """Shifts integer positions in place through a view: no gradient, so only a re-run would notice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc2, self.fc3 = nn.Embedding(20, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.remainder(ids, 7)
+        pos.view(-1).add_(1)
+        return self.fc3(torch.relu(self.fc2(self.emb(pos).mean(1))))
+
+
+class InplaceDropouts(nn.Module):
+    """Dropout modules of every kind with ``inplace=True`` between layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.drop = nn.Dropout(0.3, inplace=True)
+        self.drop1d = nn.Dropout1d(0.3, inplace=True)
+        self.alpha = nn.AlphaDropout(0.2, inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.drop(self.a(x)))  # on outputs no op saves: plain PyTorch's autograd allows it
+        h = torch.tanh(self.drop1d(self.b(h).unsqueeze(-1)).squeeze(-1))
+        h = torch.tanh(self.alpha(self.c(h)))
+        return self.d(h)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["keep", "recompute"])
+@pytest.mark.parametrize("case", ["view-write", "index-write"])
+def test_inplace_write_on_a_would_be_stage_input_trains_exactly(case, options):
+    torch.manual_seed(0)
+    if case == "view-write":
+        model, x = ViewWrite(), torch.randn(8, 8)
+    else:
+        model, x = IndexWrite(), torch.randint(0, 20, (8, 5))
+    y = torch.randint(0, 3, (8,))
+    report = _verify(model, x, y, **options)
+    assert report.passed, str(report)
+    assert report.stages > 1
+
+
+@pytest.mark.parametrize("options", OPTIONS + [{"micro_batch_size": 4}], ids=["keep", "recompute", "micro4"])
+def test_inplace_dropout_modules_are_cut_around_and_replay_their_masks(options):
+    torch.manual_seed(0)
+    model = InplaceDropouts()
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    report = _verify(model, x, y, **options)
+    assert report.passed, str(report)
+    assert report.stages >= 3, "in-place dropout should be made out-of-place, not merged into one stage"
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["keep", "recompute"])
+def test_hugging_face_mobilevit_trains_exactly(options):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MobileViTConfig(image_size=32, hidden_sizes=[32, 48, 64], num_labels=3,
+                                          neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 80])
+    model = transformers.MobileViTForImageClassification(config)
+    assert isinstance(model.dropout, nn.Dropout) and model.dropout.inplace
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, lambda out, t: nn.functional.cross_entropy(out.logits, t), (x, y),
+                                  tolerance=0.0, **options)
+    assert report.passed, str(report)
+    assert report.stages > 10
