@@ -159,19 +159,26 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
     Nor where a node after p writes in place into a tensor crossing the cut (``last_write``: storage ->
     position of the last in-place write, from :func:`_node_values`): the runtime keeps a stage's inputs to
     re-run it, and an in-place op the graph passes could not make out-of-place would overwrite them (or
-    fail on the leaf tensor a stage's gradient input is).
+    fail on the leaf tensor a stage's gradient input is). Nor where a tuple, list or dict of floating-point
+    tensors (a ``split``'s result, read item by item later) crosses: a stage's gradient inputs are tensors.
     """
     last_write = last_write or {}
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
     cuts: list[int] = []
     live: set[fx.Node] = set()
+    packed: set[fx.Node] = set()  # tuples / lists / dicts of float tensors (a ``split``'s result), still read
     for p, n in enumerate(nodes):
         if n.op == "output":
             break
         if n.op not in ("placeholder", "get_attr") and isinstance(values.get(n), torch.Tensor):
             live.add(n)
+        elif n.op not in ("placeholder", "get_attr") and _holds_float_tensor(values.get(n)):
+            packed.add(n)
         live = {x for x in live if last_use[x] > p}
+        packed = {x for x in packed if last_use[x] > p}
+        if packed:  # a stage's gradient inputs are tensors: a container crossing would tie two stages' graphs
+            continue
         nxt = nodes[p + 1] if p + 1 < len(nodes) else None
         if nxt is None or nxt.op == "output":
             continue
@@ -182,6 +189,14 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
                 last_write.get(_storage(values[x]), -1) > p for x in live):
             cuts.append(p)
     return cuts
+
+
+def _holds_float_tensor(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return any(isinstance(x, torch.Tensor) and x.is_floating_point() or _holds_float_tensor(x) for x in v)
+    if isinstance(v, dict):
+        return _holds_float_tensor(list(v.values()))
+    return False
 
 
 def _is_view(n: fx.Node, values: dict[fx.Node, Any]) -> bool:

@@ -1,9 +1,12 @@
-"""In-place writes into tensors that would cross a stage boundary: captured, cut elsewhere, trained exactly.
+"""Values that cannot cross a stage boundary: captured with the cut elsewhere, trained exactly.
 
-A stage's inputs are kept to re-run it (and are leaf tensors while it is profiled), so an in-place op on one
-either fails ("a leaf Variable that requires grad is being used in an in-place operation") or, re-run,
-reads what it wrote itself. Hugging Face's MobileViT ends in ``nn.Dropout(inplace=True)`` on the pooled
-features; before, edgetrain failed to prepare it at all.
+1. Tensors a later op writes in place. A stage's inputs are kept to re-run it (and are leaf tensors while it
+   is profiled), so an in-place op on one either fails ("a leaf Variable that requires grad is being used in
+   an in-place operation") or, re-run, reads what it wrote itself. Hugging Face's MobileViT ends in
+   ``nn.Dropout(inplace=True)`` on the pooled features; before, edgetrain failed to prepare it at all.
+2. Tuples of tensors (a ``split``'s or a ``topk``'s result, read item by item later): a stage's gradient inputs are tensors,
+   so a tuple crossing tied two stages' autograd graphs ("Trying to backward through the graph a second
+   time"); Hugging Face's LeViT failed to prepare.
 """
 
 from __future__ import annotations
@@ -50,6 +53,20 @@ class IndexWrite(nn.Module):
         pos = torch.remainder(ids, 7)
         pos.view(-1).add_(1)
         return self.fc3(torch.relu(self.fc2(self.emb(pos).mean(1))))
+
+
+class TopKLater(nn.Module):
+    """Reads the values of a ``topk`` (a tuple whose backward keeps the indices) again two layers later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = self.a(x).topk(8, dim=-1)
+        g = torch.relu(self.b(top.values))
+        g = torch.relu(self.b(g))
+        return self.c(g * top.values)
 
 
 class InplaceDropouts(nn.Module):
@@ -101,6 +118,32 @@ def test_hugging_face_mobilevit_trains_exactly(options):
                                           neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 80])
     model = transformers.MobileViTForImageClassification(config)
     assert isinstance(model.dropout, nn.Dropout) and model.dropout.inplace
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, lambda out, t: nn.functional.cross_entropy(out.logits, t), (x, y),
+                                  tolerance=0.0, **options)
+    assert report.passed, str(report)
+    assert report.stages > 10
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["keep", "recompute"])
+def test_a_tuple_of_tensors_read_later_stays_inside_a_stage(options):
+    torch.manual_seed(0)
+    report = _verify(TopKLater(), torch.randn(8, 8), torch.randint(0, 3, (8,)), **options)
+    assert report.passed, str(report)
+    assert report.stages > 1
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["keep", "recompute"])
+def test_hugging_face_levit_trains_exactly(options):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LevitConfig(image_size=32, patch_size=16, hidden_sizes=[32, 48, 64], depths=[1, 1, 1],
+                                      num_attention_heads=[1, 2, 2], key_dim=[8, 8, 8], mlp_ratio=[2, 2, 2],
+                                      attention_ratio=[2, 2, 2], drop_path_rate=0, num_labels=3)
+    model = transformers.LevitForImageClassification(config)
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with warnings.catch_warnings():
