@@ -121,6 +121,53 @@ def test_batchnorm_micro_batched_running_stats_are_full_batch():
     torch.testing.assert_close(ours[1].running_var, ref[1].running_var, rtol=1e-5, atol=1e-6)
 
 
+class SharedBatchNorm(nn.Module):
+    """One BatchNorm layer applied after two convolutions: plain PyTorch updates its statistics twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.bn, self.head = nn.BatchNorm2d(8), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.a(x)))
+        h = torch.relu(self.bn(self.b(h)))
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
+def test_shared_batchnorm_micro_batched_gets_one_update_per_call(solver):
+    """A layer called twice per forward: each call's statistics are combined over the micro-batches on their
+    own and applied in call order, as a full-batch forward would (before: the calls were merged into one
+    update, and num_batches_tracked counted one)."""
+    torch.manual_seed(0)
+    model = SharedBatchNorm()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 5, (12,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.warns(UserWarning, match="micro-batch"):
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), solver=solver, micro_batch_size=4)
+    assert step.plan.bn_micro_batched
+    seen = []  # per micro-batch: call 1's input, call 2's input (no replay: the reference runs plain)
+    hook = ref.bn.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    with torch.no_grad():
+        for i in range(0, 12, 4):
+            ref.bn.momentum = 0.0  # the reference only collects the inputs each call sees
+            ref(x[i:i + 4])
+    hook.remove()
+    bn = model.bn
+    step(x, y)
+    mean, var = ref.bn.running_mean.clone(), ref.bn.running_var.clone()
+    for call in (0, 1):
+        inp = torch.cat(seen[call::2])
+        assert inp.shape[0] == 12
+        mean = 0.9 * mean + 0.1 * inp.mean(dim=(0, 2, 3))
+        var = 0.9 * var + 0.1 * inp.var(dim=(0, 2, 3), unbiased=True)
+    assert int(bn.num_batches_tracked) == 2
+    torch.testing.assert_close(bn.running_mean, mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, var, rtol=1e-5, atol=1e-6)
+
+
 def test_inputs_as_dict_and_tuple():
     class TwoIn(nn.Module):
         def __init__(self):

@@ -190,6 +190,7 @@ class TrainStep:
                 env = dict(env_full) if size == n else {k: slice_batch(v, start, start + size)
                                                         for k, v in env_full.items()}
                 part = targets if size == n else slice_batch(targets, start, start + size)
+                self._bn.micro_batch()
                 # the output is not held through backward (plain PyTorch's loop frees it once the loss is made)
                 loss = self.loss_fn(self._executor.forward(env), part)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

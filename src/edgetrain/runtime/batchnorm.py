@@ -111,7 +111,9 @@ class FullBatchStats:
         self.bns = [m for _, m in batchnorm_modules(model)]
         self.recomputing = 0
         self._active = False
-        self._acc: dict[int, list[int]] = {}  # per layer: the sample count of each micro-batch this step
+        self._acc: dict[int, list[int]] = {}  # per layer: the sample count of each call this step
+        self._slot: dict[int, list[int]] = {}  # per layer and call: which call of its micro-batch's forward it was
+        self._calls: dict[int, int] = {}  # per layer: its calls in the current micro-batch's forward so far
         self._snap: dict[int, tuple[torch.Tensor | None, ...]] = {}
         self._scratch: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer: one row per micro-batch
         self._swapped: dict[int, tuple[Any, ...]] = {}
@@ -149,6 +151,11 @@ class FullBatchStats:
         if k == len(rows):
             rows.append((torch.zeros_like(mod.running_mean), torch.ones_like(mod.running_var)))
         counts.append(args[0].numel() // args[0].shape[1])
+        # a layer called twice per forward (shared) updates its statistics twice in plain PyTorch: each call
+        # of a micro-batch is combined with the same call of the other micro-batches, in call order
+        j = self._calls.get(key, 0)
+        self._calls[key] = j + 1
+        self._slot.setdefault(key, []).append(j)
         buffers = mod._buffers  # direct: nn.Module.__setattr__ costs more than the swap itself
         self._swapped[key] = (buffers["running_mean"], buffers["running_var"], mod.momentum)
         buffers["running_mean"], buffers["running_var"] = rows[k]
@@ -161,28 +168,38 @@ class FullBatchStats:
         buffers = mod._buffers
         buffers["running_mean"], buffers["running_var"], mod.momentum = swapped
 
-    def _combined(self, mod: _BN) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """(count, mean, sum of squared deviations) over the step's micro-batches, in float64.
+    def _combined(self, mod: _BN) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per call of the layer in one forward (one for a layer that is not shared), in call order:
+        (count, mean, sum of squared deviations) over the step's micro-batches, in float64.
 
         Chan et al.'s combination of per-group statistics, for all groups at once:
         ``mean = sum(n_k mean_k) / N``, ``M2 = sum((n_k - 1) var_k) + sum(n_k (mean_k - mean)^2)``.
         """
         counts = self._acc.get(id(mod))
         if not counts:
-            return None
+            return []
         rows = self._scratch[id(mod)][:len(counts)]
-        means = torch.stack([r[0] for r in rows]).to(torch.float64)
-        variances = torch.stack([r[1] for r in rows]).to(torch.float64)  # the kernel stores unbiased ones
-        n_k = torch.tensor(counts, dtype=torch.float64).unsqueeze(1)
-        total = int(sum(counts))
-        mean = (n_k * means).sum(0) / total
-        m2 = ((n_k - 1).clamp_min(0) * variances).sum(0) + (n_k * (means - mean) ** 2).sum(0)
-        return total, mean, m2
+        slots = self._slot[id(mod)]
+        out = []
+        for j in sorted(set(slots)):
+            mine = [k for k, s in enumerate(slots) if s == j]
+            means = torch.stack([rows[k][0] for k in mine]).to(torch.float64)
+            variances = torch.stack([rows[k][1] for k in mine]).to(torch.float64)  # the kernel stores unbiased ones
+            n_k = torch.tensor([counts[k] for k in mine], dtype=torch.float64).unsqueeze(1)
+            total = int(n_k.sum().item())
+            mean = (n_k * means).sum(0) / total
+            m2 = ((n_k - 1).clamp_min(0) * variances).sum(0) + (n_k * (means - mean) ** 2).sum(0)
+            out.append((total, mean, m2))
+        return out
+
+    def micro_batch(self) -> None:
+        """Before each micro-batch's forward: count each layer's calls from the first again."""
+        self._calls = {}
 
     def begin(self, accumulate: bool = True) -> None:
         """Start a step: snapshot running statistics; ``accumulate`` for a micro-batched step."""
         self._active = accumulate
-        self._acc = {}
+        self._acc, self._slot, self._calls = {}, {}, {}
         self._snap = {id(b): (None if b.running_mean is None else b.running_mean.clone(),
                               None if b.running_var is None else b.running_var.clone(),
                               None if b.num_batches_tracked is None else b.num_batches_tracked.clone())
@@ -196,7 +213,7 @@ class FullBatchStats:
                 b._buffers["running_mean"], b._buffers["running_var"], b.momentum = swapped
         self._restore()
         self._active = False
-        self._acc = {}
+        self._acc, self._slot, self._calls = {}, {}, {}
 
     def _restore(self) -> None:
         with torch.no_grad():
@@ -216,19 +233,18 @@ class FullBatchStats:
         self._restore()
         with torch.no_grad():
             for b in self.bns:
-                acc = self._combined(b)
-                if acc is None or id(b) not in self._snap:
+                if id(b) not in self._snap:
                     continue
-                n, mean, m2 = acc
-                var = m2 / max(n - 1, 1)  # type: ignore[operator]  # unbiased, as BatchNorm stores it
-                if b.num_batches_tracked is not None:
-                    b.num_batches_tracked.add_(1)
-                momentum = b.momentum
-                if momentum is None:  # cumulative moving average
-                    momentum = 1.0 / float(b.num_batches_tracked.item())
-                if b.running_mean is not None:
-                    b.running_mean.mul_(1 - momentum).add_(mean.to(b.running_mean.dtype), alpha=momentum)
-                if b.running_var is not None:
-                    b.running_var.mul_(1 - momentum).add_(var.to(b.running_var.dtype), alpha=momentum)
+                for n, mean, m2 in self._combined(b):
+                    var = m2 / max(n - 1, 1)  # unbiased, as BatchNorm stores it
+                    if b.num_batches_tracked is not None:
+                        b.num_batches_tracked.add_(1)
+                    momentum = b.momentum
+                    if momentum is None:  # cumulative moving average
+                        momentum = 1.0 / float(b.num_batches_tracked.item())
+                    if b.running_mean is not None:
+                        b.running_mean.mul_(1 - momentum).add_(mean.to(b.running_mean.dtype), alpha=momentum)
+                    if b.running_var is not None:
+                        b.running_var.mul_(1 - momentum).add_(var.to(b.running_var.dtype), alpha=momentum)
         self._active = False
-        self._acc = {}
+        self._acc, self._slot, self._calls = {}, {}, {}
