@@ -96,3 +96,77 @@ def test_module_tree_model_keeps_a_budget_that_needs_recomputation():
         o.step()
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+
+
+def test_shared_block_gets_a_stage_per_call_and_mixed_plans_are_exact():
+    """ALBERT runs one layer group for all its layers: each call is a stage, and a plan that recomputes
+    some calls of the shared block and keeps others trains as plain PyTorch does."""
+    pytest.importorskip("transformers")
+    from edgetrain.graph import RECOMPUTE
+
+    case = ZOO["albert"]
+    model = case.build()
+    # sequences long enough that activations, not the model, decide the plan; the batch is not split, so
+    # only recomputation can make room
+    x = {"input_ids": torch.randint(3, 200, (16, 128)), "attention_mask": torch.ones(16, 128, dtype=torch.long)}
+    y = torch.randint(0, 3, (16,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    whole = edgetrain.PlanConfig(micro_batch_size=16)
+    free = edgetrain.prepare(model, opt, case.loss_fn, example=(x, y),
+                             planning=edgetrain.PlanConfig(solver="recompute_all"))
+    chain = free.chain
+    assert chain.method == "modules" and [st.call for st in chain.stages] == [0, 1, 2, 3]
+    assert len({id(st.modules[0]) for st in chain.stages}) == 1
+    with pytest.raises(edgetrain.BudgetError) as err:
+        edgetrain.prepare(model, opt, case.loss_fn, example=(x, y), memory_budget="1MiB", planning=whole)
+    least = err.value.min_feasible_bytes
+    unbounded = edgetrain.prepare(model, opt, case.loss_fn, example=(x, y), planning=whole).plan.peak_bytes
+    mixed = None
+    for frac in (0.75, 0.5, 0.9, 0.25):
+        budget = int(least + frac * (unbounded - least))
+        plan = edgetrain.prepare(model, opt, case.loss_fn, example=(x, y), memory_budget=budget,
+                                 planning=whole).plan
+        if 0 < sum(p == RECOMPUTE for p in plan.policies) < len(plan.policies):
+            mixed = budget
+            break
+    assert mixed is not None, "no budget between the least and the unbounded plan mixes kept and recomputed calls"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, case.loss_fn, (x, y), mixed, tolerance=0.0, planning=whole)
+    assert report.passed, str(report)
+    assert 0 < report.recomputed < report.stages
+
+
+class _Loop(torch.nn.Module):
+    """Runs its block once per unit of the input's first value: the count depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(int(x[0, 0].item())):
+            x = torch.tanh(self.blocks[0](x))
+        return self.head(x)
+
+
+def test_a_block_called_more_or_fewer_times_than_planned_is_refused():
+    torch.manual_seed(0)
+    model = _Loop()
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    x[0, 0] = 3.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, torch.nn.CrossEntropyLoss(), (x, y),
+                                 planning=edgetrain.PlanConfig(solver="recompute_all"))
+    assert step.chain.method == "modules" and len(step.chain) == 3
+    step(x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    for calls, word in ((4, "ran 4 time"), (2, "ran 2 time")):
+        x2 = x.clone()
+        x2[0, 0] = float(calls)
+        with pytest.raises(edgetrain.InputError, match=word):
+            step(x2, y)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a refused step changed weights"

@@ -59,6 +59,8 @@ class Stage:
             statistics, counters, power-iteration vectors), as seen on the example batch.
         owns_input: its backward may write an input gradient over one of its inputs
             (:mod:`edgetrain.capture.rewrite`): whoever runs it twice on the same inputs copies them.
+        call: for a block of a ``"modules"`` chain, which call of its module in one forward it is (0 unless
+            the forward calls the module several times, sharing its weights).
     """
 
     index: int
@@ -69,6 +71,7 @@ class Stage:
     modules: tuple[nn.Module, ...] = ()
     mutates: tuple[str, ...] = ()
     owns_input: bool = False
+    call: int = 0
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         return self.fn(*args)

@@ -9,10 +9,13 @@ block's ``forward`` for a checkpointed call of it while the step runs. What the 
 blocks (embeddings, masks, the head) is always kept; the profiler counts it as resident memory
 (``CostChain.input_bytes``) and time beside the loss's.
 
-A block qualifies when, on the example batch, it is called exactly once per forward and not inside
-another block, and it is handed nothing but tensors and plain values (a block handed a cache object it
-appends to, such as a key/value cache, would append twice when recomputed: the model then stays one
-stage; Hugging Face models are run with ``use_cache=False``, as their own gradient checkpointing does).
+A block qualifies when, on the example batch, it is not called inside another block and is handed nothing
+but tensors and plain values (a block handed a cache object it appends to, such as a key/value cache, would
+append twice when recomputed: the model then stays one stage; Hugging Face models are run with
+``use_cache=False``, as their own gradient checkpointing does). A block the forward calls several times
+(shared weights: ALBERT runs one layer group for every layer) gives a stage per call (``Stage.call``);
+:class:`BlockCalls` tells which stage a call is, and a forward that calls a block a different number of
+times than the example batch did is refused (:func:`check_calls`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import torch
 from torch import nn
 
 from .._state import preserved_model_state
+from ..errors import InputError
 from .chain import Chain, Stage
 
-__all__ = ["find_blocks", "block_stages", "module_chain", "replay_kwargs"]
+__all__ = ["BlockCalls", "check_calls", "find_blocks", "block_stages", "module_chain", "replay_kwargs"]
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def _containers_children(m: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
+    if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 1:
         return list(m.named_children())
     return None
 
@@ -44,10 +48,13 @@ def _numel(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def find_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the candidate blocks: children of every ``ModuleList`` / ``Sequential`` with two
-    or more entries, each replaced by its own blocks where those hold (nearly) all of its parameters (a T5
-    block's list of attention and feed-forward layers; not a ViT block's MLP, which leaves its attention out)."""
+def find_blocks(model: nn.Module) -> tuple[list[str], set[str]]:
+    """Qualified names of the candidate blocks: children of every ``ModuleList`` / ``Sequential``, each
+    replaced by its own blocks where those hold (nearly) all of its parameters (a T5 block's list of attention
+    and feed-forward layers; not a ViT block's MLP, which leaves its attention out); and those of them that
+    are the only entry of their container (they qualify only if the forward calls them more than once)."""
+    alone: set[str] = set()
+
     def walk(prefix: str, m: nn.Module) -> list[str]:
         out: list[str] = []
         for name, child in m.named_children():
@@ -58,12 +65,14 @@ def find_blocks(model: nn.Module) -> list[str]:
                     inner = walk(f"{path}.{kname}.", k)
                     covered = sum(_numel(model.get_submodule(n)) for n in inner)
                     fine = len(inner) >= 2 and covered >= 0.9 * _numel(k)
+                    if not fine and len(kids) == 1:
+                        alone.add(f"{path}.{kname}")
                     out.extend(inner if fine else [f"{path}.{kname}"])
             else:
                 out.extend(walk(f"{path}.", child))
         return out
 
-    return walk("", model)
+    return walk("", model), alone
 
 
 def _plain(v: Any) -> bool:
@@ -77,9 +86,9 @@ def _plain(v: Any) -> bool:
 
 
 def block_stages(model: nn.Module, env: dict[str, Any]) -> list[str] | None:
-    """The blocks that qualify, in call order (None when fewer than two do)."""
-    names = find_blocks(model)
-    if len(names) < 2:
+    """The calls of the blocks that qualify, in call order, a block once per call (None when fewer than two)."""
+    names, alone = find_blocks(model)
+    if not names:
         return None
     mods = {n: model.get_submodule(n) for n in names}
     calls: list[str] = []
@@ -110,7 +119,7 @@ def block_stages(model: nn.Module, env: dict[str, Any]) -> list[str] | None:
         for h in handles:
             h.remove()
     counts = {n: calls.count(n) for n in names}
-    order = [n for n in dict.fromkeys(calls) if counts[n] == 1 and n not in bad]
+    order = [n for n in calls if n not in bad and (counts[n] >= 2 or n not in alone)]
     if bad:
         log.info("blocks not recomputable (handed a stateful object, or called inside another block): %s",
                  ", ".join(sorted(bad)))
@@ -142,6 +151,55 @@ def module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
     blocks = block_stages(model, {**env, **call_kwargs})
     if blocks is None:
         return None
-    stages = [Stage(i, name, _block_alone(name), (), (), (model.get_submodule(name),), mutates if i == 0 else ())
-              for i, name in enumerate(blocks)]
+    stages, seen = [], {n: 0 for n in blocks}
+    for i, name in enumerate(blocks):
+        k, seen[name] = seen[name], seen[name] + 1
+        label = f"{name}#{k}" if blocks.count(name) > 1 else name
+        stages.append(Stage(i, label, _block_alone(label), (), (), (model.get_submodule(name),),
+                            mutates if i == 0 else (), call=k))
     return Chain(stages, names, "modules", (), dict.fromkeys(names, len(stages) - 1), model, call_kwargs)
+
+
+class BlockCalls:
+    """Which stage of a ``"modules"`` chain each call of a block module is, counted over one forward.
+
+    Call :meth:`reset` before each forward of the model; :meth:`stage` on each call of a block.
+    """
+
+    def __init__(self, chain: Chain) -> None:
+        self.slots: dict[int, list[int]] = {}
+        self.names: dict[int, str] = {}
+        blocks: dict[int, nn.Module] = {}
+        for st in chain.stages:
+            block = st.modules[0]
+            self.slots.setdefault(id(block), []).append(st.index)
+            self.names.setdefault(id(block), st.name.split("#")[0])
+            blocks.setdefault(id(block), block)
+        self.blocks = list(blocks.values())  # the distinct block modules, in the order of their first call
+        self.counts: dict[int, int] = {}
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def stage(self, module: nn.Module) -> int:
+        """The stage index of this call of ``module`` (raises if the forward calls it more often than captured)."""
+        key = id(module)
+        k = self.counts.get(key, 0)
+        self.counts[key] = k + 1
+        slots = self.slots[key]
+        if k >= len(slots):
+            raise InputError(_miscount(self.names[key], k + 1, len(slots)))
+        return slots[k]
+
+
+def check_calls(calls: BlockCalls) -> None:
+    """Raise if a forward just run called some block fewer times than the example batch did."""
+    for key, slots in calls.slots.items():
+        if calls.counts.get(key, 0) != len(slots):
+            raise InputError(_miscount(calls.names[key], calls.counts.get(key, 0), len(slots)))
+
+
+def _miscount(name: str, now: int, captured: int) -> str:
+    return (f"block {name} ran {now} time(s) in this forward, {captured} on the example batch edgetrain planned "
+            "with: its stages no longer match the model's calls (does the number of calls depend on the input?). "
+            "Prepare the step with an example batch that calls it as training does.")

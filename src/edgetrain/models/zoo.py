@@ -102,6 +102,14 @@ def _bert() -> nn.Module:
                                                     num_attention_heads=4, intermediate_size=128, num_labels=3))
 
 
+def _albert() -> nn.Module:
+    """ALBERT: one layer group, its weights shared by every layer (the forward calls it once per layer)."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+    return AlbertForSequenceClassification(AlbertConfig(vocab_size=200, embedding_size=32, hidden_size=64,
+                                                        num_hidden_layers=4, num_attention_heads=4,
+                                                        intermediate_size=128, num_labels=3))
+
+
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=200, n_embd=64, n_layer=4, n_head=4, n_positions=64,
@@ -280,6 +288,7 @@ def _entries() -> list[ZooCase]:
     hf = [
         ZooCase("minilm", _seeded(_minilm), _tokens(1000, 16), _logits_ce, True),
         ZooCase("bert", _seeded(_bert), _tokens(200, 16), _logits_ce, True),
+        ZooCase("albert", _seeded(_albert), _tokens(200, 16), _logits_ce, True),
         ZooCase("gpt2", _seeded(_gpt2), _lm_tokens(200, 16), _logits_ce, True),
         ZooCase("t5", _seeded(_t5), _lm_tokens(200, 12, seq2seq=True), _logits_ce, True),
         ZooCase("hf-resnet", _seeded(_hf_resnet), _pixels(32), _logits_ce, True, True),

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..batch import slice_batch, tensors_in
+from ..capture.modules import BlockCalls
 from . import memory
 
 __all__ = ["run_blocks"]
@@ -43,7 +44,6 @@ def run_blocks(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Ca
     """
     model = chain.model
     n = len(chain.stages)
-    blocks = [st.modules[0] for st in chain.stages]
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
     batch_keys = {_key(t) for t in tensors_in(env)} | set(params)
     region = [-1]  # -1: before the first block; i: inside block i; n + i: after block i
@@ -111,10 +111,21 @@ def run_blocks(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Ca
             if measure_memory:
                 bwd_peak[i] = max(0, memory.peak_rss_bytes() - bwd_rss[i])
 
+    calls = BlockCalls(chain)
+    current: dict[int, int] = {}
+
+    def pre_any(mod: Any, args: Any, kwargs: Any) -> None:
+        current[id(mod)] = i = calls.stage(mod)
+        pres[i](mod, args, kwargs)
+
+    def post_any(mod: Any, args: Any, kwargs: Any, out: Any) -> None:
+        posts[current.pop(id(mod))](mod, args, kwargs, out)
+
+    pres, posts = [pre(i) for i in range(n)], [post(i) for i in range(n)]
     handles = []
-    for i, b in enumerate(blocks):
-        handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
-        handles.append(b.register_forward_hook(post(i), with_kwargs=True))
+    for b in calls.blocks:
+        handles.append(b.register_forward_pre_hook(pre_any, with_kwargs=True))
+        handles.append(b.register_forward_hook(post_any, with_kwargs=True))
     try:
         t0 = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -251,17 +251,17 @@ def _block_inputs(chain: Any, inputs_env: dict[str, Any], m: int) -> list[tuple[
     """Per block of a module-tree chain: the ``(args, kwargs)`` the model's forward calls it with at ``m``
     (detached; tensors that required gradients become gradient leaves)."""
     from ..batch import slice_batch
+    from ..capture.modules import BlockCalls
 
-    blocks = [st.modules[0] for st in chain.stages]
-    seen: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * len(blocks)
+    calls = BlockCalls(chain)
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * len(chain.stages)
 
-    def hook(i: int) -> Callable[..., None]:
-        def pre(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if seen[i] is None:
-                seen[i] = (args, kwargs)
-        return pre
+    def pre(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        i = calls.stage(mod)
+        if seen[i] is None:
+            seen[i] = (args, kwargs)
 
-    handles = [b.register_forward_pre_hook(hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles = [b.register_forward_pre_hook(pre, with_kwargs=True) for b in calls.blocks]
     try:
         env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
         chain.model(**{**env, **chain.call_kwargs})

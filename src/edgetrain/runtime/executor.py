@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from torch.utils.checkpoint import checkpoint
 
-from ..capture.modules import replay_kwargs
+from ..capture.modules import BlockCalls, check_calls, replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
 from ..graph import PAGE, RECOMPUTE, selective_name
 from ..plan import Plan
@@ -181,7 +181,9 @@ class ModuleExecutor:
     For the duration of a forward, a recomputed block's ``forward`` is replaced (an instance attribute,
     removed afterwards) by a non-reentrant ``torch.utils.checkpoint`` call of the original with RNG replay
     and the same guards as :class:`Executor`. Plans for such chains recompute blocks one at a time (the
-    model's code between blocks is not ours to re-run), so every recompute group is a single stage.
+    model's code between blocks is not ours to re-run), so every recompute group is a single stage. A block
+    the forward calls several times (shared weights) gets a ``forward`` that runs each call by its own
+    stage's policy, and a forward that calls it a different number of times than planned is refused.
     """
 
     def __init__(self, chain: Chain, plan: Plan, bn: FullBatchStats | None = None, pager: Any = None) -> None:
@@ -198,6 +200,8 @@ class ModuleExecutor:
         self.bn = bn
         self.pager = None
         self._written = _replayed_buffers(chain)
+        self._calls = BlockCalls(chain)
+        self._shared = any(len(s) > 1 for s in self._calls.slots.values())
 
     def _checkpointed(self, st: Any, forward: Callable[..., Any], option: str | None = None) -> Callable[..., Any]:
         def ctx() -> tuple[Any, Any]:
@@ -211,17 +215,40 @@ class ModuleExecutor:
                               **kwargs)
         return run
 
+    def _dispatch(self, block: Any) -> Callable[..., Any]:
+        """``block.forward`` for a block the forward calls several times: each call run by its own stage's
+        policy (:class:`~edgetrain.capture.modules.BlockCalls` says which stage a call is)."""
+        forward = block.forward
+        runs: dict[int, Callable[..., Any]] = {}
+        for i in self._calls.slots[id(block)]:
+            option = selective_name(self.plan.policies[i])
+            recompute = self.plan.policies[i] == RECOMPUTE or option is not None
+            runs[i] = self._checkpointed(self.chain.stages[i], forward, option) if recompute else forward
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return runs[self._calls.stage(block)](*args, **kwargs)
+        return run
+
     def forward(self, env: dict[str, Any]) -> Any:
         """Run the model on ``env`` (its inputs by name, one micro-batch); returns its output."""
         patched = []
+        self._calls.reset()
         try:
-            for st, policy in zip(self.chain.stages, self.plan.policies):
-                option = selective_name(policy)
-                if policy == RECOMPUTE or option is not None:
-                    block = st.modules[0]
+            for block in self._calls.blocks:
+                stages = self._calls.slots[id(block)]
+                if len(stages) > 1:
+                    block.forward = self._dispatch(block)
+                else:
+                    st, policy = self.chain.stages[stages[0]], self.plan.policies[stages[0]]
+                    option = selective_name(policy)
+                    if policy != RECOMPUTE and option is None:
+                        continue
                     block.forward = self._checkpointed(st, block.forward, option)
-                    patched.append(block)
-            return self.chain.model(**{**env, **self.chain.call_kwargs})
+                patched.append(block)
+            out = self.chain.model(**{**env, **self.chain.call_kwargs})
+            if self._shared:
+                check_calls(self._calls)
+            return out
         finally:
             for block in patched:
                 del block.forward
