@@ -1,6 +1,7 @@
 """A prepared step computes exactly what plain PyTorch computes on the same logical batch."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -255,3 +256,25 @@ def test_channels_last_model_matches_plain(solver):
         assert step(xb, yb) == pytest.approx(lr, rel=1e-6)
     assert_state_close(ours, ref, rtol=1e-6, atol=1e-7)
     assert all(p.is_contiguous(memory_format=cl) for p in ours.parameters() if p.dim() == 4)
+
+
+def test_micro_batched_dropout_says_it_is_gradient_accumulation_not_one_full_batch_step():
+    """Each micro-batch draws its own dropout masks (as plain accumulation over the same micro-batches does),
+    so the step is not one full-batch step: the plan and a warning say so; without dropout, nothing is said."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    split = edgetrain.PlanConfig(micro_batch_size=4)
+    for dropout in (0.0, 0.3):
+        model = mlp(d_in=16, dropout=dropout)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), planning=split)
+        said = [str(w.message) for w in caught if "random numbers" in str(w.message)]
+        noted = [n for n in step.plan.notes if "random numbers" in n]
+        assert (len(said), len(noted)) == ((1, 1) if dropout else (0, 0)), (dropout, said, step.plan.notes)
+        assert "random numbers" in step.plan.summary() or not dropout
+        assert step.draws_random == bool(dropout)
+    model = mlp(d_in=16, dropout=0.3)
+    whole = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y))
+    assert whole.plan.num_micro_batches == 1 and not whole.plan.notes

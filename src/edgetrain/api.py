@@ -13,7 +13,7 @@ from torch import nn
 from .profile import memory
 from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
-from .planning.guards import describe_change, loss_norm_safely, model_key
+from .planning.guards import RANDOM_MICRO_BATCH_NOTE, describe_change, draws_random, loss_norm_safely, model_key
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
 from ._state import batchnorm_modules, rng_state, set_rng_state
@@ -22,6 +22,7 @@ from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
+from .capture.modules import replay_kwargs
 from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
@@ -89,6 +90,9 @@ class TrainStep:
     def plan(self) -> Plan:
         """The plan in force."""
         return self._plan
+
+    #: whether the model's forward draws random numbers (dropout): a split batch then draws per micro-batch
+    draws_random: bool = False
 
     @property
     def has_batchnorm(self) -> bool:
@@ -460,6 +464,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                       f"{plan.micro_batch_size} with its own statistics, so gradients differ slightly from one "
                       "full-batch step (running statistics stay exact). Raise the budget to avoid it.",
                       stacklevel=2)
+    random = draws_random(model, env, replay_kwargs(model, env))
+    if plan.num_micro_batches > 1 and random:
+        plan = plan.replace(notes=plan.notes + (RANDOM_MICRO_BATCH_NOTE,))
+        warnings.warn(f"{plan.num_micro_batches} micro-batches: {RANDOM_MICRO_BATCH_NOTE}. Raise the budget to "
+                      "avoid it.", stacklevel=2)
     log.info("edgetrain plan:\n%s", plan.summary())
     if pager is not None and "page" not in plan.policies:
         pager.close()
@@ -472,6 +481,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager,
                      loss_norm=loss_norm, capture=analysis.capture_chain, state_pager=state_pager)
     step.budget.micro_sizes = outcome.sizes
+    step.draws_random = random
     if budget is not None:
         step.budget.validate = analysis.validator(chain)
         step.budget.seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))

@@ -4,6 +4,8 @@
   ``self.training`` and the module objects of the capture), so a model changed after ``prepare`` (eval
   mode, a replaced submodule or parameter) is refused by name, never trained as something else.
 * :func:`loss_norm_safely`: how the loss normalises (:mod:`edgetrain.planning.loss`), found in a forked child.
+* :func:`draws_random`: whether the forward draws random numbers (dropout): micro-batches then draw their
+  own, as gradient accumulation does, and a split step is not bit for bit one full-batch step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from torch import nn
 
 from .loss import LossNorm, loss_normalisation
 
-__all__ = ["model_key", "describe_change", "loss_norm_safely"]
+__all__ = ["model_key", "describe_change", "loss_norm_safely", "draws_random", "RANDOM_MICRO_BATCH_NOTE"]
+
+#: The plan note (and warning) for a split batch whose forward draws random numbers.
+RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
+                           "as gradient accumulation over the same micro-batches does, so the step is not bit for "
+                           "bit one full-batch step")
 
 
 def model_key(model: nn.Module) -> tuple[Any, ...]:
@@ -58,3 +65,25 @@ def loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..
         if res is not None and res.error is None and res.value is not None:
             return LossNorm(res.value, loss_fn)
     return loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
+
+
+def draws_random(model: nn.Module, env: dict[str, Any], call_kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether a forward of ``model`` as it is now (training mode) draws from the CPU or CUDA generator.
+
+    Runs the model once, without gradients, on the first two samples of ``env``, and puts its buffers and
+    the generators back. A forward that fails on the slice counts as drawing (the caller then says so).
+    """
+    from .._state import preserved_model_state, rng_state
+    from ..batch import slice_batch
+
+    part = {k: slice_batch(v, 0, 2) for k, v in env.items()}
+    with preserved_model_state(model, grads=False), torch.no_grad():
+        before = rng_state()
+        try:
+            model(**{**part, **(call_kwargs or {})})
+        except Exception:
+            return True
+        after = rng_state()
+    return any(not torch.equal(a, b) if isinstance(a, torch.Tensor) else
+               any(not torch.equal(x, y) for x, y in zip(a, b))  # type: ignore[arg-type]
+               for a, b in ((before[k], after[k]) for k in before))
