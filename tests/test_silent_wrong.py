@@ -158,6 +158,32 @@ def test_opaque_loss_is_never_micro_batched():
     assert step.plan.micro_batch_size == 8
 
 
+@pytest.mark.parametrize("sorted_by", ["label", "padding"])
+def test_loss_whose_normaliser_depends_on_targets_is_found_on_a_sorted_batch(sorted_by):
+    """A lambda around a class-weighted (or padding-aware) mean, on an example batch whose first samples share
+    a label (or have no padding): on those alone it looks like a plain mean over samples. Before, the probe
+    read only the first three samples, called it a mean and split it into micro-batches: wrong gradients."""
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 16), torch.randint(0, 4, (12,))
+    if sorted_by == "label":
+        y = torch.sort(y).values
+        weights = torch.tensor([1.0, 2.0, 3.0, 0.5])
+        nll = nn.NLLLoss(weight=weights)
+    else:
+        y[8:] = -100  # the last samples are padding
+        nll = nn.NLLLoss(ignore_index=-100)
+
+    def loss_fn(out, t):
+        return nll(F.log_softmax(out, -1), t)
+
+    model = _mlp(counter=False).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match="neither a mean nor a sum"):
+        edgetrain.prepare(model, opt, loss_fn, example=(x, y), micro_batch_size=4)
+    step = edgetrain.prepare(model, opt, loss_fn, example=(x, y))
+    assert step.loss_norm.kind == "opaque" and step.plan.micro_batch_size == 12
+
+
 def test_changes_after_prepare_are_refused():
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     model = _mlp(counter=False)

@@ -3,7 +3,9 @@
 Micro-batching runs ``loss_fn`` on each slice of the batch and backpropagates the slices one by one; the
 gradients equal the full batch's only if each slice's loss is weighted by what it contributes to the full
 batch's loss. That depends on the loss's reduction, which :func:`loss_normalisation` finds out before any
-training by evaluating the loss on a few samples of the example batch, whole and split:
+training by evaluating the loss on a few samples of the example batch, whole and split at several points
+(the samples are picked to differ in their targets where targets are labels: a class-weighted or
+padding-aware mean over samples that all share a label or all lack padding looks like a plain mean):
 
 * a **mean over samples** (``reduction="mean"``, the usual case): a slice weighs its share of samples;
 * a **sum** (``reduction="sum"``): every slice weighs 1;
@@ -26,7 +28,6 @@ import torch
 from torch import nn
 
 from .._state import preserved_model_state
-from ..batch import slice_batch
 from ..errors import InputError
 
 __all__ = ["LossNorm", "loss_normalisation"]
@@ -83,15 +84,44 @@ def _target_weighted(loss_fn: Any, targets: Any) -> bool:
 
 
 def _loss_value(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
-                start: int, stop: int) -> torch.Tensor:
+                idx: torch.Tensor) -> torch.Tensor:
     with preserved_model_state(model):  # each evaluation sees the buffers as they are now
-        out = model(**{k: slice_batch(v, start, stop) for k, v in env.items()})
-        return loss_fn(out, slice_batch(targets, start, stop))
+        out = model(**{k: _take(v, idx) for k, v in env.items()})
+        return loss_fn(out, _take(targets, idx))
+
+
+def _take(x: Any, idx: torch.Tensor) -> Any:
+    """Samples ``idx`` (dim 0) of every tensor in ``x``; other values pass through."""
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, idx.to(x.device))
+    if isinstance(x, dict):
+        return {k: _take(v, idx) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_take(v, idx) for v in x)
+    return x
+
+
+def _diverse_samples(targets: Any, batch: int, n: int) -> torch.Tensor:
+    """``n`` sample indices, first one per distinct target (labels, or a sequence's labels), then the rest."""
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.dim() == 0:
+        return torch.arange(n)
+    seen: dict[bytes, int] = {}
+    rest: list[int] = []
+    rows = targets.reshape(targets.shape[0], -1).cpu()
+    for i in range(batch):
+        key = rows[i].numpy().tobytes()
+        if key in seen:
+            rest.append(i)
+        else:
+            seen[key] = i
+    picked = (list(seen.values()) + rest)[:n]
+    return torch.tensor(sorted(picked))
 
 
 def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
-                       batch: int, rtol: float = 1e-4) -> LossNorm:
-    """Find how ``loss_fn`` normalises, on the first (at most) three samples of the example batch.
+                       batch: int, rtol: float = 1e-4, samples: int = 6) -> LossNorm:
+    """Find how ``loss_fn`` normalises, on (at most) ``samples`` samples of the example batch whose targets
+    differ, whole and split after the first, in the middle and before the last.
 
     The model runs in eval mode (dropout off, BatchNorm on its running statistics: every sample on its
     own) without gradients, and its buffers, gradients, training flags and the RNG are restored after.
@@ -99,31 +129,36 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     Raises:
         InputError: the loss is not a scalar tensor.
     """
-    n = min(batch, 3)
+    n = min(batch, samples)
+    idx = _diverse_samples(targets, batch, n)
+    cuts = sorted({1, n // 2, n - 1} - {0, n})
     flags = [(m, m.training) for m in model.modules()]
     with torch.no_grad():
         model.eval()
         try:
-            whole = _loss_value(model, env, loss_fn, targets, 0, n)
+            whole = _loss_value(model, env, loss_fn, targets, idx)
             _check_scalar(whole)
             if n < 2:
                 return LossNorm(MEAN)
-            cut = 1
-            a = _loss_value(model, env, loss_fn, targets, 0, cut)
-            b = _loss_value(model, env, loss_fn, targets, cut, n)
+            parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c])),
+                      float(_loss_value(model, env, loss_fn, targets, idx[c:]))) for c in cuts]
         finally:
             for m, t in flags:
                 m.training = t
     if _target_weighted(loss_fn, targets):
         return LossNorm(WEIGHTED, loss_fn)
-    whole_v, a_v, b_v = float(whole), float(a), float(b)
-    tol = rtol * max(abs(whole_v), abs(a_v), abs(b_v), 1e-12) + 1e-7
-    if abs(whole_v - (a_v * cut + b_v * (n - cut)) / n) <= tol:
+    whole_v = float(whole)
+
+    def close(v: float, a_v: float, b_v: float) -> bool:
+        return abs(whole_v - v) <= rtol * max(abs(whole_v), abs(a_v), abs(b_v), 1e-12) + 1e-7
+
+    if all(close((a_v * c + b_v * (n - c)) / n, a_v, b_v) for c, a_v, b_v in parts):
         return LossNorm(MEAN)
-    if abs(whole_v - (a_v + b_v)) <= tol:
+    if all(close(a_v + b_v, a_v, b_v) for c, a_v, b_v in parts):
         return LossNorm(SUM)
-    log.info("loss over %d samples is %.6g, over %d and %d samples %.6g and %.6g: neither their mean nor their "
-             "sum", n, whole_v, cut, n - cut, a_v, b_v)
+    log.info("loss over %d samples is %.6g; split after %s samples: %s; neither their mean nor their sum", n,
+             whole_v, ", ".join(str(c) for c, _, _ in parts),
+             "; ".join(f"{a_v:.6g} and {b_v:.6g}" for _, a_v, b_v in parts))
     return LossNorm(OPAQUE)
 
 
