@@ -201,3 +201,25 @@ def test_changes_after_prepare_are_refused():
     model[5].weight = nn.Parameter(torch.zeros(4, 32))
     with pytest.raises(InputError, match="replaced"):
         step(x, y)
+
+
+def test_hugging_face_loss_computed_inside_the_model_from_padded_labels_is_not_split():
+    """GPT-2 handed its labels (-100 on padding) computes a mean over the tokens that count; the example
+    batch's first samples have no padding. Before, the probe called it a mean over samples and micro-batches
+    changed the gradients by more than their own size."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=200, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(3, 200, (12, 16))
+    labels = ids.clone()
+    for i, n in enumerate([16] * 7 + [4, 5, 6, 7, 3]):
+        labels[i, n:] = -100
+    x, y = {"input_ids": ids, "labels": labels}, torch.zeros(12, dtype=torch.long)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(InputError, match="labels as targets"):
+            edgetrain.prepare(model, opt, lambda out, t: out.loss, example=(x, y), micro_batch_size=4)
+        step = edgetrain.prepare(model, opt, lambda out, t: out.loss, example=(x, y))
+    assert step.loss_norm.kind == "opaque" and step.plan.micro_batch_size == 12

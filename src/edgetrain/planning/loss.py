@@ -4,8 +4,9 @@ Micro-batching runs ``loss_fn`` on each slice of the batch and backpropagates th
 gradients equal the full batch's only if each slice's loss is weighted by what it contributes to the full
 batch's loss. That depends on the loss's reduction, which :func:`loss_normalisation` finds out before any
 training by evaluating the loss on a few samples of the example batch, whole and split at several points
-(the samples are picked to differ in their targets where targets are labels: a class-weighted or
-padding-aware mean over samples that all share a label or all lack padding looks like a plain mean):
+(the samples are picked to differ in their labels and padding: a class-weighted or padding-aware mean,
+in the loss or inside a model handed its labels, looks like a plain mean on samples that all share a
+label or all lack padding):
 
 * a **mean over samples** (``reduction="mean"``, the usual case): a slice weighs its share of samples;
 * a **sum** (``reduction="sum"``): every slice weighs 1;
@@ -101,27 +102,47 @@ def _take(x: Any, idx: torch.Tensor) -> Any:
     return x
 
 
-def _diverse_samples(targets: Any, batch: int, n: int) -> torch.Tensor:
-    """``n`` sample indices, first one per distinct target (labels, or a sequence's labels), then the rest."""
-    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.dim() == 0:
-        return torch.arange(n)
-    seen: dict[bytes, int] = {}
-    rest: list[int] = []
-    rows = targets.reshape(targets.shape[0], -1).cpu()
+def _int_tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x] if not x.is_floating_point() and not x.is_complex() and x.dim() > 0 else []
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _int_tensors(v)]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _int_tensors(v)]
+    return []
+
+
+def _diverse_samples(env: dict[str, Any], targets: Any, batch: int, n: int) -> torch.Tensor:
+    """``n`` sample indices: first one per distinct kind of sample, then spread over the batch.
+
+    A sample's kind is its integer targets (labels: a class-weighted mean) and, for every integer tensor
+    among the inputs and targets, how many of its entries are negative or zero (padding, an ignored label
+    such as Hugging Face's -100, a zero attention mask: a mean over the tokens that count, computed
+    inside a model handed its labels). Samples of one kind alone would hide such a normaliser.
+    """
+    keys: list[list[bytes]] = [[] for _ in range(batch)]
+    if isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() > 0:
+        rows = targets.reshape(batch, -1).cpu()
+        for i in range(batch):
+            keys[i].append(rows[i].numpy().tobytes())
+    for t in _int_tensors(env) + _int_tensors(targets):
+        rows = t.reshape(batch, -1).cpu()
+        counts = torch.stack([(rows < 0).sum(1), (rows == 0).sum(1)], 1)
+        for i in range(batch):
+            keys[i].append(counts[i].numpy().tobytes())
+    first: dict[bytes, int] = {}
     for i in range(batch):
-        key = rows[i].numpy().tobytes()
-        if key in seen:
-            rest.append(i)
-        else:
-            seen[key] = i
-    picked = (list(seen.values()) + rest)[:n]
+        first.setdefault(b"|".join(keys[i]), i)
+    picked = list(first.values())[:n]
+    spread = [round(k * (batch - 1) / max(n - 1, 1)) for k in range(n)]  # the rest evenly over the batch
+    picked += [i for i in dict.fromkeys(spread + list(range(batch))) if i not in picked][:n - len(picked)]
     return torch.tensor(sorted(picked))
 
 
 def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
                        batch: int, rtol: float = 1e-4, samples: int = 6) -> LossNorm:
-    """Find how ``loss_fn`` normalises, on (at most) ``samples`` samples of the example batch whose targets
-    differ, whole and split after the first, in the middle and before the last.
+    """Find how ``loss_fn`` normalises, on (at most) ``samples`` samples of the example batch that differ
+    (:func:`_diverse_samples`), whole and split after the first, in the middle and before the last.
 
     The model runs in eval mode (dropout off, BatchNorm on its running statistics: every sample on its
     own) without gradients, and its buffers, gradients, training flags and the RNG are restored after.
@@ -130,7 +151,7 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
         InputError: the loss is not a scalar tensor.
     """
     n = min(batch, samples)
-    idx = _diverse_samples(targets, batch, n)
+    idx = _diverse_samples(env, targets, batch, n)
     cuts = sorted({1, n // 2, n - 1} - {0, n})
     flags = [(m, m.training) for m in model.modules()]
     with torch.no_grad():
