@@ -223,3 +223,66 @@ def test_hugging_face_loss_computed_inside_the_model_from_padded_labels_is_not_s
             edgetrain.prepare(model, opt, lambda out, t: out.loss, example=(x, y), micro_batch_size=4)
         step = edgetrain.prepare(model, opt, lambda out, t: out.loss, example=(x, y))
     assert step.loss_norm.kind == "opaque" and step.plan.micro_batch_size == 12
+
+
+class _PrivateDropout(nn.Module):
+    """Dropout drawn from a generator of its own (checkpointing's RNG replay covers only torch's default
+    generators)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.gen = generator if generator is not None else torch.Generator().manual_seed(123)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        return x * (torch.rand(x.shape, generator=self.gen) > 0.5).to(x.dtype) * 2.0
+
+
+_HIDDEN = torch.Generator()
+
+
+class _HiddenDropout(nn.Module):
+    """The same, drawing from a module-level generator edgetrain cannot find."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape, generator=_HIDDEN) > 0.5).to(x.dtype) * 2.0 if self.training else x
+
+
+def _drop_net(drop: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), drop, nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
+def test_a_module_drawing_from_its_own_generator_is_replayed(solver):
+    """Before: a recomputed stage drew a new mask from the advanced generator (wrong gradients), and
+    prepare's own forwards moved the generator on."""
+    torch.manual_seed(0)
+    model = _drop_net(_PrivateDropout())
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    ref = copy.deepcopy(model)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB",
+                             planning=edgetrain.PlanConfig(solver=solver))
+    assert len(step.chain) > 1
+    for _ in range(2):
+        opt_ref.zero_grad()
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        opt_ref.step()
+        step(x, y)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(ref[2].gen.get_state(), model[2].gen.get_state())
+
+
+def test_a_forward_that_does_not_reproduce_itself_is_never_recomputed():
+    torch.manual_seed(0)
+    model = _drop_net(_HiddenDropout())
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match="does not reproduce"):
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB",
+                          planning=edgetrain.PlanConfig(solver="recompute_all"))
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB")
+    assert not step.chain.replayable and "recompute" not in step.plan.policies
+    step(x, y)

@@ -25,6 +25,18 @@ def set_rng_state(state: dict[str, object]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])  # type: ignore[arg-type]
 
 
+def module_generators(*modules: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects held as attributes by ``modules`` or their submodules (a layer that
+    draws its own masks or noise from a private generator), each once."""
+    found: dict[int, torch.Generator] = {}
+    for root in modules:
+        for m in root.modules():
+            for v in vars(m).values():
+                if isinstance(v, torch.Generator):
+                    found.setdefault(id(v), v)
+    return list(found.values())
+
+
 def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
     """BatchNorm layers of ``model`` that update running statistics when trained."""
     return [(n, m) for n, m in model.named_modules()
@@ -33,7 +45,8 @@ def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm.
 
 @contextlib.contextmanager
 def preserved_model_state(model: nn.Module, *, grads: bool = True) -> Iterator[None]:
-    """Run code on ``model`` and restore its buffers, gradients and the RNG afterwards, bit for bit.
+    """Run code on ``model`` and restore its buffers, gradients and the RNG (the global generators and those
+    its modules hold) afterwards, bit for bit.
 
     Parameters are not copied (profiling never steps an optimizer); buffers (BatchNorm running statistics)
     are, since any training-mode forward updates them.
@@ -41,6 +54,7 @@ def preserved_model_state(model: nn.Module, *, grads: bool = True) -> Iterator[N
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     saved_grads = [(p, p.grad) for p in model.parameters()] if grads else []
     rng = rng_state()
+    generators = [(g, g.get_state()) for g in module_generators(model)]
     try:
         yield
     finally:
@@ -50,3 +64,5 @@ def preserved_model_state(model: nn.Module, *, grads: bool = True) -> Iterator[N
         for p, g in saved_grads:
             p.grad = g
         set_rng_state(rng)
+        for gen, state in generators:
+            gen.set_state(state)

@@ -88,6 +88,7 @@ class Chain:
     last_use: dict[str, int] = field(default_factory=dict)
     model: nn.Module | None = None
     call_kwargs: dict[str, Any] = field(default_factory=dict)  # "modules" chains: extra keyword inputs
+    replayable: bool = True  # False: the forward is not reproducible from the same state, never recompute it
 
     def __len__(self) -> int:
         return len(self.stages)

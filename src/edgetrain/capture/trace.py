@@ -382,9 +382,19 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         try:
             with preserved_model_state(model):  # the traced graph runs below on the same buffers
                 mutates, reference = mutated_buffers(model, lambda: model(**env))
+            with preserved_model_state(model):  # from the same random state, buffers and generators
+                again = model(**env)
         except Exception as e:
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
+        if not _same(again, reference):
+            log.warning("%s's forward does not reproduce its output from the same random state and buffers (does "
+                        "it draw from a generator that is not a torch.Generator attribute of one of its modules, or "
+                        "read the clock?): recomputation would differ from the first forward, so it trains as one "
+                        "stage that is never recomputed (micro-batching only)", type(model).__name__)
+            chain = _single_stage(model, names, mutates)
+            chain.replayable = False
+            return chain
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
             gm, leaves = _trace(model, concrete)

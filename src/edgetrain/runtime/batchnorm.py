@@ -9,7 +9,9 @@ Two problems, two mechanisms:
   stages write in forward (a counter, a power-iteration vector) may also be *read* by them, so the replay
   must see it as the first forward did: the guard's :meth:`~RecomputeGuard.forward_context`, entered
   around that forward, keeps a copy of those buffers from before it; the replay runs on that copy and the
-  buffers get their post-forward values back after it.
+  buffers get their post-forward values back after it. A ``torch.Generator`` a module of the stages holds
+  (a layer drawing from its own generator, which checkpointing's RNG replay does not cover) is replayed
+  the same way: the replay draws from its state before the first forward.
 * Micro-batching normalises each micro-batch with its own statistics (unavoidable without a second pass),
   and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
   accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
@@ -28,7 +30,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from .._state import batchnorm_modules
+from .._state import batchnorm_modules, module_generators
 
 __all__ = ["RecomputeGuard", "FullBatchStats"]
 
@@ -57,17 +59,28 @@ class RecomputeGuard:
 
     def __init__(self, modules: Iterable[nn.Module], owner: "FullBatchStats | None" = None,
                  buffers: Iterable[torch.Tensor] = ()) -> None:
+        modules = list(modules)
         self.bns = _stats_of(modules)
         self.owner = owner
         self.buffers = list(buffers)
+        self.generators = module_generators(*modules)
         self._saved: list[tuple[torch.Tensor, ...]] = []
         self._before: list[torch.Tensor] | None = None
         self._after: list[torch.Tensor] = []
+        self._gen_before: list[torch.Tensor] = []
+        self._gen_after: list[torch.Tensor] = []
+
+    @property
+    def replays_state(self) -> bool:
+        """Whether the first forward must run inside :meth:`forward_context` (written buffers, generators)."""
+        return bool(self.buffers or self.generators)
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        """Entered around the first forward: remembers the written buffers as they were before it."""
+        """Entered around the first forward: remembers the written buffers and the modules' generators as
+        they were before it."""
         self._before = [b.detach().clone() for b in self.buffers]
+        self._gen_before = [g.get_state() for g in self.generators]
         yield
 
     def __enter__(self) -> "RecomputeGuard":
@@ -76,6 +89,9 @@ class RecomputeGuard:
                 self._after = [b.detach().clone() for b in self.buffers]
                 for b, v in zip(self.buffers, self._before):
                     b.copy_(v)
+            self._gen_after = [g.get_state() for g in self.generators]
+            for g, st in zip(self.generators, self._gen_before):
+                g.set_state(st)
         if self.owner is not None:
             self.owner.recomputing += 1
         self._saved = [(b.running_mean.clone() if b.running_mean is not None else None,
@@ -95,7 +111,9 @@ class RecomputeGuard:
                     b.num_batches_tracked.copy_(nbt)
             for b, v in zip(self.buffers, self._after):
                 b.copy_(v)
-        self._after = []
+        for g, st in zip(self.generators, self._gen_after):
+            g.set_state(st)
+        self._after, self._gen_after = [], []
         if self.owner is not None:
             self.owner.recomputing -= 1
 

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..capture.modules import BlockCalls, check_calls, replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
+from ..errors import InputError
 from ..graph import PAGE, RECOMPUTE, selective_name
 from ..plan import Plan
 from .batchnorm import FullBatchStats, RecomputeGuard
@@ -91,7 +92,7 @@ class Executor:
     def _guard(self, first: int, last: int, modules: tuple[Any, ...]) -> tuple[Any, Any]:
         """``context_fn`` result for a checkpoint of stages ``first..last``."""
         guard = RecomputeGuard(modules, self.bn, [b for t in range(first, last + 1) for b in self._written[t]])
-        return (guard.forward_context() if guard.buffers else contextlib.nullcontext()), guard
+        return (guard.forward_context() if guard.replays_state else contextlib.nullcontext()), guard
 
     def _make_groups(self) -> list[_Group]:
         groups: list[_Group] = []
@@ -206,7 +207,7 @@ class ModuleExecutor:
     def _checkpointed(self, st: Any, forward: Callable[..., Any], option: str | None = None) -> Callable[..., Any]:
         def ctx() -> tuple[Any, Any]:
             guard = RecomputeGuard(st.modules, self.bn, self._written[st.index])
-            return (guard.forward_context() if guard.buffers else contextlib.nullcontext()), guard
+            return (guard.forward_context() if guard.replays_state else contextlib.nullcontext()), guard
 
         context_fn = ctx if option is None else selective_context_fn(option, ctx)
 
@@ -280,6 +281,11 @@ def needs_stages(plan: Plan) -> bool:
 def make_executor(chain: Chain, plan: Plan, bn: FullBatchStats | None = None, pager: Any = None) -> Any:
     """The executor for ``chain``: :class:`ModuleExecutor` for a chain of module-tree blocks, else
     :class:`Executor`."""
+    if not getattr(chain, "replayable", True) and needs_stages(plan):
+        raise InputError("this plan recomputes or pages, but the model's forward does not reproduce its output from "
+                         "the same random state and buffers (see the warning at capture), so a replay would differ "
+                         "from the first forward; plan with solver='no_saving' (micro-batching only) or a larger "
+                         "budget")
     if chain.method == "modules":
         return ModuleExecutor(chain, plan, bn, pager)
     return Executor(chain, plan, bn, pager)
