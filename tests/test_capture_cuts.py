@@ -22,11 +22,18 @@ import edgetrain
 OPTIONS = [{"solver": "no_saving"}, {"solver": "recompute_all"}]
 
 
-def _verify(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options) -> edgetrain.VerifyReport:
+def _verify(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn=None, **options) -> edgetrain.VerifyReport:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return edgetrain.verify(model, opt, nn.CrossEntropyLoss(), (x, y), tolerance=0.0, **options)
+        return edgetrain.verify(model, opt, loss_fn or nn.CrossEntropyLoss(), (x, y), tolerance=0.0,
+                                planning=edgetrain.PlanConfig(**options))
+
+
+def _verify_image_classifier(model: nn.Module, **options) -> edgetrain.VerifyReport:
+    """One step of a Hugging Face image classifier on random 32x32 images, through the plan and plain PyTorch."""
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
+    return _verify(model, x, y, lambda out, t: nn.functional.cross_entropy(out.logits, t), **options)
 
 
 class ViewWrite(nn.Module):
@@ -118,12 +125,7 @@ def test_hugging_face_mobilevit_trains_exactly(options):
                                           neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 80])
     model = transformers.MobileViTForImageClassification(config)
     assert isinstance(model.dropout, nn.Dropout) and model.dropout.inplace
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = edgetrain.verify(model, opt, lambda out, t: nn.functional.cross_entropy(out.logits, t), (x, y),
-                                  tolerance=0.0, **options)
+    report = _verify_image_classifier(model, **options)
     assert report.passed, str(report)
     assert report.stages > 10
 
@@ -144,11 +146,6 @@ def test_hugging_face_levit_trains_exactly(options):
                                       num_attention_heads=[1, 2, 2], key_dim=[8, 8, 8], mlp_ratio=[2, 2, 2],
                                       attention_ratio=[2, 2, 2], drop_path_rate=0, num_labels=3)
     model = transformers.LevitForImageClassification(config)
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = edgetrain.verify(model, opt, lambda out, t: nn.functional.cross_entropy(out.logits, t), (x, y),
-                                  tolerance=0.0, **options)
+    report = _verify_image_classifier(model, **options)
     assert report.passed, str(report)
     assert report.stages > 10
