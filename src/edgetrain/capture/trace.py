@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 
 from .._state import preserved_model_state, rng_state, set_rng_state
+from ..batch import slice_batch
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
 from .modules import module_chain
@@ -346,6 +347,21 @@ def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any])
             env.update(zip(st.outputs, outs))
 
 
+def _reproducible(model: nn.Module, env: dict[str, Any]) -> bool:
+    """Whether two forwards on two samples of ``env``, from the same random state, buffers and generators,
+    give the same output (a model drawing from a generator edgetrain cannot replay does not)."""
+    for inputs in ({k: slice_batch(v, 0, 2) for k, v in env.items()}, env):  # the whole batch if 2 samples fail
+        try:
+            outs = []
+            for _ in range(2):
+                with preserved_model_state(model):
+                    outs.append(model(**inputs))
+            return _same(outs[0], outs[1])
+        except Exception:
+            continue
+    return True  # the example batch ran once already; it cannot fail here but on resources
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
@@ -382,12 +398,10 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         try:
             with preserved_model_state(model):  # the traced graph runs below on the same buffers
                 mutates, reference = mutated_buffers(model, lambda: model(**env))
-            with preserved_model_state(model):  # from the same random state, buffers and generators
-                again = model(**env)
         except Exception as e:
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
-        if not _same(again, reference):
+        if not _reproducible(model, env):
             log.warning("%s's forward does not reproduce its output from the same random state and buffers (does "
                         "it draw from a generator that is not a torch.Generator attribute of one of its modules, or "
                         "read the clock?): recomputation would differ from the first forward, so it trains as one "
