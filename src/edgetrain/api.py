@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 from .profile import memory
 from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
-from .planning.guards import RANDOM_MICRO_BATCH_NOTE, describe_change, draws_random, loss_norm_safely, model_key
+from .planning.guards import describe_change, draws_random, loss_norm_safely, mark_micro_batched, model_key
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
 from ._state import batchnorm_modules, rng_state, set_rng_state
@@ -460,17 +459,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
                                         profile=analysis.profile, summary=analysis.profile_summary)
     plan, costs = outcome.plan, outcome.costs
-    if has_bn and plan.num_micro_batches > 1:
-        plan = plan.replace(bn_micro_batched=True)
-        warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
-                      f"{plan.micro_batch_size} with its own statistics, so gradients differ slightly from one "
-                      "full-batch step (running statistics stay exact). Raise the budget to avoid it.",
-                      stacklevel=2)
     random = draws_random(model, env, replay_kwargs(model, env))
-    if plan.num_micro_batches > 1 and random:
-        plan = plan.replace(notes=plan.notes + (RANDOM_MICRO_BATCH_NOTE,))
-        warnings.warn(f"{plan.num_micro_batches} micro-batches: {RANDOM_MICRO_BATCH_NOTE}. Raise the budget to "
-                      "avoid it.", stacklevel=2)
+    plan = mark_micro_batched(plan, has_bn, random, warn=True)
     log.info("edgetrain plan:\n%s", plan.summary())
     if pager is not None and "page" not in plan.policies:
         pager.close()

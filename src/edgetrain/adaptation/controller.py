@@ -18,7 +18,7 @@ from ..graph import micro_batch_sizes
 from ..plan import Plan
 from ..planning.analysis import block_solver_options
 from ..planning.budgets import Measured, budget_for, safety_margin_bytes
-from ..planning.guards import RANDOM_MICRO_BATCH_NOTE
+from ..planning.guards import mark_micro_batched
 from ..planning.runs import first_run_cost
 from ..profile import memory
 from ..runtime import pool
@@ -138,11 +138,7 @@ class BudgetController:
                 "caches of the shapes run since). The plan in force is unchanged; raise the budget to at least "
                 "that.", budget_bytes=budget, min_feasible_bytes=least)
         plan = table.plans[fits[-1]]
-        if plan.micro_batch_size < step.plan.batch_size and step.has_batchnorm:
-            plan = plan.replace(bn_micro_batched=True)
-        if plan.micro_batch_size < step.plan.batch_size and getattr(step, "draws_random", False) \
-                and RANDOM_MICRO_BATCH_NOTE not in plan.notes:
-            plan = plan.replace(notes=plan.notes + (RANDOM_MICRO_BATCH_NOTE,))
+        plan = mark_micro_batched(plan, step.has_batchnorm, getattr(step, "draws_random", False))
         step.budget_bytes, step.margin_bytes = budget, margin  # first: the executor is chosen under a budget
         step.set_plan(plan.replace(budget_bytes=budget))
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one

@@ -27,14 +27,16 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import settings
 from ..native import NativeLibrary
 
-__all__ = ["lean_dropout", "lean_dropout_module", "available"]
+__all__ = ["lean_dropout", "lean_dropout_module", "available", "DROPOUT_FUNCTIONS", "dropout_module_out_of_place"]
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +155,15 @@ def lean_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torc
 def lean_dropout_module(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """An ``nn.Dropout`` module's call through :func:`lean_dropout` (reads its ``p`` and ``training`` now)."""
     return lean_dropout(x, module.p, module.training)
+
+
+# Dropout modules and their out-of-place functional forms (same mask draw from the same generator).
+DROPOUT_FUNCTIONS: dict[type[nn.Module], Callable[..., torch.Tensor]] = {
+    nn.Dropout: F.dropout, nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d,
+    nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout,
+}
+
+
+def dropout_module_out_of_place(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """An in-place dropout module's call made out-of-place (reads its ``p`` and ``training`` now)."""
+    return DROPOUT_FUNCTIONS[type(module)](x, module.p, module.training, False)

@@ -168,13 +168,13 @@ class BlockCalls:
 
     def __init__(self, chain: Chain) -> None:
         self.slots: dict[int, list[int]] = {}
-        self.names: dict[int, str] = {}
         blocks: dict[int, nn.Module] = {}
         for st in chain.stages:
             block = st.modules[0]
             self.slots.setdefault(id(block), []).append(st.index)
-            self.names.setdefault(id(block), st.name.split("#")[0])
             blocks.setdefault(id(block), block)
+        named = {id(m): n for n, m in chain.model.named_modules()} if chain.model is not None else {}
+        self.names = {k: named.get(k, type(b).__name__) for k, b in blocks.items()}
         self.blocks = list(blocks.values())  # the distinct block modules, in the order of their first call
         self.counts: dict[int, int] = {}
 

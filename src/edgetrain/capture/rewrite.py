@@ -48,7 +48,8 @@ from torch import fx, nn
 from .. import settings
 from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
 from .lean_bn import available as lean_bn_available, lean_batch_norm
-from .lean_dropout import available as lean_dropout_available, lean_dropout, lean_dropout_module
+from .lean_dropout import (DROPOUT_FUNCTIONS, available as lean_dropout_available, dropout_module_out_of_place,
+                           lean_dropout, lean_dropout_module)
 
 __all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs", "fresh_activation"]
 
@@ -166,18 +167,6 @@ def _module_replacement(m: nn.Module) -> tuple[Callable[..., Any], tuple[Any, ..
     return None
 
 
-# Dropout modules and their out-of-place functional forms (same mask draw from the same generator).
-_DROPOUT_FUNCTIONS: dict[type[nn.Module], Callable[..., torch.Tensor]] = {
-    nn.Dropout: F.dropout, nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d,
-    nn.AlphaDropout: F.alpha_dropout, nn.FeatureAlphaDropout: F.feature_alpha_dropout,
-}
-
-
-def dropout_module_out_of_place(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """An in-place dropout module's call made out-of-place (reads its ``p`` and ``training`` now)."""
-    return _DROPOUT_FUNCTIONS[type(module)](x, module.p, module.training, False)
-
-
 def _replace(gm: fx.GraphModule, node: fx.Node, fn: Callable[..., Any] | str, args: tuple[Any, ...],
              kwargs: dict[str, Any] | None = None, module: str | None = None) -> fx.Node:
     """Put a call of ``fn`` (a method name when a string) where ``node`` was."""
@@ -218,7 +207,7 @@ def _functionalize(gm: fx.GraphModule) -> int:
             rep = _module_replacement(m) if inplace else None
             if rep is not None:
                 new_call = (rep[0], (n.args[0],) + rep[1], {}, str(n.target))
-            elif inplace and type(m) in _DROPOUT_FUNCTIONS and _mutated_arg(n) is not None:
+            elif inplace and type(m) in DROPOUT_FUNCTIONS and _mutated_arg(n) is not None:
                 with gm.graph.inserting_before(n):
                     module = gm.graph.get_attr(str(n.target))
                 new_call = (dropout_module_out_of_place, (n.args[0], module), {}, str(n.target))

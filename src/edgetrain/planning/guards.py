@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -17,7 +18,8 @@ from torch import nn
 
 from .loss import LossNorm, loss_normalisation
 
-__all__ = ["model_key", "describe_change", "loss_norm_safely", "draws_random", "RANDOM_MICRO_BATCH_NOTE"]
+__all__ = ["model_key", "describe_change", "loss_norm_safely", "draws_random", "mark_micro_batched",
+           "RANDOM_MICRO_BATCH_NOTE"]
 
 #: The plan note (and warning) for a split batch whose forward draws random numbers.
 RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
@@ -87,3 +89,24 @@ def draws_random(model: nn.Module, env: dict[str, Any], call_kwargs: dict[str, A
     return any(not torch.equal(a, b) if isinstance(a, torch.Tensor) else
                any(not torch.equal(x, y) for x, y in zip(a, b))  # type: ignore[arg-type]
                for a, b in ((before[k], after[k]) for k in before))
+
+
+def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool = False) -> Any:
+    """``plan`` with what a split batch changes said in it: ``bn_micro_batched`` for a model with BatchNorm in
+    training mode, the :data:`RANDOM_MICRO_BATCH_NOTE` for one whose forward draws random numbers; with
+    ``warn``, each also as a warning. A plan that does not split the batch comes back as it is."""
+    if plan.micro_batch_size >= plan.batch_size:
+        return plan
+    if has_batchnorm and not plan.bn_micro_batched:
+        plan = plan.replace(bn_micro_batched=True)
+        if warn:
+            warnings.warn(f"{plan.num_micro_batches} micro-batches: BatchNorm normalises each micro-batch of "
+                          f"{plan.micro_batch_size} with its own statistics, so gradients differ slightly from one "
+                          "full-batch step (running statistics stay exact). Raise the budget to avoid it.",
+                          stacklevel=3)
+    if random and RANDOM_MICRO_BATCH_NOTE not in plan.notes:
+        plan = plan.replace(notes=plan.notes + (RANDOM_MICRO_BATCH_NOTE,))
+        if warn:
+            warnings.warn(f"{plan.num_micro_batches} micro-batches: {RANDOM_MICRO_BATCH_NOTE}. Raise the budget "
+                          "to avoid it.", stacklevel=3)
+    return plan
