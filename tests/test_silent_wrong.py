@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import logging
+import sys
 import warnings
 
 import pytest
@@ -275,7 +277,7 @@ def test_a_module_drawing_from_its_own_generator_is_replayed(solver):
     assert torch.equal(ref[2].gen.get_state(), model[2].gen.get_state())
 
 
-def test_a_forward_that_does_not_reproduce_itself_is_never_recomputed():
+def test_a_forward_that_does_not_reproduce_itself_is_never_recomputed(capfd):
     torch.manual_seed(0)
     model = _drop_net(_HiddenDropout())
     x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
@@ -283,6 +285,14 @@ def test_a_forward_that_does_not_reproduce_itself_is_never_recomputed():
     with pytest.raises(InputError, match="does not reproduce"):
         edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB",
                           planning=edgetrain.PlanConfig(solver="recompute_all"))
-    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB")
+    # the warning goes to stderr once per prepare, not once per capture (prepare's forked children capture too)
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("edgetrain").addHandler(handler)
+    try:
+        capfd.readouterr()
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB")
+        assert capfd.readouterr().err.count("does not reproduce its output") == 1
+    finally:
+        logging.getLogger("edgetrain").removeHandler(handler)
     assert not step.chain.replayable and "recompute" not in step.plan.policies
     step(x, y)

@@ -22,6 +22,7 @@ from .approx import ElasticConfig, GradFilter
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
 from .capture.modules import replay_kwargs
+from .capture.trace import NOT_REPLAYABLE
 from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
@@ -467,6 +468,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         pager = None
     if chain is None and (pager is not None or needs_stages(plan)):
         chain = analysis.capture_chain()  # the step runs stages: capture before its hooks go on the model
+    if chain is not None and not chain.replayable:
+        log.warning(NOT_REPLAYABLE, type(model).__name__)
     state_pager = analysis.state_pager(optimizer) if outcome.page_state else None
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      margin_share=0.0 if budget is None else safety_margin,

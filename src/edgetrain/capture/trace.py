@@ -347,6 +347,13 @@ def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any])
             env.update(zip(st.outputs, outs))
 
 
+#: Why a chain is one stage that is never recomputed (``Chain.replayable`` False); %s is the model's class.
+NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same random state and buffers (does it draw "
+                  "from a generator that is not a torch.Generator attribute of one of its modules, or read the "
+                  "clock?): recomputation would differ from the first forward, so it trains as one stage that is "
+                  "never recomputed (micro-batching only)")
+
+
 def _reproducible(model: nn.Module, env: dict[str, Any]) -> bool:
     """Whether two forwards on two samples of ``env``, from the same random state, buffers and generators,
     give the same output (a model drawing from a generator edgetrain cannot replay does not)."""
@@ -402,10 +409,7 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
         if not _reproducible(model, env):
-            log.warning("%s's forward does not reproduce its output from the same random state and buffers (does "
-                        "it draw from a generator that is not a torch.Generator attribute of one of its modules, or "
-                        "read the clock?): recomputation would differ from the first forward, so it trains as one "
-                        "stage that is never recomputed (micro-batching only)", type(model).__name__)
+            log.info(NOT_REPLAYABLE, type(model).__name__)  # prepare warns, once, for the chain it trains
             chain = _single_stage(model, names, mutates)
             chain.replayable = False
             return chain

@@ -216,15 +216,23 @@ class ModuleExecutor:
                               **kwargs)
         return run
 
-    def _dispatch(self, block: Any) -> Callable[..., Any]:
-        """``block.forward`` for a block the forward calls several times: each call run by its own stage's
-        policy (:class:`~edgetrain.capture.modules.BlockCalls` says which stage a call is)."""
+    def _by_policy(self, i: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` as stage ``i``'s policy runs it: unchanged when kept, else checkpointed."""
+        option = selective_name(self.plan.policies[i])
+        if self.plan.policies[i] != RECOMPUTE and option is None:
+            return forward
+        return self._checkpointed(self.chain.stages[i], forward, option)
+
+    def _dispatch(self, block: Any) -> Callable[..., Any] | None:
+        """``block.forward`` as the plan runs it, or None where it runs unchanged. A block the forward calls
+        several times runs each call by its own stage's policy (:class:`~edgetrain.capture.modules.BlockCalls`
+        says which stage a call is)."""
         forward = block.forward
-        runs: dict[int, Callable[..., Any]] = {}
-        for i in self._calls.slots[id(block)]:
-            option = selective_name(self.plan.policies[i])
-            recompute = self.plan.policies[i] == RECOMPUTE or option is not None
-            runs[i] = self._checkpointed(self.chain.stages[i], forward, option) if recompute else forward
+        stages = self._calls.slots[id(block)]
+        if len(stages) == 1:
+            run_one = self._by_policy(stages[0], forward)
+            return None if run_one is forward else run_one
+        runs = {i: self._by_policy(i, forward) for i in stages}
 
         def run(*args: Any, **kwargs: Any) -> Any:
             return runs[self._calls.stage(block)](*args, **kwargs)
@@ -236,16 +244,10 @@ class ModuleExecutor:
         self._calls.reset()
         try:
             for block in self._calls.blocks:
-                stages = self._calls.slots[id(block)]
-                if len(stages) > 1:
-                    block.forward = self._dispatch(block)
-                else:
-                    st, policy = self.chain.stages[stages[0]], self.plan.policies[stages[0]]
-                    option = selective_name(policy)
-                    if policy != RECOMPUTE and option is None:
-                        continue
-                    block.forward = self._checkpointed(st, block.forward, option)
-                patched.append(block)
+                run = self._dispatch(block)
+                if run is not None:
+                    block.forward = run
+                    patched.append(block)
             out = self.chain.model(**{**env, **self.chain.call_kwargs})
             if self._shared:
                 check_calls(self._calls)
