@@ -22,7 +22,6 @@ from .approx import ElasticConfig, GradFilter
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
 from .capture.modules import replay_kwargs
-from .capture.trace import NOT_REPLAYABLE
 from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import BudgetError, InputError
 from .graph import CostChain, micro_batch_sizes
@@ -45,6 +44,13 @@ def _split_example(example: Any) -> tuple[Any, Any]:
     return example[0], example[1]
 
 
+def _say_single_stage(chain: Any) -> None:
+    """Warn, once for the step, why the model trains as one stage (capture itself only logs it: prepare's forked
+    children capture the model too)."""
+    if chain is not None and chain.warning:
+        log.warning("%s", chain.warning)
+
+
 class TrainStep:
     """A prepared training step. Call it with a batch to run one optimizer step; read ``plan``.
 
@@ -64,6 +70,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self._chain = chain
         self._capture = capture  # captures the chain where it was not (prepared without a budget)
+        _say_single_stage(chain)
         self.costs = costs
         self.budget_bytes = budget_bytes
         self.margin_bytes = margin_bytes
@@ -110,6 +117,7 @@ class TrainStep:
                 self._chain = self._capture()
             finally:
                 set_rng_state(state)
+            _say_single_stage(self._chain)
         return self._chain
 
     def _make_executor(self, plan: Plan) -> Any:
@@ -468,8 +476,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         pager = None
     if chain is None and (pager is not None or needs_stages(plan)):
         chain = analysis.capture_chain()  # the step runs stages: capture before its hooks go on the model
-    if chain is not None and not chain.replayable:
-        log.warning(NOT_REPLAYABLE, type(model).__name__)
     state_pager = analysis.state_pager(optimizer) if outcome.page_state else None
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      margin_share=0.0 if budget is None else safety_margin,

@@ -322,10 +322,12 @@ def _fallback(model: nn.Module, env: dict[str, Any], names: tuple[str, ...], mut
         log.info("%s; its %d repeated blocks are the stages (%s .. %s)", why, len(chain), chain.stages[0].name,
                  chain.stages[-1].name)
         return chain
-    log.warning("%s, and it has no stack of blocks (a ModuleList or Sequential called once per forward); "
-                "training it as a single stage (micro-batching only). Make the forward fx-traceable, or keep "
-                "its blocks in a ModuleList, to let edgetrain recompute inside it.", why)
-    return _single_stage(model, names, mutates)
+    chain = _single_stage(model, names, mutates)
+    chain.warning = (f"{why}, and it has no stack of blocks (a ModuleList or Sequential called once per forward); "
+                     "training it as a single stage (micro-batching only). Make the forward fx-traceable, or keep "
+                     "its blocks in a ModuleList, to let edgetrain recompute inside it.")
+    log.info(chain.warning)
+    return chain
 
 
 def _returning(fn: Callable[..., tuple[Any, ...]], cls: type) -> Callable[..., tuple[Any, ...]]:
@@ -348,10 +350,10 @@ def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any])
 
 
 #: Why a chain is one stage that is never recomputed (``Chain.replayable`` False); %s is the model's class.
-NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same random state and buffers (does it draw "
-                  "from a generator that is not a torch.Generator attribute of one of its modules, or read the "
-                  "clock?): recomputation would differ from the first forward, so it trains as one stage that is "
-                  "never recomputed (micro-batching only)")
+_NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same random state and buffers (does it draw "
+                   "from a generator that is not a torch.Generator attribute of one of its modules, or read the "
+                   "clock?): recomputation would differ from the first forward, so it trains as one stage that is "
+                   "never recomputed (micro-batching only)")
 
 
 def _reproducible(model: nn.Module, env: dict[str, Any]) -> bool:
@@ -393,7 +395,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             without a model of carried tensors, such as the paging planners, need that).
 
     Returns:
-        The chain. ``chain.method`` is ``"fx"``, ``"modules"`` (blocks of the module tree) or ``"single"``.
+        The chain. ``chain.method`` is ``"fx"``, ``"modules"`` (blocks of the module tree) or ``"single"``;
+        a single stage says why in ``chain.warning`` (logged here at INFO; :func:`edgetrain.prepare` warns).
 
     Raises:
         CaptureError: the example batch does not run through the model, or (``strict``) no cut is possible.
@@ -409,9 +412,10 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
         if not _reproducible(model, env):
-            log.info(NOT_REPLAYABLE, type(model).__name__)  # prepare warns, once, for the chain it trains
             chain = _single_stage(model, names, mutates)
             chain.replayable = False
+            chain.warning = _NOT_REPLAYABLE % type(model).__name__
+            log.info(chain.warning)
             return chain
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
