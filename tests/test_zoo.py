@@ -7,6 +7,7 @@ and micro-batches of 4 against plain PyTorch accumulating the same micro-batches
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -170,3 +171,44 @@ def test_a_block_called_more_or_fewer_times_than_planned_is_refused():
         with pytest.raises(edgetrain.InputError, match=word):
             step(x2, y)
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a refused step changed weights"
+
+
+class _SharedThenOwn(torch.nn.Module):
+    """A shared block called three times, then a block of its own called once (not fx-traceable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 32)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)])
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(3):
+            h = torch.tanh(self.blocks[0](h))
+        if float(h.detach().sum()) > -1e9:  # data-dependent Python: torch.fx cannot trace it
+            h = torch.tanh(self.blocks[1](h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
+def test_a_kept_block_beside_a_shared_one_is_counted(solver):
+    """Before: a block called once and kept ran unpatched, so its call went uncounted and every step of a
+    model that also shares a block was refused ("block blocks.1 ran 0 time(s)")."""
+    torch.manual_seed(0)
+    model = _SharedThenOwn()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, torch.nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB",
+                                 planning=edgetrain.PlanConfig(solver=solver))
+    assert step.chain.method == "modules" and [st.call for st in step.chain.stages] == [0, 1, 2, 0]
+    for _ in range(2):
+        step(x, y)
+        opt_ref.zero_grad()
+        torch.nn.CrossEntropyLoss()(ref(x), y).backward()
+        opt_ref.step()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)

@@ -226,13 +226,13 @@ class ModuleExecutor:
     def _dispatch(self, block: Any) -> Callable[..., Any] | None:
         """``block.forward`` as the plan runs it, or None where it runs unchanged. A block the forward calls
         several times runs each call by its own stage's policy (:class:`~edgetrain.capture.modules.BlockCalls`
-        says which stage a call is)."""
+        says which stage a call is); in such a model every block's calls are counted, kept or not, for
+        :func:`~edgetrain.capture.modules.check_calls`."""
         forward = block.forward
-        stages = self._calls.slots[id(block)]
-        if len(stages) == 1:
-            run_one = self._by_policy(stages[0], forward)
-            return None if run_one is forward else run_one
-        runs = {i: self._by_policy(i, forward) for i in stages}
+        runs = {i: self._by_policy(i, forward) for i in self._calls.slots[id(block)]}
+        if not self._shared:  # every block has one call, and nothing needs counting
+            (only,) = runs.values()
+            return None if only is forward else only
 
         def run(*args: Any, **kwargs: Any) -> Any:
             return runs[self._calls.stage(block)](*args, **kwargs)
