@@ -212,3 +212,58 @@ def test_a_kept_block_beside_a_shared_one_is_counted(solver):
         opt_ref.step()
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def _frozen_eval_backbone():
+    """Fine-tuning the head only: the backbone's parameters frozen and its BatchNorm layers in eval mode."""
+    model = ZOO["hf-resnet"].build()
+    model.resnet.requires_grad_(False).eval()
+    return model
+
+
+def _bert_own_checkpointing():
+    """A model that already runs Hugging Face's own activation checkpointing inside its encoder."""
+    model = ZOO["bert"].build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(LlamaConfig(vocab_size=200, hidden_size=32, num_hidden_layers=3,
+                                                      num_attention_heads=4, num_key_value_heads=2,
+                                                      intermediate_size=64, num_labels=3, pad_token_id=0)).train()
+
+
+def _padded(batch: int):
+    x, y = ZOO["bert"].example(batch)
+    mask = torch.ones_like(x["input_ids"])
+    mask[::2, 10:] = 0  # every other sequence padded: each micro-batch holds both kinds
+    x["input_ids"] = x["input_ids"].masked_fill(mask == 0, 0)
+    return {**x, "attention_mask": mask}, y
+
+
+@pytest.mark.parametrize("setup", ["frozen-eval-backbone", "own-checkpointing", "llama-padded"])
+@pytest.mark.parametrize("options", [{"solver": "recompute_all"}, {"micro_batch_size": 4}],
+                         ids=["recompute", "micro4"])
+def test_user_setups_train_exactly(setup, options):
+    """How users hand models over: a frozen eval-mode backbone under a trained head, a model running its
+    own checkpointing, padded batches with an attention mask (grouped-query attention, RMSNorm, rotary)."""
+    pytest.importorskip("transformers")
+    build, example = {"frozen-eval-backbone": (_frozen_eval_backbone, ZOO["hf-resnet"].example),
+                      "own-checkpointing": (_bert_own_checkpointing, _padded),
+                      "llama-padded": (_llama, _padded)}[setup]
+    model = build()
+    x, y = example(8)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, ZOO["bert"].loss_fn, (x, y),
+                                  planning=edgetrain.PlanConfig(**options))
+    assert report.passed, str(report)
+    assert report.stages > 1, f"{setup} captured as one stage"
+    assert all(torch.equal(frozen[k], v) for k, v in model.state_dict().items()), "verify changed the model"
