@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import CaptureError
 
-__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs"]
+__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs", "grad_outputs"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
@@ -146,17 +146,27 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
     return env
 
 
-def stage_inputs(stage: Any, env: dict[str, Any], produced: Container[str]) -> tuple[list[Any], list[torch.Tensor]]:
-    """A stage's arguments from ``env``, each floating-point tensor an earlier stage produced detached into a
-    leaf that requires grad (as the stage sees it in a step; copied for a stage that owns an input);
-    returns the arguments and those leaves."""
+def stage_inputs(stage: Any, env: dict[str, Any], live: Container[str]) -> tuple[list[Any], list[torch.Tensor]]:
+    """A stage's arguments from ``env``, each floating-point tensor in ``live`` (made by an earlier stage and
+    carrying a gradient in a step) detached into a leaf that requires grad, as the stage sees it in a step
+    (copied for a stage that owns an input); returns the arguments and those leaves.
+
+    A tensor an earlier stage made without a gradient (a frozen backbone's features: no trainable parameter
+    and no such input upstream) stays a plain tensor: a step saves nothing for its backward and runs none,
+    and a stage profiled as if it did would be charged activations and backward time it never has.
+    """
     args: list[Any] = []
     leaves: list[torch.Tensor] = []
     for k in stage.inputs:
         v = env[k]
-        if k in produced and isinstance(v, torch.Tensor) and v.is_floating_point():
+        if k in live and isinstance(v, torch.Tensor) and v.is_floating_point():
             # a stage that owns an input writes its gradient there: it gets a copy, env keeps the value
             v = (v.detach().clone() if getattr(stage, "owns_input", False) else v.detach()).requires_grad_(True)
             leaves.append(v)
         args.append(v)
     return args, leaves
+
+
+def grad_outputs(stage: Any, outs: Any) -> set[str]:
+    """The names of ``stage``'s outputs that carry a gradient (what :func:`stage_inputs` takes as ``live``)."""
+    return {k for k, o in zip(stage.outputs, outs) if isinstance(o, torch.Tensor) and o.requires_grad}

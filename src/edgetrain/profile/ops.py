@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from ..batch import tensors_in
-from ..capture.chain import stage_inputs
+from ..capture.chain import grad_outputs, stage_inputs
 from ..graph import Linear, SelectiveOption
 from ..runtime.selective import OP_CLASSES, op_class, option_name, recording, selective_context_fn
 
@@ -231,19 +231,22 @@ def fit_option(classes: Sequence[str], lo: int, s_lo: OpSample, fwd_lo: float, h
 
 def _fx_stage_inputs(chain: Any, inputs_env: dict[str, Any], m: int) -> list[tuple[list[Any], list[torch.Tensor]]]:
     """Per stage of a traced chain: its inputs at micro-batch ``m`` (detached; the float ones an earlier
-    stage made require gradients, as when the stage runs alone in profiling) and those gradient leaves."""
+    stage made with a gradient require gradients, as when the stage runs alone in profiling) and those
+    gradient leaves. Each stage runs with autograd on, so that which outputs carry a gradient is autograd's
+    answer (:func:`~edgetrain.capture.chain.stage_inputs`); its graph is dropped right after."""
     from ..batch import slice_batch
 
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
-    produced: set[str] = set()
+    live: set[str] = set()
     per = []
-    with torch.no_grad():
-        for st in chain.stages:
-            per.append(stage_inputs(st, env, produced))
-            outs = st(*(env[k] for k in st.inputs))
-            env.update(zip(st.outputs, outs))
-            produced.update(st.outputs)
-            chain.release(env, st.index)
+    for st in chain.stages:
+        per.append(stage_inputs(st, env, live))
+        args, _ = stage_inputs(st, env, live)  # a run of its own: the profiled inputs stay untouched
+        outs = st(*args)
+        live |= grad_outputs(st, outs)
+        env.update((k, o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(st.outputs, outs))
+        del args, outs
+        chain.release(env, st.index)
     return per
 
 

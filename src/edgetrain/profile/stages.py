@@ -32,7 +32,7 @@ from .. import settings
 from .._state import preserved_model_state
 from ..batch import batch_signature, slice_batch
 from ..capture import OUTPUT_KEY, Chain
-from ..capture.chain import stage_inputs
+from ..capture.chain import grad_outputs, stage_inputs
 from ..capture.lean_bn import available as lean_bn_available
 from ..capture.lean_dropout import available as lean_dropout_available
 from ..capture.lean import chunk_bytes
@@ -180,14 +180,15 @@ def optimizer_costs(optimizer: torch.optim.Optimizer) -> OptimizerCosts:
                           update_per_param=transient)
 
 
-def _run_stage(stage: Any, env: dict[str, Any], produced: Container[str], params: set[int],
-               measure_memory: bool = True) -> tuple[StageSample, dict[str, Any]]:
-    """Forward and backward one stage in isolation; returns its sample and detached outputs.
+def _run_stage(stage: Any, env: dict[str, Any], live: Container[str], params: set[int],
+               measure_memory: bool = True) -> tuple[StageSample, dict[str, Any], set[str]]:
+    """Forward and backward one stage in isolation; returns its sample, its detached outputs and the names
+    of those that carry a gradient (``live``: the earlier stages' such outputs, :func:`stage_inputs`).
 
     ``measure_memory`` False: times only (no peak reset, which empties the tensor pool: a run that
     keeps it warm times the stage as a training step runs it, without fresh pages to fault in).
     """
-    args, grad_inputs = stage_inputs(stage, env, produced)
+    args, grad_inputs = stage_inputs(stage, env, live)
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -217,7 +218,8 @@ def _run_stage(stage: Any, env: dict[str, Any], produced: Container[str], params
     peak = max(0, memory.peak_rss_bytes() - rss0) if measure_memory else 0
     sample = StageSample(fwd_s=t1 - t0, bwd_s=bwd, saved_bytes=saved, out_bytes=out_bytes,
                          in_grad_bytes=sum(_tensor_bytes(g) for g in grad_inputs), peak_bytes=peak)
-    return sample, {k: (o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(stage.outputs, outs)}
+    detached = {k: (o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(stage.outputs, outs)}
+    return sample, detached, grad_outputs(stage, outs)
 
 
 def _carried(env: dict[str, Any], producer: dict[str, int], stage: Any) -> tuple[tuple[int, int], ...]:
@@ -254,9 +256,11 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
         return run_blocks(chain, inputs_env, targets, loss_fn, m, params, measure_memory, StageSample)
     env = {k: slice_batch(v, 0, m) for k, v in inputs_env.items()}
     producer: dict[str, int] = {}
+    live: set[str] = set()
     samples = []
     for st in chain.stages:
-        s, outs = _run_stage(st, env, producer, params, measure_memory)
+        s, outs, with_grad = _run_stage(st, env, live, params, measure_memory)
+        live |= with_grad
         env.update(outs)
         producer.update(dict.fromkeys(outs, st.index))
         chain.release(env, st.index)
