@@ -30,7 +30,7 @@ from .profile.stages import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import PlainExecutor, make_executor, needs_stages
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
 
 __all__ = ["prepare", "TrainStep"]
 
@@ -294,6 +294,8 @@ class TrainStep:
         first = first_trained_stage(layers, self.elastic.deepest_layer)
         full = self._full_plan
         if first == 0 or first >= len(self.chain):
+            log.info("elastic re-plan: the selection trains %s; the full chain's plan stays",
+                     "every stage" if first == 0 else "no stage")
             self.set_plan(full)
             return full
         ec = elastic_chain(self.costs, first)
@@ -302,11 +304,14 @@ class TrainStep:
         try:
             sub = solve(ec.chain, budget, solver="dp", micro_batch_sizes=[micro],
                         **block_solver_options(self.chain, "dp"))
-        except BudgetError:
+        except BudgetError as e:
+            log.info("elastic re-plan: no plan of the trained suffix fits (%s); the full chain's plan stays", e)
             self.set_plan(full)
             return full
         prefix_peak = int(ec.prefix_peak_bytes(micro) + self.costs.fixed_bytes)
         if prefix_peak > budget:
+            log.info("elastic re-plan: the frozen prefix's forward peaks at %s, over %s; the full chain's plan "
+                     "stays", format_bytes(prefix_peak), format_bytes(budget))
             self.set_plan(full)
             return full
         plan = full.replace(
