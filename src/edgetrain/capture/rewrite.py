@@ -471,6 +471,18 @@ def keeps_input(gm: fx.GraphModule, n: fx.Node) -> bool:
     return True
 
 
+def _calls(gm: fx.GraphModule, types: Any) -> bool:
+    """Whether the graph calls a module whose type is one of ``types``."""
+    return any(n.op == "call_module" and type(gm.get_submodule(str(n.target))) in types for n in gm.graph.nodes)
+
+
+def _has_dropout(gm: fx.GraphModule) -> bool:
+    """Whether the graph has a dropout call :func:`_lean_dropouts` may rewrite."""
+    return _calls(gm, (nn.Dropout,)) or any(
+        n.op == "call_function" and n.target in (F.dropout, torch.dropout, dropout_module_out_of_place)
+        for n in gm.graph.nodes)
+
+
 def rewrite(gm: fx.GraphModule) -> Rewrites:
     """Apply the passes of the module docstring to ``gm`` in place (its values are unchanged).
 
@@ -481,10 +493,12 @@ def rewrite(gm: fx.GraphModule) -> Rewrites:
         The counts of rewritten nodes.
     """
     done = Rewrites(_functionalize(gm), _lean_activations(gm), _lean_convs(gm))
-    if settings.lean_batchnorm_enabled() and lean_bn_available():
+    # the native kernels are built, loaded and self-checked on first use, which leaves them and the torch
+    # code the check runs resident in this process: only for a graph that has something for them to do
+    if settings.lean_batchnorm_enabled() and _calls(gm, _BATCHNORMS) and lean_bn_available():
         done.batchnorms = _lean_batch_norms(gm)
         done.owned = _own_inputs(gm)
-    if lean_dropout_available():
+    if _has_dropout(gm) and lean_dropout_available():
         done.dropouts = _lean_dropouts(gm)
     gm.graph.lint()
     gm.recompile()
