@@ -16,7 +16,8 @@ from torch import nn
 
 from ..errors import CaptureError
 
-__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs", "grad_outputs"]
+__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs",
+           "grad_outputs"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
