@@ -151,3 +151,23 @@ def test_capturing_a_model_without_batchnorm_or_dropout_loads_no_native_kernel()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True"], out.stdout
+
+
+def test_an_answer_comes_from_a_plain_child_and_lean_batchnorm_settles_there_as_here():
+    from edgetrain.capture import lean_bn
+    from edgetrain.native import answer_in_fork
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert answer_in_fork(os.getpid) not in (None, os.getpid())
+        assert answer_in_fork(lambda: 1 / 0) is None  # an error there: the caller works it out here
+        there = answer_in_fork(lean_bn._settle_variant)
+        assert there is not None and there == lean_bn._settle_variant()  # the variant this process would find
+    finally:
+        torch.set_num_threads(threads)
+    torch.set_num_threads(threads + 1)
+    try:
+        assert answer_in_fork(os.getpid) is None  # more threads here than in the child: not asked
+    finally:
+        torch.set_num_threads(threads)

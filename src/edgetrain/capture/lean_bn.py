@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import settings
-from ..native import NativeLibrary
+from ..native import NativeLibrary, answer_in_fork
 from .composite import frames
 
 __all__ = ["lean_batch_norm", "exact_variant", "available"]
@@ -71,6 +71,7 @@ _NATIVE = NativeLibrary(Path(__file__).with_name("_lean_bn.c"), "libedgetrain_le
                         "lean BatchNorm is off; BatchNorm layers run as written")
 _FAILED: str | None = None  # why no kernel variant reproduces the installed torch
 _VARIANT: tuple[int, int, int, int] | None = None
+_SETTLED = False  # exact_variant() has run in this process
 
 
 def _library() -> ctypes.CDLL | None:
@@ -131,13 +132,30 @@ def exact_variant() -> tuple[int, int, int, int] | None:
     Settled once per process (milliseconds) by running the native kernel in each variant beside
     ``aten.native_batch_norm_backward`` on :func:`_check_cases` and keeping the first that agrees bit for bit
     (``_lean_bn.c`` says what each field means). None (lean BatchNorm stays off, logged once) when none
-    agrees or the kernel cannot be built."""
-    global _VARIANT, _FAILED
-    if _VARIANT is not None or _FAILED is not None:
+    agrees or the kernel cannot be built. The check runs in a forked child where one runs as this process
+    would (:func:`~edgetrain.native.answer_in_fork`): it runs torch's own BatchNorm backward, code a
+    lean step never runs, and that code and the check's heap stayed resident here (3.6 MiB), in every step
+    and in every budget's fixed bytes."""
+    global _VARIANT, _FAILED, _SETTLED
+    if _SETTLED:
         return _VARIANT
+    settled = answer_in_fork(_settle_variant)
+    if settled is None or (settled[0] is None and settled[1] is None):
+        settled = _settle_variant()  # no child, or the kernel did not build there: this process says why
+    elif settled[0] is not None and _library() is None:  # built by the child: loaded here from the cache
+        settled = None, None
+    _SETTLED = True  # once per process, whatever the answer (a failed build is logged by NativeLibrary)
+    _VARIANT, _FAILED = settled
+    if _FAILED is not None:
+        log.warning("lean BatchNorm is off: %s; BatchNorm layers run as written", _FAILED)
+    return _VARIANT
+
+
+def _settle_variant() -> tuple[tuple[int, int, int, int] | None, str | None]:
+    """``(variant, None)``, ``(None, why none agrees)``, or ``(None, None)`` when the kernel cannot be built."""
     lib = _library()
     if lib is None:
-        return None
+        return None, None
     capability = torch.backends.cpu.get_cpu_capability().upper()
     widths = (16, 8, 4) if capability.startswith("AVX512") else (8, 16, 4)
     for lanes in widths:
@@ -145,15 +163,12 @@ def exact_variant() -> tuple[int, int, int, int] | None:
             for fma_dot in (0, 2, 1, 3):  # bit 0: whole vectors, bit 1: the tail (_lean_bn.c)
                 for fma_dx in (0, 1):
                     if _agrees(lib, (lanes, seq, fma_dot, fma_dx)):
-                        _VARIANT = (lanes, seq, fma_dot, fma_dx)
                         log.debug("lean BatchNorm reproduces torch %s's backward (%s) as lanes %d, fold %s, "
                                   "fma %d/%d", torch.__version__, capability, lanes, "seq" if seq else "tree",
                                   fma_dot, fma_dx)
-                        return _VARIANT
-    _FAILED = (f"no kernel variant reproduces torch {torch.__version__}'s BatchNorm backward ({capability}) bit "
-               "for bit")
-    log.warning("lean BatchNorm is off: %s; BatchNorm layers run as written", _FAILED)
-    return None
+                        return (lanes, seq, fma_dot, fma_dx), None
+    return None, (f"no kernel variant reproduces torch {torch.__version__}'s BatchNorm backward ({capability}) "
+                  "bit for bit")
 
 
 def available() -> bool:

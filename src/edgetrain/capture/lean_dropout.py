@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import settings
-from ..native import NativeLibrary
+from ..native import NativeLibrary, answer_in_fork
 
 __all__ = ["lean_dropout", "lean_dropout_module", "available", "DROPOUT_FUNCTIONS", "dropout_module_out_of_place"]
 
@@ -106,26 +106,33 @@ def _reference_and_ours(x: torch.Tensor, p: float, g: torch.Tensor) -> bool:
             and torch.equal(after, torch.get_rng_state()))
 
 
+def _check() -> str:
+    """``"ok"`` when the kernel builds and draws and computes as ``torch.dropout`` does, else why not."""
+    if _library() is None:
+        return "its native passes cannot be built"
+    gen = torch.Generator().manual_seed(20261203)
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        for n, p in ((1, 0.1), (7, 0.5), (8, 0.25), (9, 0.1), (1000, 0.37), (5000, 0.1), (3001, 0.9)):
+            x = torch.randn(n, generator=gen) * 3
+            x[0] = -0.0
+            if not _reference_and_ours(x, p, torch.randn(n, generator=gen)):
+                return (f"its draws differ from torch {torch.__version__}'s dropout on this CPU "
+                        "(torch may use MKL's Bernoulli here)")
+    return "ok"
+
+
 def available() -> bool:
     """Whether lean dropout runs here: its kernel built and bit-exact against ``torch.dropout`` (checked once)."""
     global _STATUS
     if not settings.lean_dropout_enabled() or not settings.native_enabled():
         return False
     if _STATUS is None:
-        if _library() is None:
-            _STATUS = "its native passes cannot be built"
-        else:
-            gen = torch.Generator().manual_seed(20261203)
-            ok = True
-            with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                for n, p in ((1, 0.1), (7, 0.5), (8, 0.25), (9, 0.1), (1000, 0.37), (5000, 0.1), (3001, 0.9)):
-                    x = torch.randn(n, generator=gen) * 3
-                    x[0] = -0.0
-                    if not _reference_and_ours(x, p, torch.randn(n, generator=gen)):
-                        ok = False
-                        break
-            _STATUS = "ok" if ok else (f"its draws differ from torch {torch.__version__}'s dropout on this CPU "
-                                       "(torch may use MKL's Bernoulli here)")
+        # in a forked child where one runs as this process would: the check's torch code and heap stayed
+        # resident here (2 MiB), in every step and every budget's fixed bytes
+        status = answer_in_fork(_check)
+        if status == "ok" and _library() is None:  # built by the child: loaded here from the cache
+            status = "its native passes cannot be built"
+        _STATUS = status or _check()
         if _STATUS != "ok":
             log.info("lean dropout is off: %s; dropout runs as written", _STATUS)
     return _STATUS == "ok"
