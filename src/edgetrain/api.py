@@ -23,14 +23,14 @@ from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
 from .capture.modules import replay_kwargs
 from .config import PagingConfig, PlanConfig, resolve_legacy
-from .errors import BudgetError, InputError
+from .errors import InputError
 from .graph import CostChain, micro_batch_sizes
 from .plan import Plan
 from .profile.stages import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import PlainExecutor, make_executor, needs_stages
-from .units import format_bytes, parse_bytes
+from .units import parse_bytes
 
 __all__ = ["prepare", "TrainStep"]
 
@@ -283,8 +283,7 @@ class TrainStep:
             self._full_plan = None
         if self.elastic is None or self.budget_bytes is None or self._pager is not None:
             return self._plan
-        from .approx.elastic.memory import elastic_chain, first_trained_stage
-        from .planners import solve
+        from .approx.elastic.memory import first_trained_stage, plan_trained_suffix
 
         if self._full_plan is None:
             self._full_plan = self._plan
@@ -292,37 +291,9 @@ class TrainStep:
         layers = [[names[id(sub)] for mod in st.modules for sub in mod.modules() if id(sub) in names]
                   for st in self.chain.stages]
         first = first_trained_stage(layers, self.elastic.deepest_layer)
-        full = self._full_plan
-        if first == 0 or first >= len(self.chain):
-            log.info("elastic re-plan: the selection trains %s; the full chain's plan stays",
-                     "every stage" if first == 0 else "no stage")
-            self.set_plan(full)
-            return full
-        ec = elastic_chain(self.costs, first)
-        micro = full.micro_batch_size
-        budget = self.budget_bytes - self.margin_bytes
-        try:
-            sub = solve(ec.chain, budget, solver="dp", micro_batch_sizes=[micro],
-                        **block_solver_options(self.chain, "dp"))
-        except BudgetError as e:
-            log.info("elastic re-plan: no plan of the trained suffix fits (%s); the full chain's plan stays", e)
-            self.set_plan(full)
-            return full
-        prefix_peak = int(ec.prefix_peak_bytes(micro) + self.costs.fixed_bytes)
-        if prefix_peak > budget:
-            log.info("elastic re-plan: the frozen prefix's forward peaks at %s, over %s; the full chain's plan "
-                     "stays", format_bytes(prefix_peak), format_bytes(budget))
-            self.set_plan(full)
-            return full
-        plan = full.replace(
-            policies=("keep",) * first + sub.policies,
-            groups=tuple(range(first)) + tuple(g + first for g in sub.groups),
-            peak_bytes=max(sub.peak_bytes, prefix_peak), step_time_s=sub.step_time_s,
-            notes=full.notes + (f"elastic selection: stages 0-{first - 1} frozen (forward only, nothing saved); "
-                                "planned for the trained suffix",))
+        plan = plan_trained_suffix(self._full_plan, self.costs, first, self.budget_bytes - self.margin_bytes,
+                                   block_solver_options(self.chain, "dp"))
         self.set_plan(plan)
-        log.info("elastic re-plan: %d frozen stages, %d of %d trained stages recomputed", first,
-                 sub.policies.count("recompute"), len(sub.policies))
         return plan
 
     def report(self, path: str, batch: Any = None, **options: Any) -> Any:

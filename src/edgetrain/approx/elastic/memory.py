@@ -19,13 +19,18 @@ only a Linear/Conv's saved input becomes unnecessary), so this is a safe upper b
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
-from ...errors import InputError
+from ...errors import BudgetError, InputError
 from ...graph import CostChain, Linear, StageCost
+from ...plan import Plan
+from ...units import format_bytes
 
-__all__ = ["ElasticChain", "first_trained_stage", "elastic_chain", "stage_saved_bytes"]
+__all__ = ["ElasticChain", "first_trained_stage", "elastic_chain", "plan_trained_suffix", "stage_saved_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,3 +128,49 @@ def stage_saved_bytes(chain: CostChain, first_trained: int, micro_batch_size: in
         raise InputError(f"first_trained must be in 0..{chain.n - 1}, got {first_trained}")
     return [0.0 if i < first_trained else st.saved_bytes.at(micro_batch_size)
             for i, st in enumerate(chain.stages)]
+
+
+def plan_trained_suffix(full: Plan, chain: CostChain, first_trained: int, budget_bytes: int,
+                        solver_options: dict[str, Any] | None = None) -> Plan:
+    """The plan for a selection whose first trained stage is ``first_trained``, or ``full`` when none is better.
+
+    The trained suffix (:func:`elastic_chain`) is planned with the DP at ``full``'s micro-batch size; the
+    frozen prefix runs forward only and keeps its stages. ``full``, the full chain's plan and an upper bound
+    for every selection, is returned (and why is logged at INFO) when the selection trains every stage or
+    none, when no plan of the suffix fits ``budget_bytes``, or when the prefix's own forward peak does not.
+
+    Args:
+        full: the plan of the full chain under the same budget.
+        chain: the full chain's costs.
+        first_trained: :func:`first_trained_stage` of the selection.
+        budget_bytes: the budget the plan must fit (after the safety margin).
+        solver_options: extra options for the DP (``planning.analysis.block_solver_options``).
+    """
+    from ...planners import solve
+
+    if first_trained == 0 or first_trained >= chain.n:
+        log.info("elastic re-plan: the selection trains %s; the full chain's plan stays",
+                 "every stage" if first_trained == 0 else "no stage")
+        return full
+    ec = elastic_chain(chain, first_trained)
+    micro = full.micro_batch_size
+    try:
+        sub = solve(ec.chain, budget_bytes, solver="dp", micro_batch_sizes=[micro], **(solver_options or {}))
+    except BudgetError as e:
+        log.info("elastic re-plan: no plan of the trained suffix fits (%s); the full chain's plan stays", e)
+        return full
+    prefix_peak = int(ec.prefix_peak_bytes(micro) + chain.fixed_bytes)
+    if prefix_peak > budget_bytes:
+        log.info("elastic re-plan: the frozen prefix's forward peaks at %s, over %s; the full chain's plan "
+                 "stays", format_bytes(prefix_peak), format_bytes(budget_bytes))
+        return full
+    first = first_trained
+    plan = full.replace(
+        policies=("keep",) * first + sub.policies,
+        groups=tuple(range(first)) + tuple(g + first for g in sub.groups),
+        peak_bytes=max(sub.peak_bytes, prefix_peak), step_time_s=sub.step_time_s,
+        notes=full.notes + (f"elastic selection: stages 0-{first - 1} frozen (forward only, nothing saved); "
+                            "planned for the trained suffix",))
+    log.info("elastic re-plan: %d frozen stages, %d of %d trained stages recomputed", first,
+             sub.policies.count("recompute"), len(sub.policies))
+    return plan
