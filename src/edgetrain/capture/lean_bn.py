@@ -52,7 +52,8 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import settings
-from ..native import NativeLibrary, answer_in_fork
+from ..forking import answer_in_fork
+from ..native import NativeLibrary
 from .composite import frames
 
 __all__ = ["lean_batch_norm", "exact_variant", "available"]
@@ -133,7 +134,7 @@ def exact_variant() -> tuple[int, int, int, int] | None:
     ``aten.native_batch_norm_backward`` on :func:`_check_cases` and keeping the first that agrees bit for bit
     (``_lean_bn.c`` says what each field means). None (lean BatchNorm stays off, logged once) when none
     agrees or the kernel cannot be built. The check runs in a forked child where one runs as this process
-    would (:func:`~edgetrain.native.answer_in_fork`): it runs torch's own BatchNorm backward, code a
+    would (:func:`~edgetrain.forking.answer_in_fork`): it runs torch's own BatchNorm backward, code a
     lean step never runs, and that code and the check's heap stayed resident here (3.6 MiB), in every step
     and in every budget's fixed bytes."""
     global _VARIANT, _FAILED, _SETTLED

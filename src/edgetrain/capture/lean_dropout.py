@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import settings
-from ..native import NativeLibrary, answer_in_fork
+from ..forking import answer_in_fork
+from ..native import NativeLibrary
 
 __all__ = ["lean_dropout", "lean_dropout_module", "available", "DROPOUT_FUNCTIONS", "dropout_module_out_of_place"]
 

@@ -29,8 +29,9 @@
    calls and ``F.dropout`` / ``torch.dropout`` calls draw PyTorch's own masks in one compiled pass and keep
    one bit per element for backward (on where its self-check finds it bit-exact against ``torch.dropout``).
 
-Modules with hooks keep their calls (the hooks must fire); a rewritten module call records the module's
-qualified name in ``node.meta[MODULE_META]`` so the stage still lists the module it runs.
+Passes 2, 3, 4 and 6 live in :mod:`edgetrain.capture.lean_passes`. Modules with hooks keep their calls
+(the hooks must fire); a rewritten module call records the module's qualified name in
+``node.meta[MODULE_META]`` so the stage still lists the module it runs.
 """
 
 from __future__ import annotations
@@ -46,17 +47,17 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .. import settings
-from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
+from .fxnodes import MODULE_META, calls_module, has_hooks, replace_node
+from .lean import lean_conv2d, lean_hardtanh
 from .lean_bn import available as lean_bn_available, lean_batch_norm
 from .lean_dropout import (DROPOUT_FUNCTIONS, available as lean_dropout_available, dropout_module_out_of_place,
                            lean_dropout, lean_dropout_module)
+from .lean_passes import (BATCHNORMS, activation_replacement, has_dropout, lean_activations, lean_batch_norms,
+                          lean_convs, lean_dropouts)
 
 __all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs", "fresh_activation"]
 
 log = logging.getLogger(__name__)
-
-#: Meta key that records, on a rewritten graph node, the qualified name of the module it called.
-MODULE_META = "edgetrain_module"
 
 # In-place tensor methods and torch functions that have an out-of-place twin of the same name without "_".
 _INPLACE_METHODS = frozenset({
@@ -90,27 +91,6 @@ class Rewrites:
                 f"outputs, {self.convs} convolution(s) with a batch-sliced backward, {self.batchnorms} lean "
                 f"BatchNorm(s), {self.owned} input gradient(s) written over their input, {self.dropouts} "
                 "lean dropout(s)")
-
-
-def _has_hooks(m: nn.Module) -> bool:
-    own = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-    glob = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
-            nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks)
-    return any(own) or any(glob)
-
-
-def _has_backward_hooks(m: nn.Module) -> bool:
-    return bool(m._backward_hooks or m._backward_pre_hooks or nn.modules.module._global_backward_hooks
-                or nn.modules.module._global_backward_pre_hooks)
-
-
-def _has_foreign_forward_hooks(m: nn.Module) -> bool:
-    """Forward hooks that may keep a reference to the output: any but edgetrain's own BatchNorm statistics
-    hooks (their owner says ``keeps_outputs = False``)."""
-    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values(),
-             *nn.modules.module._global_forward_hooks.values(),
-             *nn.modules.module._global_forward_pre_hooks.values()]
-    return any(getattr(getattr(h, "__self__", None), "keeps_outputs", True) for h in hooks)
 
 
 def _op_name(n: fx.Node) -> str:
@@ -149,40 +129,6 @@ def _without_inplace_flag(n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]] 
     return tuple(bound.args), dict(bound.kwargs)
 
 
-def _module_replacement(m: nn.Module) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
-    """Out-of-place function and its extra arguments for an activation module (None: keep the call)."""
-    if type(m) is nn.ReLU6:
-        return lean_hardtanh, (0.0, 6.0)
-    if type(m) is nn.Hardtanh:
-        return lean_hardtanh, (float(m.min_val), float(m.max_val))
-    if type(m) is nn.ReLU and m.inplace:
-        return torch.relu, ()
-    if type(m) is nn.LeakyReLU and m.inplace:
-        return F.leaky_relu, (m.negative_slope,)
-    if type(m) is nn.ELU and m.inplace:
-        return F.elu, (m.alpha,)
-    if type(m) in (nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Mish) and m.inplace:
-        return {nn.SiLU: F.silu, nn.Hardswish: F.hardswish, nn.Hardsigmoid: F.hardsigmoid,
-                nn.Mish: F.mish}[type(m)], ()
-    return None
-
-
-def _replace(gm: fx.GraphModule, node: fx.Node, fn: Callable[..., Any] | str, args: tuple[Any, ...],
-             kwargs: dict[str, Any] | None = None, module: str | None = None) -> fx.Node:
-    """Put a call of ``fn`` (a method name when a string) where ``node`` was."""
-    with gm.graph.inserting_before(node):
-        if isinstance(fn, str):
-            new = gm.graph.call_method(fn, args, kwargs or {})
-        else:
-            new = gm.graph.call_function(fn, args, kwargs or {})
-    new.meta.update(node.meta)
-    if module is not None:
-        new.meta[MODULE_META] = module
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
-    return new
-
-
 def _mutated_arg(n: fx.Node) -> fx.Node | None:
     """The tensor an in-place call overwrites, when rewriting it out-of-place keeps the program's meaning:
     not a view (the write would reach its base) and not a parameter or buffer (``self.calls.add_(1)``,
@@ -203,8 +149,8 @@ def _functionalize(gm: fx.GraphModule) -> int:
         new_call: tuple[Callable[..., Any] | str, tuple[Any, ...], dict[str, Any], str | None] | None = None
         if n.op == "call_module":
             m = gm.get_submodule(str(n.target))
-            inplace = getattr(m, "inplace", False) and not _has_hooks(m) and len(n.args) == 1 and not n.kwargs
-            rep = _module_replacement(m) if inplace else None
+            inplace = getattr(m, "inplace", False) and not has_hooks(m) and len(n.args) == 1 and not n.kwargs
+            rep = activation_replacement(m) if inplace else None
             if rep is not None:
                 new_call = (rep[0], (n.args[0],) + rep[1], {}, str(n.target))
             elif inplace and type(m) in DROPOUT_FUNCTIONS and _mutated_arg(n) is not None:
@@ -225,7 +171,7 @@ def _functionalize(gm: fx.GraphModule) -> int:
             continue
         later = _readers_after(a, n, order)
         fn, args, kwargs, module = new_call
-        new = _replace(gm, n, fn, args, kwargs, module)
+        new = replace_node(gm, n, fn, args, kwargs, module)
         order[new] = order.pop(n)
         for u in later:  # they read the overwritten tensor: now the new value
             u.replace_input_with(a, new)
@@ -233,154 +179,10 @@ def _functionalize(gm: fx.GraphModule) -> int:
     return count
 
 
-def _lean_activations(gm: fx.GraphModule) -> int:
-    """ReLU6 / Hardtanh module and function calls -> :func:`lean_hardtanh` (pass 2)."""
-    count = 0
-    for n in list(gm.graph.nodes):
-        if n.op == "call_module" and len(n.args) == 1 and not n.kwargs:
-            m = gm.get_submodule(str(n.target))
-            if type(m) in (nn.ReLU6, nn.Hardtanh) and not m.inplace and not _has_hooks(m):
-                fn, extra = _module_replacement(m)  # type: ignore[misc]
-                _replace(gm, n, fn, (n.args[0],) + extra, module=str(n.target))
-                count += 1
-        elif n.op == "call_function" and n.target in (F.hardtanh, F.relu6):
-            try:
-                bound = inspect.signature(n.target).bind(*n.args, **n.kwargs)
-            except TypeError:
-                continue
-            bound.apply_defaults()
-            if bound.arguments.get("inplace"):
-                continue
-            lo, hi = (0.0, 6.0) if n.target is F.relu6 else (bound.arguments["min_val"],
-                                                            bound.arguments["max_val"])
-            if isinstance(lo, fx.Node) or isinstance(hi, fx.Node):
-                continue
-            _replace(gm, n, lean_hardtanh, (bound.arguments["input"], float(lo), float(hi)))
-            count += 1
-    return count
-
-
-def _lean_convs(gm: fx.GraphModule) -> int:
-    """Plain ``nn.Conv2d`` calls -> :func:`lean_conv2d` on the module's own parameters (pass 3)."""
-    limit = chunk_bytes()
-    if limit <= 0:
-        return 0
-    count = 0
-    for n in list(gm.graph.nodes):
-        if n.op != "call_module" or len(n.args) != 1 or n.kwargs:
-            continue
-        m = gm.get_submodule(str(n.target))
-        if (type(m) is not nn.Conv2d or m.padding_mode != "zeros" or isinstance(m.padding, str)
-                or _has_hooks(m)):
-            continue
-        with gm.graph.inserting_before(n):
-            weight = gm.graph.get_attr(f"{n.target}.weight")
-            bias = gm.graph.get_attr(f"{n.target}.bias") if m.bias is not None else None
-        _replace(gm, n, lean_conv2d, (n.args[0], weight, bias, tuple(m.stride), tuple(m.padding),
-                                      tuple(m.dilation), m.groups, limit), module=str(n.target))
-        count += 1
-    return count
-
-
-_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 _CONV_FUNCTIONS = (lean_conv2d, F.conv1d, F.conv2d, F.conv3d, F.linear, torch.conv1d, torch.conv2d,
                    torch.conv3d)
 _ADDS = (operator.add, torch.add)
-
-
-def _fused_activation(gm: fx.GraphModule, u: fx.Node, z: fx.Node) -> tuple[str, float, float] | None:
-    """``(act, lo, hi)`` when ``u`` is a ReLU or ReLU6/Hardtanh of ``z`` alone, else None."""
-    if u.op == "call_function" and u.target is lean_hardtanh and len(u.args) == 3 and u.args[0] is z:
-        return "hardtanh", float(u.args[1]), float(u.args[2])
-    if u.op == "call_function" and u.target in (torch.relu, F.relu) and u.args == (z,) and not u.kwargs.get(
-            "inplace"):
-        return "relu", 0.0, 0.0
-    if u.op == "call_method" and u.target == "relu" and u.args == (z,) and not u.kwargs:
-        return "relu", 0.0, 0.0
-    if u.op == "call_module" and u.args == (z,) and not u.kwargs:
-        m = gm.get_submodule(str(u.target))
-        if type(m) is nn.ReLU and not _has_hooks(m):
-            return "relu", 0.0, 0.0
-    return None
-
-
-def _lean_batch_norms(gm: fx.GraphModule) -> int:
-    """BatchNorm module calls (with a ReLU / ReLU6 that is their only reader) -> :func:`lean_batch_norm` (pass 4)."""
-    count = 0
-    for n in list(gm.graph.nodes):
-        if n.op != "call_module" or len(n.args) != 1 or n.kwargs or not isinstance(n.args[0], fx.Node):
-            continue
-        m = gm.get_submodule(str(n.target))
-        if type(m) not in _BATCHNORMS or _has_backward_hooks(m):
-            continue
-        fused = _fused_activation(gm, next(iter(n.users)), n) if len(n.users) == 1 else None
-        act, lo, hi = fused if fused is not None and not _has_foreign_forward_hooks(m) else ("none", 0.0, 0.0)
-        with gm.graph.inserting_before(n):
-            module = gm.graph.get_attr(str(n.target))
-        target = next(iter(n.users)) if fused is not None else n
-        with gm.graph.inserting_after(target):
-            new = gm.graph.call_function(lean_batch_norm, (n.args[0], module, act, lo, hi), {"owned": False})
-        new.meta.update(target.meta)
-        new.meta[MODULE_META] = str(n.target)
-        target.replace_all_uses_with(new)
-        gm.graph.erase_node(target)
-        if target is not n:
-            gm.graph.erase_node(n)
-        count += 1
-    return count
-
-
-def _dropout_args(n: fx.Node) -> tuple[Any, Any] | None:
-    """``(p, training)`` of an out-of-place ``F.dropout`` / ``torch.dropout`` call, or None."""
-    names = ("input", "p", "training", "inplace") if n.target is F.dropout else ("input", "p", "train")
-    if len(n.args) > len(names) or any(k not in names for k in n.kwargs):
-        return None
-    bound = dict(zip(names, n.args), **n.kwargs)
-    if n.target is F.dropout:
-        bound.setdefault("p", 0.5)
-        bound.setdefault("training", True)
-        if bound.get("inplace", False) is not False:
-            return None
-        return bound["p"], bound["training"]
-    if "p" not in bound or "train" not in bound:
-        return None
-    return bound["p"], bound["train"]
-
-
-def _lean_dropouts(gm: fx.GraphModule) -> int:
-    """Out-of-place ``nn.Dropout`` module calls and ``F.dropout`` / ``torch.dropout`` calls -> lean dropout (pass 6)."""
-    count = 0
-    for n in list(gm.graph.nodes):
-        if not n.args or not isinstance(n.args[0], fx.Node):
-            continue
-        if n.op == "call_module":
-            m = gm.get_submodule(str(n.target))
-            if type(m) is not nn.Dropout or m.inplace or _has_hooks(m) or len(n.args) != 1 or n.kwargs:
-                continue
-            with gm.graph.inserting_before(n):
-                module = gm.graph.get_attr(str(n.target))
-                new = gm.graph.call_function(lean_dropout_module, (n.args[0], module))
-            new.meta.update(n.meta)
-            new.meta[MODULE_META] = str(n.target)
-        elif (n.op == "call_function" and n.target is dropout_module_out_of_place
-              and type(gm.get_submodule(str(n.args[1].target))) is nn.Dropout):
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(lean_dropout_module, tuple(n.args))
-            new.meta.update(n.meta)
-        elif n.op == "call_function" and n.target in (F.dropout, torch.dropout):
-            args = _dropout_args(n)
-            if args is None:
-                continue
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(lean_dropout, (n.args[0], *args))
-            new.meta.update(n.meta)
-        else:
-            continue
-        n.replace_all_uses_with(new)
-        gm.graph.erase_node(n)
-        count += 1
-    return count
 
 
 def _makes_unshared(gm: fx.GraphModule, a: fx.Node) -> bool:
@@ -392,7 +194,7 @@ def _makes_unshared(gm: fx.GraphModule, a: fx.Node) -> bool:
         return a.target == "add"
     if a.op == "call_module":
         m = gm.get_submodule(str(a.target))
-        return type(m) in _CONV_MODULES + _BATCHNORMS and not _has_hooks(m)
+        return type(m) in _CONV_MODULES + BATCHNORMS and not has_hooks(m)
     return False
 
 
@@ -467,20 +269,8 @@ def keeps_input(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "call_module":
         m = gm.get_submodule(str(n.target))
         return not (type(m) in _OUTPUT_SAVING_MODULES and not getattr(m, "inplace", False)
-                    and not _has_hooks(m))
+                    and not has_hooks(m))
     return True
-
-
-def _calls(gm: fx.GraphModule, types: Any) -> bool:
-    """Whether the graph calls a module whose type is one of ``types``."""
-    return any(n.op == "call_module" and type(gm.get_submodule(str(n.target))) in types for n in gm.graph.nodes)
-
-
-def _has_dropout(gm: fx.GraphModule) -> bool:
-    """Whether the graph has a dropout call :func:`_lean_dropouts` may rewrite."""
-    return _calls(gm, (nn.Dropout,)) or any(
-        n.op == "call_function" and n.target in (F.dropout, torch.dropout, dropout_module_out_of_place)
-        for n in gm.graph.nodes)
 
 
 def rewrite(gm: fx.GraphModule) -> Rewrites:
@@ -492,14 +282,14 @@ def rewrite(gm: fx.GraphModule) -> Rewrites:
     Returns:
         The counts of rewritten nodes.
     """
-    done = Rewrites(_functionalize(gm), _lean_activations(gm), _lean_convs(gm))
+    done = Rewrites(_functionalize(gm), lean_activations(gm), lean_convs(gm))
     # the native kernels are built, loaded and self-checked on first use, which leaves them and the torch
     # code the check runs resident in this process: only for a graph that has something for them to do
-    if settings.lean_batchnorm_enabled() and _calls(gm, _BATCHNORMS) and lean_bn_available():
-        done.batchnorms = _lean_batch_norms(gm)
+    if settings.lean_batchnorm_enabled() and calls_module(gm, BATCHNORMS) and lean_bn_available():
+        done.batchnorms = lean_batch_norms(gm)
         done.owned = _own_inputs(gm)
-    if _has_dropout(gm) and lean_dropout_available():
-        done.dropouts = _lean_dropouts(gm)
+    if has_dropout(gm) and lean_dropout_available():
+        done.dropouts = lean_dropouts(gm)
     gm.graph.lint()
     gm.recompile()
     if done.inplace or done.activations or done.convs or done.batchnorms or done.dropouts:

@@ -1,0 +1,57 @@
+"""Small shared facts about traced graphs and the modules they call, for the capture's graph passes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import fx, nn
+
+__all__ = ["MODULE_META", "has_hooks", "has_backward_hooks", "has_foreign_forward_hooks", "replace_node",
+           "calls_module"]
+
+#: Meta key that records, on a rewritten graph node, the qualified name of the module it called.
+MODULE_META = "edgetrain_module"
+
+
+def has_hooks(m: nn.Module) -> bool:
+    """Whether any hook, the module's own or a global one, fires on ``m``'s call (then the call is kept)."""
+    own = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    glob = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+            nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks)
+    return any(own) or any(glob)
+
+
+def has_backward_hooks(m: nn.Module) -> bool:
+    """Whether a backward hook, the module's own or a global one, fires on ``m``'s call."""
+    return bool(m._backward_hooks or m._backward_pre_hooks or nn.modules.module._global_backward_hooks
+                or nn.modules.module._global_backward_pre_hooks)
+
+
+def has_foreign_forward_hooks(m: nn.Module) -> bool:
+    """Forward hooks that may keep a reference to the output: any but edgetrain's own BatchNorm statistics
+    hooks (their owner says ``keeps_outputs = False``)."""
+    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values(),
+             *nn.modules.module._global_forward_hooks.values(),
+             *nn.modules.module._global_forward_pre_hooks.values()]
+    return any(getattr(getattr(h, "__self__", None), "keeps_outputs", True) for h in hooks)
+
+
+def replace_node(gm: fx.GraphModule, node: fx.Node, fn: Callable[..., Any] | str, args: tuple[Any, ...],
+             kwargs: dict[str, Any] | None = None, module: str | None = None) -> fx.Node:
+    """Put a call of ``fn`` (a method name when a string) where ``node`` was."""
+    with gm.graph.inserting_before(node):
+        if isinstance(fn, str):
+            new = gm.graph.call_method(fn, args, kwargs or {})
+        else:
+            new = gm.graph.call_function(fn, args, kwargs or {})
+    new.meta.update(node.meta)
+    if module is not None:
+        new.meta[MODULE_META] = module
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
+
+
+def calls_module(gm: fx.GraphModule, types: Any) -> bool:
+    """Whether the graph calls a module whose type is one of ``types``."""
+    return any(n.op == "call_module" and type(gm.get_submodule(str(n.target))) in types for n in gm.graph.nodes)
