@@ -155,7 +155,7 @@ def test_capturing_a_model_without_batchnorm_or_dropout_loads_no_native_kernel()
 
 def test_an_answer_comes_from_a_plain_child_and_lean_batchnorm_settles_there_as_here():
     from edgetrain.capture import lean_bn
-    from edgetrain.native import answer_in_fork
+    from edgetrain.forking import answer_in_fork
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -42,6 +42,7 @@ import torch
 
 from .. import settings
 from ..errors import BudgetError
+from ..forking import fork_pipe, write_all
 from ..units import format_bytes
 from . import memory
 
@@ -195,9 +196,7 @@ def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]] | None, p
         data = pickle.dumps(result)
     except Exception as e:  # noqa: BLE001 -- an unpicklable value: report it instead
         data = pickle.dumps(ChildResult(error=f"result not picklable: {e}", peak_bytes=result.peak_bytes))
-    view = memoryview(data)
-    while view:
-        view = view[os.write(w, view):]
+    write_all(w, data)
 
 
 _NO_PAGE_MAP = "no page map: the child could not read its parent's"
@@ -223,35 +222,17 @@ def _fork_and_run(fn: Callable[[], Any], pages: list[tuple[int, Any]] | None) ->
     parent_rss = memory.rss_bytes()
     parent_file_rss = file_rss_bytes()
     parent = os.getpid()
-    sys.stdout.flush()
-    sys.stderr.flush()
     try:
-        r, w = os.pipe()
-        pid = os.fork()
+        data, status = fork_pipe(lambda w: _child(fn, w, pages, parent, parent_file_rss, parent_rss))
     except OSError as e:
         log.info("could not fork for the analysis (%s); running it in this process", e)
         return None
-    if pid == 0:  # the child: never return into the caller's code
-        code = 0
-        try:
-            os.close(r)
-            _child(fn, w, pages, parent, parent_file_rss, parent_rss)
-        except BaseException:  # noqa: BLE001
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    chunks = []
-    with os.fdopen(r, "rb") as f:
-        while chunk := f.read(1 << 20):
-            chunks.append(chunk)
-    _, status = os.waitpid(pid, 0)
-    if not chunks:
+    if not data:
         log.warning("the analysis child died (wait status %d) without an answer; running it in this process",
                     status)
         return None
     try:
-        return pickle.loads(b"".join(chunks))
+        return pickle.loads(data)
     except Exception as e:  # noqa: BLE001
         log.warning("could not read the analysis child's answer (%s); running it in this process", e)
         return None
