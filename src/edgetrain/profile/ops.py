@@ -240,9 +240,9 @@ def _fx_stage_inputs(chain: Any, inputs_env: dict[str, Any], m: int) -> list[tup
     live: set[str] = set()
     per = []
     for st in chain.stages:
-        per.append(stage_inputs(st, env, live))
-        args, _ = stage_inputs(st, env, live)  # a run of its own: the profiled inputs stay untouched
-        outs = st(*args)
+        args, leaves = stage_inputs(st, env, live)
+        per.append((args, leaves))
+        outs = st(*args)  # forward only: a stage writes over an input it owns in its backward, not here
         live |= grad_outputs(st, outs)
         env.update((k, o.detach() if isinstance(o, torch.Tensor) else o) for k, o in zip(st.outputs, outs))
         del args, outs
