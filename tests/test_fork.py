@@ -171,3 +171,34 @@ def test_an_answer_comes_from_a_plain_child_and_lean_batchnorm_settles_there_as_
         assert answer_in_fork(os.getpid) is None  # more threads here than in the child: not asked
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_refused_budget_profiles_each_set_of_sizes_once(monkeypatch, tmp_path):
+    """Naming the smallest budget re-profiles at the sizes a retry would use; sizes already profiled in this
+    prepare, in whichever child, are not measured again (the disk cache is off, as in the tests)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from edgetrain.profile import stages
+
+    log = tmp_path / "fits"
+    real_fit = stages._fit
+
+    def counting_fit(chain, lo, s_lo, hi, s_hi):
+        with open(log, "a") as f:  # children write here too: a fork inherits the patch, not a counter
+            f.write(f"{lo},{hi}\n")
+        return real_fit(chain, lo, s_lo, hi, s_hi)
+
+    monkeypatch.setattr(stages, "_fit", counting_fit)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, num_labels=3)
+    model = BertForSequenceClassification(cfg)
+    ids, y = torch.randint(0, 200, (16, 24)), torch.randint(0, 3, (16,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(BudgetError) as e:
+        edgetrain.prepare(model, opt, lambda out, t: nn.functional.cross_entropy(out.logits, t), (ids, y),
+                          memory_budget="1MiB")
+    assert e.value.min_feasible_bytes > 2**20
+    fitted = log.read_text().split()
+    assert len(fitted) >= 2, fitted  # the first profile, and at least one re-profile for the number named
+    assert len(fitted) == len(set(fitted)), f"sizes profiled more than once: {fitted}"

@@ -442,7 +442,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                           update_bytes=opt_costs.update_bytes + (analysis.pageable_state if paged else 0))
     else:
         chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
-                                        profile=analysis.profile, summary=analysis.profile_summary)
+                                        profile=analysis.profile, summary=analysis.profile_summary,
+                                        memo=analysis.profiles)
     plan, costs = outcome.plan, outcome.costs
     random = draws_random(model, env, replay_kwargs(model, env))
     plan = mark_micro_batched(plan, has_bn, random, warn=True)

@@ -8,7 +8,7 @@ plan in a fresh fork of its own) in a second, and again here from the children's
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -110,6 +110,8 @@ class Analysis:
     pageable_new: int = 0
     state_dir: str | None = None
     state_s_per_byte: float = 0.0
+    #: profiles this analysis took, by cache key (:func:`~edgetrain.profile.stages.profile_chain`'s ``memo``)
+    profiles: dict[str, Any] = field(default_factory=dict)
 
     @property
     def can_page_state(self) -> bool:
@@ -156,7 +158,7 @@ class Analysis:
     def _profile_at(self, chain: Any, fixed: int, budget: int | None) -> CostChain:
         return profile_chain(chain, self.model, self.env, self.targets, self.loss_fn, batch_size=self.batch,
                              fixed_bytes=fixed, budget_bytes=budget, use_cache=self.use_cache, name=self.name,
-                             min_micro_batch=self.min_micro)
+                             min_micro_batch=self.min_micro, memo=self.profiles)
 
     def profile(self, chain: Any, with_overhead: bool = False) -> CostChain:
         """The chain's costs; ``with_overhead`` counts what profiling left resident in the fixed bytes."""
@@ -203,10 +205,15 @@ class Analysis:
 
     def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...]) -> Outcome:
         def reprofile(b: int) -> CostChain:
-            def work() -> CostChain:
-                return self._profile_at(chain, costs.fixed_bytes, b)
-            # in a fork when it can: the kernels profiling builds must not inflate later validation runs
-            return measure_in_child(work) or work()
+            def work() -> tuple[CostChain, dict[str, Any]]:
+                known = set(self.profiles)
+                got = self._profile_at(chain, costs.fixed_bytes, b)
+                return got, {k: v for k, v in self.profiles.items() if k not in known}
+            # in a fork when it can: the kernels profiling builds must not inflate later validation runs;
+            # what the child profiled comes back with its costs, so that sizes are profiled once a prepare
+            got, new = measure_in_child(work) or work()
+            self.profiles.update(new)
+            return got
 
         def planner_for(paged: bool) -> Planner:
             shift = self.pageable_state if paged else 0  # out during the passes, back for the update

@@ -240,7 +240,8 @@ def _fork_and_run(fn: Callable[[], Any], pages: list[tuple[int, Any]] | None) ->
 
 def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any], budget: int | None,
                    can_fork: bool, profile: Callable[[Any], Any] | None = None,
-                   summary: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
+                   summary: Callable[[Any], Any] | None = None,
+                   memo: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """Capture the chain and analyse it where the memory this takes cannot break the budget.
 
     With a budget, the work runs in forked children, so that a BudgetError is raised here before this
@@ -261,6 +262,8 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
         profile: ``profile(chain)`` returns the costs ``analyse`` takes; None profiles in the validating child.
         summary: without a budget, ``summary(chain)`` returns ``(costs, chain summary)`` for ``analyse``, run
             in a child; the chain is then captured here only when the plan runs stages.
+        memo: a dict ``profile`` fills (profiles by cache key); with a budget, what the profiling child put
+            there is copied back here, so that the analysis does not profile the same sizes again.
 
     Returns:
         ``(chain, analyse(chain[, costs]))``; the chain is None when it was not captured here (no budget,
@@ -294,13 +297,15 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
         return chain, analyse(chain)
     costs = None
     if profile is not None:
-        res = run_in_child(lambda: profile(capture_chain()))
+        res = run_in_child(lambda: (profile(capture_chain()), memo))
         if res is not None:
             log.info("profiling in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
                      format_bytes(budget))
             _raise_budget_error(res)
             if res.error is None:
-                costs = res.value
+                costs, profiled = res.value
+                if memo is not None:
+                    memo.update(profiled)
             else:
                 log.info("profiling in the child failed (%s)", res.error)
     res = run_in_child(lambda: analyse(capture_chain(), costs) if costs is not None else analyse(capture_chain()))

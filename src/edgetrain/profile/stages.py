@@ -363,7 +363,8 @@ def _min_samples(runs: list[list[StageSample]]) -> list[StageSample]:
 def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], targets: Any,
                   loss_fn: Callable[..., torch.Tensor], *, batch_size: int, fixed_bytes: int,
                   budget_bytes: int | None = None, repeats: int = 2, use_cache: bool = True,
-                  name: str = "", min_micro_batch: int = 1, selective: bool | None = None) -> CostChain:
+                  name: str = "", min_micro_batch: int = 1, selective: bool | None = None,
+                  memo: dict[str, Any] | None = None) -> CostChain:
     """Profile ``chain`` on this machine and return its :class:`CostChain`.
 
     Args:
@@ -383,6 +384,9 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
         selective: also measure each stage's per-op (selective) recompute options, each checked bit-exact
             against a plain run of the stage (:mod:`edgetrain.profile.ops`); ``None`` reads
             ``EDGETRAIN_SELECTIVE`` (on unless ``0``).
+        memo: profiles already taken by this caller, by cache key; read like the on-disk cache (whether or
+            not that is used) and given what this call profiles. A prepare profiling the same sizes again
+            (re-profiling for another budget) then measures them once, as it does with the cache on.
 
     Returns:
         The fitted cost chain.
@@ -416,7 +420,10 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
         lo = min(m1, hi)  # reuse a size already run: every new shape costs kernel-cache memory
         sizes = (lo, hi)
         key = _cache_key(chain, model, inputs_env, sizes, selective)
+        log.debug("profiling sizes %s (budget %s, fixed %s): key %s", sizes, budget_bytes, fixed_bytes, key)
         cached = _load_cached(key) if use_cache else None
+        if cached is None and memo is not None:
+            cached = memo.get(key)
         if cached is None:
             try:
                 # the first run of a size measures memory too; the others time it with the pool warm
@@ -443,6 +450,8 @@ def profile_chain(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], ta
                       "input_bytes": resident.__dict__}
             if use_cache:
                 _store_cached(key, cached)
+            if memo is not None:
+                memo[key] = cached
         else:
             log.debug("profile cache hit %s", key)
     data = {"stages": cached["stages"], "batch_size": batch_size,
