@@ -37,7 +37,7 @@ def test_prepare_with_speedup_leaves_unselected_tensors_untouched():
 
 def test_speedup_with_a_budget_plans_the_trained_suffix_only():
     torch.manual_seed(0)
-    model = mlp(d=256, n_blocks=8)
+    model = mlp(d=128, n_blocks=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = torch.randn(512, 16), torch.randint(0, 5, (512,))
     plain = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), use_cache=False)
