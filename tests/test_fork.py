@@ -11,6 +11,7 @@ import edgetrain
 from edgetrain.errors import BudgetError
 from edgetrain.profile import fork as _fork
 from edgetrain.profile import memory
+from edgetrain.runtime import pool
 
 pytestmark = pytest.mark.skipif(not _fork.available(), reason="no fork() here")
 
@@ -34,8 +35,12 @@ def test_child_sees_the_parents_resident_memory_and_leaves_the_parents_peak_alon
 
     # the child releases free heap and garbage cycles before it measures (as prepare does before the first
     # step): a test process holds MiBs of both, which would put the child's raw resident memory that far under
-    # its parent's (8.4 MiB in a clean-clone CI run). Released here first, the two compare as they are.
+    # its parent's (8.4 MiB in a clean-clone CI run). Released here first, the two compare as they are. So is
+    # the tensor pool's cache, which the child's reset_peak empties: a pytest worker that ran lean-op tests
+    # before this one held 325 MiB of it, and the child read that much less than its parent.
     memory.release_heap()
+    if pool.installed():
+        pool.release()
     parent = status()
     child = _fork.run_in_child(status).value
     # shared-library pages the parent holds are touched first, so the child's readings are the parent's
