@@ -160,6 +160,27 @@ def test_opaque_loss_is_never_micro_batched():
     assert step.plan.micro_batch_size == 8
 
 
+def test_a_loss_that_draws_random_numbers_in_eval_mode_is_never_micro_batched_and_says_why():
+    """Hugging Face's ViTMAE masks random patches in eval mode too: its loss on the same samples changes from
+    call to call, so no split can be checked. It was refused with the opaque-normaliser reason (pass the
+    labels as targets...), which does not apply; now with the reason that does. A step still trains whole."""
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
+    torch.manual_seed(0)
+    cfg = ViTMAEConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       image_size=32, patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                       decoder_num_attention_heads=4, decoder_intermediate_size=64)
+    model = ViTMAEForPreTraining(cfg)
+    x = {"pixel_values": torch.randn(8, 3, 32, 32)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(InputError, match="draws random numbers") as e:
+        edgetrain.prepare(model, opt, lambda out, t: out.loss, example=(x, torch.zeros(8)), micro_batch_size=4)
+    assert "neither a mean nor a sum" not in str(e.value)
+    step = edgetrain.prepare(model, opt, lambda out, t: out.loss, example=(x, torch.zeros(8)))
+    assert step.loss_norm.kind == "random" and step.plan.micro_batch_size == 8
+    assert step(x, torch.zeros(8)) > 0
+
+
 @pytest.mark.parametrize("sorted_by", ["label", "padding"])
 def test_loss_whose_normaliser_depends_on_targets_is_found_on_a_sorted_batch(sorted_by):
     """A lambda around a class-weighted (or padding-aware) mean, on an example batch whose first samples share

@@ -421,11 +421,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         update_bytes=opt_costs.update_bytes, state_bytes=opt_costs.state_bytes, grads=grad_bytes_missing(model),
         max_stages=cfg.max_stages, use_cache=cfg.use_cache, name=name or type(model).__name__, pager=pager,
         optimizer=optimizer, margin_share=safety_margin, **state,
-        whole_batch_reasons=() if loss_norm.splittable else (
-            "the loss is neither a mean nor a sum over samples on the example batch (split in two, its parts "
-            "do not add up to the whole), so micro-batches could not reproduce its gradients (a mean over the "
-            "tokens that count, computed inside the model from labels with padding, is one: pass the labels as "
-            "targets and loss_fn=nn.CrossEntropyLoss(ignore_index=-100) on the logits to let edgetrain split it)",))
+        whole_batch_reasons=() if loss_norm.splittable else (loss_norm.why_unsplittable,))
     if plan is not None:
         chain = analysis.capture_chain()
         if costs is None or plan.num_stages != len(chain) or batch not in (plan.batch_size, costs.batch_size) \

@@ -14,7 +14,10 @@ label or all lack padding):
   ``ignore_index``: the mean is over the weights of the targets that count, e.g. the non-padding tokens):
   a slice weighs its targets' total weight over the batch's, read from the targets of every batch;
 * anything else (a normaliser that depends on the batch in a way edgetrain cannot see) is **opaque**:
-  the step is then never split, and a budget that needs micro-batching is refused with that reason.
+  the step is then never split, and a budget that needs micro-batching is refused with that reason;
+* a loss that changes from one evaluation of the same samples to the next, even in eval mode, is
+  **random** (the forward draws random numbers whatever its mode: a masked autoencoder's random masking,
+  injected noise): its split cannot be checked, so it is refused like an opaque one, with that reason.
 
 A loss that is not a scalar (``reduction="none"``) is refused with the fix to make.
 """
@@ -35,7 +38,7 @@ __all__ = ["LossNorm", "loss_normalisation"]
 
 log = logging.getLogger(__name__)
 
-MEAN, SUM, WEIGHTED, OPAQUE = "mean", "sum", "weighted", "opaque"
+MEAN, SUM, WEIGHTED, OPAQUE, RANDOM = "mean", "sum", "weighted", "opaque", "random"
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class LossNorm:
     """How the loss of a batch is made from the losses of its slices.
 
     Attributes:
-        kind: ``"mean"``, ``"sum"``, ``"weighted"`` or ``"opaque"`` (see the module docstring).
+        kind: ``"mean"``, ``"sum"``, ``"weighted"``, ``"opaque"`` or ``"random"`` (see the module docstring).
         loss_fn: the loss (for ``"weighted"``: its class weights and ignored index are read from it).
     """
 
@@ -53,7 +56,22 @@ class LossNorm:
     @property
     def splittable(self) -> bool:
         """Whether micro-batches can reproduce the full batch's gradients exactly."""
-        return self.kind != OPAQUE
+        return self.kind not in (OPAQUE, RANDOM)
+
+    @property
+    def why_unsplittable(self) -> str:
+        """Why micro-batches cannot reproduce the full batch's gradients (empty when they can)."""
+        if self.kind == RANDOM:
+            return ("the loss of the same samples changes from one evaluation to the next, even in eval mode "
+                    "(the forward draws random numbers whatever its mode: random masking, noise), so whether "
+                    "micro-batches reproduce its gradients cannot be checked")
+        if self.kind == OPAQUE:
+            return ("the loss is neither a mean nor a sum over samples on the example batch (split in two, its "
+                    "parts do not add up to the whole), so micro-batches could not reproduce its gradients (a "
+                    "mean over the tokens that count, computed inside the model from labels with padding, is "
+                    "one: pass the labels as targets and loss_fn=nn.CrossEntropyLoss(ignore_index=-100) on the "
+                    "logits to let edgetrain split it)")
+        return ""
 
     def weight(self, targets: Any, size: int) -> float:
         """What a slice of ``size`` samples with ``targets`` contributes to the batch's normaliser."""
@@ -163,6 +181,9 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
                 return LossNorm(MEAN)
             parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c])),
                       float(_loss_value(model, env, loss_fn, targets, idx[c:]))) for c in cuts]
+            with preserved_model_state(model):  # the same samples, other random draws: equal unless it draws
+                torch.manual_seed((torch.initial_seed() + 1) % 2**63)
+                again = float(_loss_value(model, env, loss_fn, targets, idx))
         finally:
             for m, t in flags:
                 m.training = t
@@ -177,6 +198,10 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
         return LossNorm(MEAN)
     if all(close(a_v + b_v, a_v, b_v) for c, a_v, b_v in parts):
         return LossNorm(SUM)
+    if not close(again, again, again):
+        log.info("loss over %d samples is %.6g, then %.6g on the same samples: the forward draws random numbers",
+                 n, whole_v, again)
+        return LossNorm(RANDOM)
     log.info("loss over %d samples is %.6g; split after %s samples: %s; neither their mean nor their sum", n,
              whole_v, ", ".join(str(c) for c, _, _ in parts),
              "; ".join(f"{a_v:.6g} and {b_v:.6g}" for _, a_v, b_v in parts))
