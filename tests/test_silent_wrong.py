@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import random
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -317,3 +319,85 @@ def test_a_forward_that_does_not_reproduce_itself_is_never_recomputed(capfd):
         logging.getLogger("edgetrain").removeHandler(handler)
     assert not step.chain.replayable and "recompute" not in step.plan.policies
     step(x, y)
+
+
+class _NumpyDropout(nn.Module):
+    """Dropout whose mask comes from NumPy's global generator (as Hugging Face's speech models draw their time
+    masks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        return x * torch.from_numpy(np.random.rand(*x.shape) > 0.5).to(x.dtype) * 2.0
+
+
+class _PythonLayerDrop(nn.Module):
+    """A layer skipped when Python's ``random.random()`` says so (LayerDrop as older model code wrote it)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and random.random() < 0.5:
+            return x
+        return torch.relu(self.lin(x))
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.mark.parametrize("make", [_NumpyDropout, lambda: _PythonLayerDrop(32)], ids=["numpy", "python"])
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
+def test_a_forward_drawing_from_numpy_or_python_random_is_replayed_and_its_streams_left_alone(make, solver):
+    """Before: such a model was one stage that is never recomputed (recompute_all refused), and prepare's
+    own forwards moved NumPy's and Python's generators on, so the first step drew other masks than plain
+    PyTorch from the same seeds. Now its blocks are the stages (a traced graph would freeze the draws), a
+    recomputation replays both generators, and two steps equal plain PyTorch's bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), make(), nn.Linear(32, 32), make(), nn.Linear(32, 3))
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    ref = copy.deepcopy(model)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    _seed_all(1)
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB",
+                             planning=edgetrain.PlanConfig(solver=solver))
+    assert len(step.chain) > 1 and step.chain.replayable
+    if solver == "recompute_all":
+        assert set(step.plan.policies) == {"recompute"}
+    for _ in range(2):
+        step(x, y)
+    after = np.random.get_state()[1].copy(), random.getstate()
+    _seed_all(1)
+    mb = step.plan.micro_batch_size  # the reference accumulates the same micro-batches, drawing as they do
+    for _ in range(2):
+        opt_ref.zero_grad()
+        for s in range(0, len(x), mb):
+            (nn.CrossEntropyLoss()(ref(x[s:s + mb]), y[s:s + mb]) * (mb / len(x))).backward()
+        opt_ref.step()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    assert np.array_equal(after[0], np.random.get_state()[1]) and after[1] == random.getstate()
+
+
+def test_hugging_face_speech_model_with_time_masking_is_cut_into_blocks_and_recomputed_exactly():
+    """Wav2Vec2 draws its SpecAugment time masks from ``np.random`` in training mode (on by default). Before,
+    the whole model was one stage never recomputed, and ``verify`` failed even the plan that keeps
+    everything: prepare had moved NumPy's generator and verify did not rewind it."""
+    pytest.importorskip("transformers")
+    from edgetrain.models.zoo import ZOO
+
+    case = ZOO["hf-wav2vec2"]
+    model = case.build()
+    x, y = case.example(8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for solver in ("no_saving", "recompute_all"):
+            report = edgetrain.verify(model, opt, case.loss_fn, (x, y), tolerance=0.0,
+                                      planning=edgetrain.PlanConfig(solver=solver))
+            assert report.passed, str(report)
+            assert report.stages > 1 and report.recomputed == (report.stages if solver == "recompute_all" else 0)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import random
+from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["preserved_model_state", "rng_state", "set_rng_state", "batchnorm_modules"]
+__all__ = ["preserved_model_state", "rng_state", "set_rng_state", "host_rng_state", "set_host_rng_state", "host_rng_moved",
+           "batchnorm_modules"]
 
 
 def rng_state() -> dict[str, object]:
@@ -23,6 +26,23 @@ def set_rng_state(state: dict[str, object]) -> None:
     torch.set_rng_state(state["cpu"])  # type: ignore[arg-type]
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])  # type: ignore[arg-type]
+
+
+def host_rng_state() -> tuple[Any, Any]:
+    """NumPy's and Python's global random states. A forward may draw from them (Hugging Face's speech models
+    mask time steps with ``np.random``); recomputation cannot replay them, but analysis must not move them."""
+    return np.random.get_state(), random.getstate()
+
+
+def set_host_rng_state(state: tuple[Any, Any]) -> None:
+    np.random.set_state(state[0])
+    random.setstate(state[1])
+
+
+def host_rng_moved(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
+    """Whether NumPy's or Python's global generator drew between two :func:`host_rng_state` snapshots."""
+    (_, keys_a, pos_a, *_), (_, keys_b, pos_b, *_) = before[0], after[0]
+    return pos_a != pos_b or not np.array_equal(keys_a, keys_b) or before[1] != after[1]
 
 
 def module_generators(*modules: nn.Module) -> list[torch.Generator]:
@@ -44,9 +64,12 @@ def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm.
 
 
 @contextlib.contextmanager
-def preserved_model_state(model: nn.Module, *, grads: bool = True) -> Iterator[None]:
+def preserved_model_state(model: nn.Module, *, grads: bool = True, host_rngs: bool = True) -> Iterator[None]:
     """Run code on ``model`` and restore its buffers, gradients and the RNG (the global generators and those
     its modules hold) afterwards, bit for bit.
+
+    ``host_rngs=False`` leaves NumPy's and Python's generators as the code left them: what a recomputation
+    replays (torch's generators only), for a check that two runs replay alike.
 
     Parameters are not copied (profiling never steps an optimizer); buffers (BatchNorm running statistics)
     are, since any training-mode forward updates them.
@@ -54,6 +77,7 @@ def preserved_model_state(model: nn.Module, *, grads: bool = True) -> Iterator[N
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     saved_grads = [(p, p.grad) for p in model.parameters()] if grads else []
     rng = rng_state()
+    host = host_rng_state() if host_rngs else None
     generators = [(g, g.get_state()) for g in module_generators(model)]
     try:
         yield
@@ -64,5 +88,7 @@ def preserved_model_state(model: nn.Module, *, grads: bool = True) -> Iterator[N
         for p, g in saved_grads:
             p.grad = g
         set_rng_state(rng)
+        if host is not None:
+            set_host_rng_state(host)
         for gen, state in generators:
             gen.set_state(state)

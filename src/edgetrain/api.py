@@ -15,7 +15,7 @@ from .profile.fork import analyse_safely
 from .planning.guards import describe_change, draws_random, loss_norm_safely, mark_micro_batched, model_key
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
-from ._state import batchnorm_modules, rng_state, set_rng_state
+from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
@@ -112,11 +112,13 @@ class TrainStep:
         whose plan recomputes nothing runs the model's own forward and captures it here on first use."""
         if self._chain is None:
             assert self._capture is not None
-            state = rng_state()  # capture runs the model on the example: the user's random stream must not move
+            # capture runs the model on the example: the user's random streams must not move
+            state, host = rng_state(), host_rng_state()
             try:
                 self._chain = self._capture()
             finally:
                 set_rng_state(state)
+                set_host_rng_state(host)
             _say_single_stage(self._chain)
         return self._chain
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._state import batchnorm_modules, rng_state, set_rng_state
+from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
 from .batch import batch_size_of, slice_batch
 from .capture import bind_inputs
 
@@ -155,19 +155,21 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
     inputs, targets = _split_example(example)
     ours, plain = copy.deepcopy(model), copy.deepcopy(model)
     opt_ours, opt_plain = _copy_optimizer(optimizer, model, ours), _copy_optimizer(optimizer, model, plain)
-    state = rng_state()
+    state, host = rng_state(), host_rng_state()
     try:
         step = prepare(ours, opt_ours, loss_fn, example, memory_budget, **prepare_kw)
         try:
-            start = rng_state()
+            start, host_start = rng_state(), host_rng_state()  # NumPy's and Python's too: a forward may draw there
             loss_ours = step(inputs, targets)
         finally:
             step.close()
         set_rng_state(start)
+        set_host_rng_state(host_start)
         plan = step.plan
         loss_plain = _plain_step(plain, opt_plain, loss_fn, inputs, targets, plan.micro_batch_size, step.loss_norm)
     finally:
         set_rng_state(state)
+        set_host_rng_state(host)
     notes = []
     skip: set[str] = set()
     if plan.micro_batch_size < plan.batch_size:

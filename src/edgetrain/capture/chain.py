@@ -90,6 +90,8 @@ class Chain:
     model: nn.Module | None = None
     call_kwargs: dict[str, Any] = field(default_factory=dict)  # "modules" chains: extra keyword inputs
     replayable: bool = True  # False: the forward is not reproducible from the same state, never recompute it
+    # "modules" chains: the forward skips blocks at random (LayerDrop), so one run's peak is a lower bound
+    skips_blocks: bool = False
     # why the model trains as one stage; capture logs it at INFO (prepare's forked children capture too) and
     # the step prepared with the chain warns once
     warning: str = ""

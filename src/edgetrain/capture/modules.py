@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
+#: runs in a row that must call no new block before the blocks of a forward that skips some at random are
+#: taken as found (at least 10 runs: a block skipped with probability 0.5 goes unseen with probability 2**-10),
+#: and the most runs
+STABLE_RUNS, MAX_RUNS = 8, 64
+
 
 def _containers_children(m: nn.Module) -> list[tuple[str, nn.Module]] | None:
     if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 1:
@@ -52,27 +57,30 @@ def find_blocks(model: nn.Module) -> tuple[list[str], set[str]]:
     """Qualified names of the candidate blocks: children of every ``ModuleList`` / ``Sequential``, each
     replaced by its own blocks where those hold (nearly) all of its parameters (a T5 block's list of attention
     and feed-forward layers; not a ViT block's MLP, which leaves its attention out); and those of them that
-    are the only entry of their container (they qualify only if the forward calls them more than once)."""
+    are the only entry of their container (they qualify only if the forward calls them more than once). A
+    model that is itself a ``Sequential`` is such a container."""
     alone: set[str] = set()
+
+    def container(prefix: str, kids: list[tuple[str, nn.Module]]) -> list[str]:
+        out: list[str] = []
+        for kname, k in kids:
+            inner = walk(f"{prefix}{kname}.", k)
+            covered = sum(_numel(model.get_submodule(n)) for n in inner)
+            fine = len(inner) >= 2 and covered >= 0.9 * _numel(k)
+            if not fine and len(kids) == 1:
+                alone.add(f"{prefix}{kname}")
+            out.extend(inner if fine else [f"{prefix}{kname}"])
+        return out
 
     def walk(prefix: str, m: nn.Module) -> list[str]:
         out: list[str] = []
         for name, child in m.named_children():
-            path = f"{prefix}{name}"
             kids = _containers_children(child)
-            if kids is not None:
-                for kname, k in kids:
-                    inner = walk(f"{path}.{kname}.", k)
-                    covered = sum(_numel(model.get_submodule(n)) for n in inner)
-                    fine = len(inner) >= 2 and covered >= 0.9 * _numel(k)
-                    if not fine and len(kids) == 1:
-                        alone.add(f"{path}.{kname}")
-                    out.extend(inner if fine else [f"{path}.{kname}"])
-            else:
-                out.extend(walk(f"{path}.", child))
+            out.extend(container(f"{prefix}{name}.", kids) if kids is not None else walk(f"{prefix}{name}.", child))
         return out
 
-    return walk("", model), alone
+    root = _containers_children(model) if isinstance(model, nn.Sequential) else None
+    return (container("", root) if root is not None else walk("", model)), alone
 
 
 def _plain(v: Any) -> bool:
@@ -85,11 +93,17 @@ def _plain(v: Any) -> bool:
     return False
 
 
-def block_stages(model: nn.Module, env: dict[str, Any]) -> list[str] | None:
-    """The calls of the blocks that qualify, in call order, a block once per call (None when fewer than two)."""
+def block_stages(model: nn.Module, env: dict[str, Any]) -> tuple[list[str] | None, bool]:
+    """The calls of the blocks that qualify, in call order, a block once per call (None when fewer than two),
+    and whether the forward calls different blocks from run to run.
+
+    The forward runs twice, its random draws going on between; where the two call different blocks (LayerDrop
+    skips layers at random), it runs again until :data:`STABLE_RUNS` runs in a row add no block, and the blocks
+    are those any run called, in module-tree order (a plan must hold for a step that calls every block).
+    """
     names, alone = find_blocks(model)
     if not names:
-        return None
+        return None, False
     mods = {n: model.get_submodule(n) for n in names}
     calls: list[str] = []
     active: list[str] = []
@@ -112,18 +126,39 @@ def block_stages(model: nn.Module, env: dict[str, Any]) -> list[str] | None:
     for n, m in mods.items():
         handles.append(m.register_forward_pre_hook(pre(n), with_kwargs=True))
         handles.append(m.register_forward_hook(post(n), with_kwargs=True, always_call=True))
+    runs: list[list[str]] = []
     try:
         with preserved_model_state(model), torch.no_grad():
-            model(**env)
+            seen: set[str] = set()
+            quiet = 0
+            while len(runs) < MAX_RUNS:
+                calls.clear()
+                model(**env)
+                runs.append(list(calls))
+                if len(runs) == 2 and runs[1] == runs[0]:
+                    break  # the usual case: the same blocks in the same order
+                quiet = quiet + 1 if set(calls) <= seen else 0
+                seen.update(calls)
+                if quiet >= STABLE_RUNS:
+                    break
     finally:
         for h in handles:
             h.remove()
+    calls = runs[0]
+    varies = any(r != calls for r in runs)
+    if varies:
+        if any(len(set(r)) < len(r) for r in runs):
+            log.info("the forward calls its blocks differently from run to run, and some more than once: no stages")
+            return None, True
+        union = {n for r in runs for n in r}
+        calls = [n for n in names if n in union]
+        log.info("the forward skips blocks at random (%d runs); every block any run called is a stage", len(runs))
     counts = {n: calls.count(n) for n in names}
     order = [n for n in calls if n not in bad and (counts[n] >= 2 or n not in alone)]
     if bad:
         log.info("blocks not recomputable (handed a stateful object, or called inside another block): %s",
                  ", ".join(sorted(bad)))
-    return order if len(order) >= 2 else None
+    return (order if len(order) >= 2 else None), varies
 
 
 def _block_alone(name: str) -> Callable[..., tuple[Any, ...]]:
@@ -148,7 +183,7 @@ def module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
                   mutates: tuple[str, ...]) -> Chain | None:
     """A chain of the model's repeated blocks (:mod:`edgetrain.capture.modules`), or None without two."""
     call_kwargs = replay_kwargs(model, env)
-    blocks = block_stages(model, {**env, **call_kwargs})
+    blocks, varies = block_stages(model, {**env, **call_kwargs})
     if blocks is None:
         return None
     stages, seen = [], {n: 0 for n in blocks}
@@ -157,7 +192,9 @@ def module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
         label = f"{name}#{k}" if blocks.count(name) > 1 else name
         stages.append(Stage(i, label, _block_alone(label), (), (), (model.get_submodule(name),),
                             mutates if i == 0 else (), call=k))
-    return Chain(stages, names, "modules", (), dict.fromkeys(names, len(stages) - 1), model, call_kwargs)
+    chain = Chain(stages, names, "modules", (), dict.fromkeys(names, len(stages) - 1), model, call_kwargs)
+    chain.skips_blocks = varies
+    return chain
 
 
 class BlockCalls:

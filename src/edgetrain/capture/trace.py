@@ -356,14 +356,21 @@ _NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same ran
                    "never recomputed (micro-batching only)")
 
 
-def _reproducible(model: nn.Module, env: dict[str, Any]) -> bool:
+#: Why a model that draws from NumPy's or Python's generator is not traced (%s is the model's class).
+_HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, which a traced graph would freeze "
+                "into constants; its blocks are the stages instead (a recomputation replays those generators)")
+
+
+def _reproducible(model: nn.Module, env: dict[str, Any], host_rngs: bool = True) -> bool:
     """Whether two forwards on two samples of ``env``, from the same random state, buffers and generators,
-    give the same output (a model drawing from a generator edgetrain cannot replay does not)."""
+    give the same output (a model drawing from a generator edgetrain cannot replay does not). With
+    ``host_rngs=False`` NumPy's and Python's generators are not rewound between the two: a model that draws
+    from them then differs (what a traced graph, which froze the draws at tracing, could not follow)."""
     for inputs in ({k: slice_batch(v, 0, 2) for k, v in env.items()}, env):  # the whole batch if 2 samples fail
         try:
             outs = []
             for _ in range(2):
-                with preserved_model_state(model):
+                with preserved_model_state(model, host_rngs=host_rngs):
                     outs.append(model(**inputs))
             return _same(outs[0], outs[1])
         except Exception:
@@ -417,6 +424,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             chain.warning = _NOT_REPLAYABLE % type(model).__name__
             log.info(chain.warning)
             return chain
+        if not _reproducible(model, env, host_rngs=False):  # torch.fx would freeze its draws into constants
+            return _fallback(model, env, names, mutates, _HOST_RANDOM % type(model).__name__, strict)
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
             gm, leaves = _trace(model, concrete)

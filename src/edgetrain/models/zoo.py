@@ -76,6 +76,14 @@ def _lm_tokens(vocab: int, length: int, seq2seq: bool = False) -> Callable[[int]
     return example
 
 
+def _audio(samples: int, classes: int = 3) -> Callable[[int], tuple[Any, Any]]:
+    def example(batch: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(1)
+        return ({"input_values": torch.randn(batch, samples, generator=g)},
+                torch.randint(0, classes, (batch,), generator=g))
+    return example
+
+
 def _pixels(size: int, classes: int = 3) -> Callable[[int], tuple[Any, Any]]:
     def example(batch: int) -> tuple[Any, Any]:
         g = torch.Generator().manual_seed(1)
@@ -121,6 +129,16 @@ def _t5() -> nn.Module:
     return T5ForConditionalGeneration(T5Config(vocab_size=200, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                num_heads=4, decoder_start_token_id=0, pad_token_id=0,
                                                eos_token_id=1))
+
+
+def _hf_wav2vec2() -> nn.Module:
+    """A speech classifier whose training forward masks time steps drawn from ``np.random`` (SpecAugment, on by
+    default in Hugging Face's speech models: ``mask_time_prob``)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+    return Wav2Vec2ForSequenceClassification(Wav2Vec2Config(
+        num_labels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, mask_time_prob=0.3, mask_time_length=2, vocab_size=20))
 
 
 def _hf_resnet() -> nn.Module:
@@ -296,6 +314,7 @@ def _entries() -> list[ZooCase]:
         ZooCase("hf-efficientnet", _seeded(_hf_efficientnet), _pixels(32), _logits_ce, True, True),
         ZooCase("hf-convnext", _seeded(_hf_convnext), _pixels(32), _logits_ce, True),
         ZooCase("hf-vit", _seeded(_hf_vit), _pixels(32), _logits_ce, True),
+        ZooCase("hf-wav2vec2", _seeded(_hf_wav2vec2), _audio(800), _logits_ce, True),
     ]
     torch_cases = [
         ZooCase("lstm", _seeded(LSTMClassifier), _tokens(200, 12), _logits_ce),

@@ -41,13 +41,15 @@ class ChainSummary:
     length: int
     unmanaged_mutations: tuple[str, ...]
     model_name: str
+    skips_blocks: bool = False
 
     def __len__(self) -> int:
         return self.length
 
     @classmethod
     def of(cls, chain: Any) -> "ChainSummary":
-        return cls(chain.method, len(chain), tuple(chain.unmanaged_mutations), type(chain.model).__name__)
+        return cls(chain.method, len(chain), tuple(chain.unmanaged_mutations), type(chain.model).__name__,
+                   chain.skips_blocks)
 
 
 @dataclass
@@ -220,7 +222,8 @@ class Analysis:
             return Planner(replace(costs, fixed_bytes=costs.fixed_bytes - shift), self.budget, self.margin,
                            self.solver, micro, self.prefer_full_batch, self.min_micro, self.update_bytes + shift,
                            {**self.solver_kw, **block_solver_options(chain, self.solver)},
-                           reprofile=reprofile, margin_share=self.margin_share, whole_batch_only=bool(reasons))
+                           reprofile=reprofile, margin_share=self.margin_share, whole_batch_only=bool(reasons),
+                           runs_vary=chain.skips_blocks)
 
         if self.plan_budget is None:
             planner = planner_for(False)

@@ -43,8 +43,11 @@ class Planner:
                  micro_batch_size: int | None, prefer_full_batch: bool, min_micro: int, update_bytes: int,
                  solver_kw: dict[str, Any] | None = None, *,
                  reprofile: Callable[[int], CostChain] | None = None, margin_share: float | None = None,
-                 whole_batch_only: bool = False) -> None:
+                 whole_batch_only: bool = False, runs_vary: bool = False) -> None:
         self.costs = costs
+        # the forward skips blocks at random: a run that skipped some measured less than a step that skips
+        # none holds, so a run's peak is taken as at least the cost model's
+        self.runs_vary = runs_vary
         self.budget = budget
         self.margin = margin
         self.solver = solver
@@ -350,6 +353,8 @@ class Planner:
             self.update_bytes = max(0, m.update_peak + unallocated - grads - fixed)
         measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
         model_peak = max(fixed + act_pred, fixed + self.update_bytes)
+        if self.runs_vary:
+            measured = max(measured, model_peak)
         self._runs[_plan_key(plan)] = plan, model_peak, measured
         if self._rss0 is None:
             self._rss0 = m.rss_before

@@ -294,7 +294,7 @@ def _with_selective(chain: Chain, inputs_env: dict[str, Any], lo: int, hi: int, 
 def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...],
                selective: bool = True) -> str:
     h = hashlib.sha256()
-    parts = ["v8" if selective else "v5", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+    parts = ["v9" if selective else "v6", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs

@@ -11,7 +11,8 @@ Two problems, two mechanisms:
   around that forward, keeps a copy of those buffers from before it; the replay runs on that copy and the
   buffers get their post-forward values back after it. A ``torch.Generator`` a module of the stages holds
   (a layer drawing from its own generator, which checkpointing's RNG replay does not cover) is replayed
-  the same way: the replay draws from its state before the first forward.
+  the same way: the replay draws from its state before the first forward. So are NumPy's and Python's
+  global generators (Hugging Face's speech models draw their time masks from ``np.random``).
 * Micro-batching normalises each micro-batch with its own statistics (unavoidable without a second pass),
   and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
   accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
@@ -30,7 +31,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from .._state import batchnorm_modules, module_generators
+from .._state import batchnorm_modules, host_rng_state, module_generators, set_host_rng_state
 
 __all__ = ["RecomputeGuard", "FullBatchStats"]
 
@@ -69,18 +70,17 @@ class RecomputeGuard:
         self._after: list[torch.Tensor] = []
         self._gen_before: list[torch.Tensor] = []
         self._gen_after: list[torch.Tensor] = []
-
-    @property
-    def replays_state(self) -> bool:
-        """Whether the first forward must run inside :meth:`forward_context` (written buffers, generators)."""
-        return bool(self.buffers or self.generators)
+        self._host_before: tuple[Any, Any] | None = None
+        self._host_after: tuple[Any, Any] | None = None
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        """Entered around the first forward: remembers the written buffers and the modules' generators as
-        they were before it."""
+        """Entered around the first forward: remembers the written buffers, the modules' generators and
+        NumPy's and Python's generators as they were before it (any forward may draw from those two; a
+        snapshot of both costs microseconds)."""
         self._before = [b.detach().clone() for b in self.buffers]
         self._gen_before = [g.get_state() for g in self.generators]
+        self._host_before = host_rng_state()
         yield
 
     def __enter__(self) -> "RecomputeGuard":
@@ -92,6 +92,9 @@ class RecomputeGuard:
             self._gen_after = [g.get_state() for g in self.generators]
             for g, st in zip(self.generators, self._gen_before):
                 g.set_state(st)
+        if self._host_before is not None:
+            self._host_after = host_rng_state()
+            set_host_rng_state(self._host_before)
         if self.owner is not None:
             self.owner.recomputing += 1
         self._saved = [(b.running_mean.clone() if b.running_mean is not None else None,
@@ -113,7 +116,9 @@ class RecomputeGuard:
                 b.copy_(v)
         for g, st in zip(self.generators, self._gen_after):
             g.set_state(st)
-        self._after, self._gen_after = [], []
+        if self._host_after is not None:
+            set_host_rng_state(self._host_after)
+        self._after, self._gen_after, self._host_after = [], [], None
         if self.owner is not None:
             self.owner.recomputing -= 1
 

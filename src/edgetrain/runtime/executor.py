@@ -92,7 +92,7 @@ class Executor:
     def _guard(self, first: int, last: int, modules: tuple[Any, ...]) -> tuple[Any, Any]:
         """``context_fn`` result for a checkpoint of stages ``first..last``."""
         guard = RecomputeGuard(modules, self.bn, [b for t in range(first, last + 1) for b in self._written[t]])
-        return (guard.forward_context() if guard.replays_state else contextlib.nullcontext()), guard
+        return guard.forward_context(), guard
 
     def _make_groups(self) -> list[_Group]:
         groups: list[_Group] = []
@@ -207,7 +207,7 @@ class ModuleExecutor:
     def _checkpointed(self, st: Any, forward: Callable[..., Any], option: str | None = None) -> Callable[..., Any]:
         def ctx() -> tuple[Any, Any]:
             guard = RecomputeGuard(st.modules, self.bn, self._written[st.index])
-            return (guard.forward_context() if guard.replays_state else contextlib.nullcontext()), guard
+            return guard.forward_context(), guard
 
         context_fn = ctx if option is None else selective_context_fn(option, ctx)
 
