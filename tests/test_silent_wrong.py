@@ -401,3 +401,36 @@ def test_hugging_face_speech_model_with_time_masking_is_cut_into_blocks_and_reco
                                       planning=edgetrain.PlanConfig(solver=solver))
             assert report.passed, str(report)
             assert report.stages > 1 and report.recomputed == (report.stages if solver == "recompute_all" else 0)
+
+
+def test_an_in_batch_contrastive_loss_trains_whole_and_is_never_split():
+    """CLIP's loss: image-text logits over the batch, targets ``arange(B)``. Evaluated on part of the batch (the
+    loss check takes 6 of 8 samples, and splits those) it asks for classes past the part's size: before, prepare
+    raised torch's ``IndexError: Target 5 is out of bounds`` whatever the plan. Now the batch is trained whole (recomputation exact) and
+    micro-batching is refused with the error the part raised."""
+    pytest.importorskip("transformers")
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(
+        text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=100, max_position_embeddings=16, bos_token_id=0, eos_token_id=1),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                           image_size=32, patch_size=8), projection_dim=16)).train()
+    g = torch.Generator().manual_seed(1)
+    x = {"input_ids": torch.randint(2, 100, (8, 12), generator=g), "pixel_values": torch.randn(8, 3, 32, 32, generator=g)}
+    y = torch.arange(8)
+
+    def contrastive(out, y):
+        return (F.cross_entropy(out.logits_per_image, y) + F.cross_entropy(out.logits_per_text, y)) / 2
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, contrastive, (x, y), tolerance=0.0,
+                                  planning=edgetrain.PlanConfig(solver="recompute_all"))
+        assert report.passed and report.recomputed == report.stages > 1, str(report)
+        with pytest.raises(InputError, match="fails on part of the batch .IndexError"):
+            edgetrain.prepare(model, opt, contrastive, (x, y), planning=edgetrain.PlanConfig(micro_batch_size=4))
+        with pytest.raises(edgetrain.BudgetError, match="Micro-batching is off for this model: the loss fails"):
+            edgetrain.prepare(model, opt, contrastive, (x, y), memory_budget="8MiB")

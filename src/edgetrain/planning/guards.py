@@ -63,9 +63,13 @@ def loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..
     from ..profile import fork as _fork
 
     if _fork.available():
-        res = _fork.run_in_child(lambda: loss_normalisation(model, env, loss_fn, targets, batch).kind)
+        def kind_and_error() -> tuple[str, str]:
+            norm = loss_normalisation(model, env, loss_fn, targets, batch)
+            return norm.kind, norm.error
+
+        res = _fork.run_in_child(kind_and_error)
         if res is not None and res.error is None and res.value is not None:
-            return LossNorm(res.value, loss_fn)
+            return LossNorm(res.value[0], loss_fn, res.value[1])
     return loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
 
 

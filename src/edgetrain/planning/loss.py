@@ -15,6 +15,9 @@ label or all lack padding):
   a slice weighs its targets' total weight over the batch's, read from the targets of every batch;
 * anything else (a normaliser that depends on the batch in a way edgetrain cannot see) is **opaque**:
   the step is then never split, and a budget that needs micro-batching is refused with that reason;
+* a loss (or model) that fails on part of the batch is **whole-batch only** (an in-batch contrastive loss
+  whose targets index the batch: ``F.cross_entropy(img @ txt.T, torch.arange(B))`` evaluated on 6 of 8
+  samples asks for class 7 of 6): refused like an opaque one, with the error it raised;
 * a loss that changes from one evaluation of the same samples to the next, even in eval mode, is
   **random** (the forward draws random numbers whatever its mode: a masked autoencoder's random masking,
   injected noise): its split cannot be checked, so it is refused like an opaque one, with that reason.
@@ -38,7 +41,7 @@ __all__ = ["LossNorm", "loss_normalisation"]
 
 log = logging.getLogger(__name__)
 
-MEAN, SUM, WEIGHTED, OPAQUE, RANDOM = "mean", "sum", "weighted", "opaque", "random"
+MEAN, SUM, WEIGHTED, OPAQUE, RANDOM, WHOLE = "mean", "sum", "weighted", "opaque", "random", "whole"
 
 
 @dataclass(frozen=True)
@@ -46,21 +49,28 @@ class LossNorm:
     """How the loss of a batch is made from the losses of its slices.
 
     Attributes:
-        kind: ``"mean"``, ``"sum"``, ``"weighted"``, ``"opaque"`` or ``"random"`` (see the module docstring).
+        kind: ``"mean"``, ``"sum"``, ``"weighted"``, ``"opaque"``, ``"random"`` or ``"whole"`` (see the module
+            docstring).
         loss_fn: the loss (for ``"weighted"``: its class weights and ignored index are read from it).
+        error: for ``"whole"``, what evaluating it on part of the batch raised.
     """
 
     kind: str
     loss_fn: Any = None
+    error: str = ""
 
     @property
     def splittable(self) -> bool:
         """Whether micro-batches can reproduce the full batch's gradients exactly."""
-        return self.kind not in (OPAQUE, RANDOM)
+        return self.kind not in (OPAQUE, RANDOM, WHOLE)
 
     @property
     def why_unsplittable(self) -> str:
         """Why micro-batches cannot reproduce the full batch's gradients (empty when they can)."""
+        if self.kind == WHOLE:
+            return (f"the loss fails on part of the batch ({self.error}), so it is not a loss over samples that "
+                    "micro-batches could add up (an in-batch contrastive loss, whose targets index the batch, "
+                    "is one); the batch is trained whole")
         if self.kind == RANDOM:
             return ("the loss of the same samples changes from one evaluation to the next, even in eval mode "
                     "(the forward draws random numbers whatever its mode: random masking, noise), so whether "
@@ -175,12 +185,18 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     with torch.no_grad():
         model.eval()
         try:
-            whole = _loss_value(model, env, loss_fn, targets, idx)
-            _check_scalar(whole)
-            if n < 2:
-                return LossNorm(MEAN)
-            parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c])),
-                      float(_loss_value(model, env, loss_fn, targets, idx[c:]))) for c in cuts]
+            try:
+                whole = _loss_value(model, env, loss_fn, targets, idx)
+                _check_scalar(whole)
+                if n < 2:
+                    return LossNorm(MEAN)
+                parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c])),
+                          float(_loss_value(model, env, loss_fn, targets, idx[c:]))) for c in cuts]
+            except InputError:
+                raise
+            except Exception as e:  # the example batch ran whole in prepare already: a part is what fails
+                log.info("loss on part of the batch raised %s: %s", type(e).__name__, e)
+                return LossNorm(WHOLE, error=f"{type(e).__name__}: {e}")
             with preserved_model_state(model):  # the same samples, other random draws: equal unless it draws
                 torch.manual_seed((torch.initial_seed() + 1) % 2**63)
                 again = float(_loss_value(model, env, loss_fn, targets, idx))
