@@ -434,3 +434,29 @@ def test_an_in_batch_contrastive_loss_trains_whole_and_is_never_split():
             edgetrain.prepare(model, opt, contrastive, (x, y), planning=edgetrain.PlanConfig(micro_batch_size=4))
         with pytest.raises(edgetrain.BudgetError, match="Micro-batching is off for this model: the loss fails"):
             edgetrain.prepare(model, opt, contrastive, (x, y), memory_budget="8MiB")
+
+
+class _SeqFirstLSTM(nn.Module):
+    """torch's default LSTM layout: ``[L, B, F]`` in, the last step's state classified."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, num_layers=2)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][-1])
+
+
+@pytest.mark.parametrize("length", [8, 12])
+def test_a_sequence_first_model_is_refused_with_what_to_do(length):
+    """edgetrain slices dim 0. A sequence-first LSTM whose sequence is as long as the batch passed the size
+    check; before, prepare failed in profiling with torch's 'Expected input batch_size (8) to match target
+    batch_size (1)', and micro-batches would have cut the sequence. A longer sequence was refused, saying
+    only that the sizes disagree."""
+    torch.manual_seed(0)
+    model = _SeqFirstLSTM()
+    x, y = torch.randn(length, 8, 16), torch.randint(0, 3, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match="batch_first=True"):
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB")

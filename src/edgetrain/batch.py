@@ -34,7 +34,10 @@ def batch_size_of(*parts: Any) -> int:
     if None in sizes:
         raise InputError("a batch tensor is 0-dimensional; every input and target must be batched on dim 0")
     if len(sizes) != 1:
-        raise InputError(f"inputs and targets disagree on the batch size (dim 0): {sorted(sizes)}")
+        raise InputError(f"inputs and targets disagree on the batch size (dim 0): {sorted(sizes)}. edgetrain takes "
+                         "dim 0 of every input and target as the batch dimension: pass batch-first tensors "
+                         "(nn.LSTM, nn.GRU, nn.Transformer: batch_first=True; or transpose inside the model's "
+                         "forward)")
     return sizes.pop()
 
 

@@ -113,10 +113,38 @@ def _target_weighted(loss_fn: Any, targets: Any) -> bool:
 
 
 def _loss_value(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
-                idx: torch.Tensor) -> torch.Tensor:
+                idx: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+    """The loss of samples ``idx``; with ``batch`` (the example's size), first a check that the output
+    follows the samples along dim 0 (:func:`_check_batch_first`)."""
     with preserved_model_state(model):  # each evaluation sees the buffers as they are now
         out = model(**{k: _take(v, idx) for k, v in env.items()})
+        if batch is not None:
+            _check_batch_first(model, out, len(idx), batch)
         return loss_fn(out, _take(targets, idx))
+
+
+def _rows(x: Any) -> set[int]:
+    """The dim-0 sizes of the tensors in an output (a tensor, a dict or ``ModelOutput``, a tuple or list)."""
+    if isinstance(x, torch.Tensor):
+        return {x.shape[0]} if x.dim() > 0 else set()
+    if isinstance(x, dict):
+        return {r for v in x.values() for r in _rows(v)}
+    if isinstance(x, (tuple, list)):
+        return {r for v in x for r in _rows(v)}
+    return set()
+
+
+def _check_batch_first(model: nn.Module, out: Any, taken: int, batch: int) -> None:
+    """Refuse a model whose batch is not dim 0 of its inputs: given ``taken`` of the example's ``batch`` samples
+    along dim 0, none of its outputs has ``taken`` rows and one still has ``batch`` (a sequence-first LSTM or
+    Transformer handed ``[L, B, F]``: slicing dim 0 cut the sequence, and every micro-batch would be wrong)."""
+    rows = _rows(out)
+    if taken < batch and rows and taken not in rows and batch in rows:
+        raise InputError(f"{type(model).__name__} given {taken} of the {batch} samples along dim 0 of its inputs "
+                         f"returned outputs of {batch} rows: its batch is not dim 0 of its inputs. edgetrain takes "
+                         "dim 0 of every input and target as the batch dimension: pass batch-first tensors "
+                         "(nn.LSTM, nn.GRU, nn.Transformer: batch_first=True; or transpose inside the model's "
+                         "forward)")
 
 
 def _take(x: Any, idx: torch.Tensor) -> Any:
@@ -186,12 +214,12 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
         model.eval()
         try:
             try:
-                whole = _loss_value(model, env, loss_fn, targets, idx)
+                whole = _loss_value(model, env, loss_fn, targets, idx, batch)
                 _check_scalar(whole)
                 if n < 2:
                     return LossNorm(MEAN)
-                parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c])),
-                          float(_loss_value(model, env, loss_fn, targets, idx[c:]))) for c in cuts]
+                parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c], batch)),
+                          float(_loss_value(model, env, loss_fn, targets, idx[c:], batch))) for c in cuts]
             except InputError:
                 raise
             except Exception as e:  # the example batch ran whole in prepare already: a part is what fails
