@@ -284,14 +284,15 @@ class Planner:
         self.costs = costs
         return plan
 
-    @staticmethod
-    def _measured(plan: Plan, measured_peak: int, model_peak: int) -> Plan:
+    def _measured(self, plan: Plan, measured_peak: int, model_peak: int) -> Plan:
         """``plan`` with the peak its validation run measured (the cost model over-predicted it); the
         model's figure stays in ``metadata["model_peak_bytes"]``."""
+        note = (f"peak from the cost model corrected by a validation run ({format_bytes(measured_peak)}; a run "
+                "that skipped blocks measures less)" if self.runs_vary else
+                f"peak from the validation run ({format_bytes(measured_peak)}); the cost model predicted "
+                f"{format_bytes(model_peak)}")
         return plan.replace(peak_bytes=measured_peak, metadata={**plan.metadata, "model_peak_bytes": model_peak},
-                            notes=plan.notes + (
-            f"peak from the validation run ({format_bytes(measured_peak)}); the cost model predicted "
-            f"{format_bytes(model_peak)}",))
+                            notes=plan.notes + (note,))
 
     def _smallest_if_it_fits(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
                              plan_budget: int) -> Plan | None:
