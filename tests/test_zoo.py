@@ -392,3 +392,21 @@ def test_a_forward_that_calls_the_same_blocks_every_time_is_captured_in_two_runs
     blocks, varies = block_stages(model, x)
     assert not varies and [b for b in blocks if ".encoder.layers." in b] == [
         f"wav2vec2.encoder.layers.{i}" for i in range(3)]
+
+
+@pytest.mark.parametrize("options", [{"solver": "recompute_all"}, {"micro_batch_size": 4}], ids=["recompute", "micro4"])
+def test_verify_compares_sparse_gradients(options):
+    """``nn.Embedding(sparse=True)`` gives a sparse gradient; before, verify failed comparing it (torch's
+    'Could not run aten::max with arguments from the SparseCPU backend') after the step had trained."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Flatten(), nn.Linear(6 * 16, 32), nn.ReLU(),
+                          nn.Linear(32, 3))
+    x, y = torch.randint(0, 100, (8, 6)), torch.randint(0, 3, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, torch.nn.CrossEntropyLoss(), (x, y), tolerance=0.0,
+                                  planning=edgetrain.PlanConfig(**options))
+    assert report.passed and report.stages > 1, str(report)

@@ -84,7 +84,8 @@ def _largest(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None
             continue
         if x is None or y is None:
             return Difference(math.inf, f"{name} (missing on one side)")
-        x64, y64 = x.detach().double(), y.detach().double()
+        # a sparse gradient (nn.Embedding(sparse=True)) is compared as the dense tensor it stands for
+        x64, y64 = (t.detach().to_dense().double() if t.is_sparse else t.detach().double() for t in (x, y))
         scale = max(float(x64.abs().max()) if x64.numel() else 0.0, 1e-12)
         rel = float((x64 - y64).abs().max()) / scale if x64.numel() else 0.0
         if not math.isfinite(rel) or rel > worst.relative:
