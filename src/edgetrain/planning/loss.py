@@ -267,8 +267,9 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
                              gtol: float = 1e-3) -> LossNorm:
     """``norm``, or an opaque one when the gradients of samples ``idx`` differ from those of its two halves
     weighted as ``norm`` weighs micro-batches: per parameter tensor, by more than ``gtol`` of the larger of
-    the two's largest entry (float sums in another order differ by about 1e-6; entries below 1e-6 of the
-    largest gradient anywhere count as zero). Runs in eval mode, like the values' check."""
+    the two's largest entry (float32 sums in another order differ by about 1e-6; a half-precision parameter
+    gets 16 of its dtype's epsilon, if more; entries below 1e-6 of the largest gradient anywhere count as
+    zero). Runs in eval mode, like the values' check."""
     params = [p for p in model.parameters() if p.requires_grad]
     n = len(idx)
     if n < 2 or not params:
@@ -287,7 +288,7 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
         with torch.enable_grad():
             whole = grads(idx)
             total = norm.weight(_take(targets, idx), n)
-            split = [torch.zeros_like(p) for p in params]
+            split = [torch.zeros_like(p, dtype=torch.float64) for p in params]
             for sel in (idx[:n // 2], idx[n // 2:]):
                 scale = norm.scale(norm.weight(_take(targets, sel), len(sel)), total)
                 for acc, g in zip(split, grads(sel)):
@@ -300,13 +301,14 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
         for m, t in flags:
             m.training = t
     floor = 1e-6 * max((float(g.abs().max()) for g in whole if g is not None and g.numel()), default=0.0)
-    for (name, _), g, s in zip(((k, p) for k, p in model.named_parameters() if p.requires_grad), whole, split):
-        g = torch.zeros_like(s) if g is None else g
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    for (name, p), g, s in zip(named, whole, split):
+        g = torch.zeros_like(s) if g is None else g.double()
         scale = max(float(g.abs().max()) if g.numel() else 0.0, float(s.abs().max()) if s.numel() else 0.0)
         if scale <= floor:
             continue
         rel = float((g - s).abs().max()) / scale
-        if rel > gtol:
+        if rel > max(gtol, 16 * torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0):
             log.info("loss passes as %s on values, but split in two its gradients differ from the whole's by %.2g "
                      "relative in %s", norm.kind, rel, name)
             return LossNorm(OPAQUE, error=f"{rel:.2g} relative in {name}")
