@@ -462,12 +462,7 @@ def test_a_sequence_first_model_is_refused_with_what_to_do(length):
         edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), memory_budget="1GiB")
 
 
-def test_a_load_balancing_loss_over_the_batch_is_never_micro_batched():
-    """Mixtral's router loss is a statistic of the batch as a whole. At 0.02 x it moved the loss of a split
-    batch by 4e-5 relative, inside the values' check, and micro-batches were taken as exact: before, a step of
-    micro-batches of 4 had gradients 32% away from one full-batch step's. Now the check also compares the
-    gradients of the split, and refuses."""
-    pytest.importorskip("transformers")
+def _mixtral_with_router_loss():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
@@ -482,6 +477,16 @@ def test_a_load_balancing_loss_over_the_batch_is_never_micro_batched():
     def lm_and_router(out, y):
         return F.cross_entropy(out.logits.flatten(0, 1), y.flatten()) + 0.02 * out.aux_loss
 
+    return model, ids, y, lm_and_router
+
+
+def test_a_load_balancing_loss_over_the_batch_is_never_micro_batched():
+    """Mixtral's router loss is a statistic of the batch as a whole. At 0.02 x it moved the loss of a split
+    batch by 4e-5 relative, inside the values' check, and micro-batches were taken as exact: before, a step of
+    micro-batches of 4 had gradients 32% away from one full-batch step's. Now the check also compares the
+    gradients of the split, and refuses."""
+    pytest.importorskip("transformers")
+    model, ids, y, lm_and_router = _mixtral_with_router_loss()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -506,3 +511,17 @@ def test_the_gradient_check_of_a_split_allows_half_precision_rounding():
         report = edgetrain.verify(model, opt, lambda out, y: F.cross_entropy(out.float(), y), (x, y),
                                   planning=edgetrain.PlanConfig(micro_batch_size=4))
     assert report.passed and report.micro_batch_size == 4, str(report)
+
+
+def test_the_gradient_check_of_a_split_gives_way_to_scarce_memory(monkeypatch):
+    """It holds about three times the trained parameters: where that is over half of what the system has
+    available it is skipped, and the values' check stands alone (logged)."""
+    pytest.importorskip("transformers")
+    from edgetrain.capture import bind_inputs
+    from edgetrain.planning import loss as loss_mod
+
+    model, ids, y, lm_and_router = _mixtral_with_router_loss()
+    env = bind_inputs(model, {"input_ids": ids})
+    assert loss_mod.loss_normalisation(model, env, lm_and_router, y, 8).kind == "opaque"
+    monkeypatch.setattr(loss_mod, "available_bytes", lambda: 2**20)
+    assert loss_mod.loss_normalisation(model, env, lm_and_router, y, 8).kind == "mean"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..profile import memory
+from ..profile.memory import available_bytes
 
 __all__ = ["cgroup_limit_bytes", "available_bytes", "system_budget_source"]
 
@@ -41,17 +42,6 @@ def cgroup_limit_bytes() -> int | None:
         v = _read_int(f)
         if v is not None:
             return v
-    return None
-
-
-def available_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo (bytes), or None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
     return None
 
 

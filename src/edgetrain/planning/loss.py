@@ -42,6 +42,7 @@ from torch import nn
 
 from .._state import preserved_model_state
 from ..errors import InputError
+from ..profile.memory import available_bytes
 
 __all__ = ["LossNorm", "loss_normalisation"]
 
@@ -269,10 +270,18 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
     weighted as ``norm`` weighs micro-batches: per parameter tensor, by more than ``gtol`` of the larger of
     the two's largest entry (float32 sums in another order differ by about 1e-6; a half-precision parameter
     gets 16 of its dtype's epsilon, if more; entries below 1e-6 of the largest gradient anywhere count as
-    zero). Runs in eval mode, like the values' check."""
+    zero). Runs in eval mode, like the values' check; skipped (the values' check stands alone) where it
+    would need more than half the memory the system has available."""
     params = [p for p in model.parameters() if p.requires_grad]
     n = len(idx)
     if n < 2 or not params:
+        return norm
+    # the whole's gradients, the split's float32 sums and one half's gradients at a time
+    need = sum(2 * p.numel() * p.element_size() + 4 * p.numel() for p in params)
+    free = available_bytes()
+    if free is not None and need > free // 2:
+        log.info("gradient check of the loss's split skipped: it needs %.0f MiB, %.0f MiB are available",
+                 need / 2**20, free / 2**20)
         return norm
     flags = [(m, m.training) for m in model.modules()]
 
@@ -288,7 +297,7 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
         with torch.enable_grad():
             whole = grads(idx)
             total = norm.weight(_take(targets, idx), n)
-            split = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+            split = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
             for sel in (idx[:n // 2], idx[n // 2:]):
                 scale = norm.scale(norm.weight(_take(targets, sel), len(sel)), total)
                 for acc, g in zip(split, grads(sel)):
@@ -303,7 +312,7 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
     floor = 1e-6 * max((float(g.abs().max()) for g in whole if g is not None and g.numel()), default=0.0)
     named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
     for (name, p), g, s in zip(named, whole, split):
-        g = torch.zeros_like(s) if g is None else g.double()
+        g = torch.zeros_like(s) if g is None else g.to(s.dtype)
         scale = max(float(g.abs().max()) if g.numel() else 0.0, float(s.abs().max()) if s.numel() else 0.0)
         if scale <= floor:
             continue

@@ -26,7 +26,7 @@ from .. import settings
 
 __all__ = [
     "rss_bytes", "peak_rss_bytes", "process_peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
-    "tune_allocator", "allocator_tuned", "release_heap", "PeakMeter", "measure_peak",
+    "tune_allocator", "allocator_tuned", "release_heap", "PeakMeter", "measure_peak", "available_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,18 @@ def _status_kib(field: str) -> int | None:
                 if line.startswith(field.encode()):
                     return int(line.split()[1])
     except OSError:
+        return None
+    return None
+
+
+def available_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo (bytes), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         return None
     return None
 
