@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .._state import preserved_model_state
+from ..batch import tensors_in
 from ..errors import InputError
 from ..profile.memory import available_bytes
 
@@ -134,22 +135,11 @@ def _loss_value(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., to
         return loss_fn(out, _take(targets, idx))
 
 
-def _rows(x: Any) -> set[int]:
-    """The dim-0 sizes of the tensors in an output (a tensor, a dict or ``ModelOutput``, a tuple or list)."""
-    if isinstance(x, torch.Tensor):
-        return {x.shape[0]} if x.dim() > 0 else set()
-    if isinstance(x, dict):
-        return {r for v in x.values() for r in _rows(v)}
-    if isinstance(x, (tuple, list)):
-        return {r for v in x for r in _rows(v)}
-    return set()
-
-
 def _check_batch_first(model: nn.Module, out: Any, taken: int, batch: int) -> None:
     """Refuse a model whose batch is not dim 0 of its inputs: given ``taken`` of the example's ``batch`` samples
     along dim 0, none of its outputs has ``taken`` rows and one still has ``batch`` (a sequence-first LSTM or
     Transformer handed ``[L, B, F]``: slicing dim 0 cut the sequence, and every micro-batch would be wrong)."""
-    rows = _rows(out)
+    rows = {t.shape[0] for t in tensors_in(out) if t.dim() > 0}
     if taken < batch and rows and taken not in rows and batch in rows:
         raise InputError(f"{type(model).__name__} given {taken} of the {batch} samples along dim 0 of its inputs "
                          f"returned outputs of {batch} rows: its batch is not dim 0 of its inputs. edgetrain takes "
