@@ -72,9 +72,11 @@ def preserved_model_state(model: nn.Module, *, grads: bool = True, host_rngs: bo
     replays (torch's generators only), for a check that two runs replay alike.
 
     Parameters are not copied (profiling never steps an optimizer); buffers (BatchNorm running statistics)
-    are, since any training-mode forward updates them.
+    are, since any training-mode forward updates them: each is put back as the object it was (a forward
+    may assign its module a new tensor), in its shape (or resize it in place) and values.
     """
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None]
     saved_grads = [(p, p.grad) for p in model.parameters()] if grads else []
     rng = rng_state()
     host = host_rng_state() if host_rngs else None
@@ -83,7 +85,11 @@ def preserved_model_state(model: nn.Module, *, grads: bool = True, host_rngs: bo
         yield
     finally:
         with torch.no_grad():
-            for b, copy in buffers:
+            for m, name, b, copy in buffers:
+                if m._buffers.get(name) is not b:  # reassigned, not written in place
+                    m._buffers[name] = b
+                if b.shape != copy.shape:  # resized in place (an observer's statistics on first use)
+                    b.resize_(copy.shape)
                 b.copy_(copy)
         for p, g in saved_grads:
             p.grad = g

@@ -13,11 +13,12 @@ from typing import Any, Callable, Container, Mapping
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import CaptureError
 
 __all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs",
-           "grad_outputs"]
+           "grad_outputs", "ArgumentWriters"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
@@ -38,11 +39,41 @@ def managed_buffer(model: nn.Module, qualname: str) -> bool:
 
 
 def mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str, ...], Any]:
-    """Names of the buffers whose version counter ``run()`` advanced (an in-place write), and its result."""
+    """Names of the buffers ``run()`` wrote: in place (their version counter advanced) or by assigning the
+    module another tensor; and its result."""
     bufs = list(model.named_buffers())
     before = [b._version for _, b in bufs]
     out = run()
-    return tuple(n for (n, b), v in zip(bufs, before) if b._version != v), out
+    now = dict(model.named_buffers())
+    return tuple(n for (n, b), v in zip(bufs, before) if b._version != v or now.get(n) is not b), out
+
+
+class ArgumentWriters(TorchDispatchMode):
+    """Records the ops that write into a tensor argument other than the one they update in place, such as
+    ``rrelu_with_noise``, which fills the ``noise`` tensor handed to it (``nn.RReLU`` in training mode).
+
+    Autograd saves such an argument before the kernel writes it, and a non-reentrant
+    ``torch.utils.checkpoint`` stops its replay once the last saved tensor is back: when that is the
+    argument, the kernel never runs in the replay and backward reads an unfilled tensor (an ``nn.RReLU``
+    recomputed alone gave gradients of 1e19-1e35, with no error). A chain with such an op is replayed in
+    full (:attr:`Chain.early_stop`). BatchNorm's running statistics are left out: a training-mode backward
+    does not read them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        schema = func._schema
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write or arg.is_out or arg.name in ("running_mean", "running_var"):
+                continue
+            if i == 0 and schema.name.endswith("_"):  # the op's own in-place update: saved after it, if at all
+                continue
+            self.ops.add(str(schema.name))
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass
@@ -95,6 +126,8 @@ class Chain:
     # why the model trains as one stage; capture logs it at INFO (prepare's forked children capture too) and
     # the step prepared with the chain warns once
     warning: str = ""
+    # False: an op writes into an argument autograd saves (see ArgumentWriters); replays run to the end
+    early_stop: bool = True
 
     def __len__(self) -> int:
         return len(self.stages)

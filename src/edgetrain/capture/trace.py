@@ -21,9 +21,9 @@ import torch
 from torch import fx, nn
 
 from .._state import preserved_model_state, rng_state, set_rng_state
-from ..batch import slice_batch
+from ..batch import slice_batch, tensors_in
 from ..errors import CaptureError
-from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
+from .chain import ArgumentWriters, OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
 from .modules import module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
 
@@ -378,6 +378,57 @@ def _reproducible(model: nn.Module, env: dict[str, Any], host_rngs: bool = True)
     return True  # the example batch ran once already; it cannot fail here but on resources
 
 
+def _gradients(out: Any, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of ``params`` from a backward of ``out``'s floating tensors, each seeded with a fixed
+    random tensor (so any way an output feeds back counts), densified."""
+    outs = [t for t in tensors_in(out) if t.requires_grad and t.is_floating_point()]
+    if not outs or not params:
+        return [None] * len(params)
+    gen = torch.Generator().manual_seed(0)
+    seeds = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in outs]
+    got = torch.autograd.grad(outs, params, seeds, allow_unused=True)
+    return [g.to_dense() if g is not None and g.is_sparse else g for g in got]
+
+
+def _gradient_mismatch(model: nn.Module, gm: fx.GraphModule, env: dict[str, Any], rtol: float = 1e-3) -> str:
+    """Where the traced graph's gradients, on two samples, differ from the model's own forward's (empty
+    where they agree). A trace records the ops a forward runs, not how autograd is told to differentiate
+    them: a ``torch.no_grad()`` block (a frozen teacher) would be trained, and a custom
+    ``torch.autograd.Function`` (a straight-through estimator, a gradient reversal) would be differentiated
+    as its forward's ops are. Both runs start from the same random state; per parameter tensor, a
+    difference over ``rtol`` of the larger gradient's largest entry counts (entries under 1e-6 of the
+    largest gradient anywhere count as zero)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    for inputs in ({k: slice_batch(v, 0, 2) for k, v in env.items()}, env):  # the whole batch if 2 samples fail
+        try:
+            with torch.enable_grad():
+                with preserved_model_state(model):
+                    own = _gradients(model(**inputs), params)
+                with preserved_model_state(model):
+                    traced = _gradients(gm(*[inputs.get(k) for k in placeholders]), params)
+            break
+        except Exception:
+            continue
+    else:
+        return ""  # both ran on the example batch already; they cannot fail here but on resources
+    floor = 1e-6 * max((float(g.abs().max()) for g in own + traced if g is not None and g.numel()), default=0.0)
+    for name, p, a, b in zip(names, params, own, traced):
+        if a is None or b is None:
+            if (a is None) != (b is None) and float((a if a is not None else b).abs().max()) > floor:
+                return f"{name} gets a gradient in the traced graph and none from the forward" if a is None \
+                    else f"{name} gets a gradient from the forward and none in the traced graph"
+            continue
+        scale = max(float(a.abs().max()), float(b.abs().max())) if a.numel() else 0.0
+        if scale <= floor:
+            continue
+        rel = float((a.double() - b.double()).abs().max()) / scale
+        if rel > max(rtol, 16 * torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0):
+            return f"{name}'s gradient differs by {rel:.2g} relative"
+    return ""
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
@@ -409,15 +460,27 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         CaptureError: the example batch does not run through the model, or (``strict``) no cut is possible.
     """
     env = bind_inputs(model, example_inputs)
-    names = tuple(env)
+    writers = ArgumentWriters()
     with preserved_model_state(model), torch.no_grad():
         state = rng_state()
         try:
-            with preserved_model_state(model):  # the traced graph runs below on the same buffers
+            with preserved_model_state(model), writers:  # the traced graph runs below on the same buffers
                 mutates, reference = mutated_buffers(model, lambda: model(**env))
         except Exception as e:
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
+    chain = _capture(model, env, mutates, reference, state, max_stages, strict, carry_cuts)
+    if writers.ops:
+        chain.early_stop = False
+        log.info("%s writes into arguments autograd saves (%s): recomputations replay each stage to its end",
+                 type(model).__name__, ", ".join(sorted(writers.ops)))
+    return chain
+
+
+def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], reference: Any, state: Any,
+             max_stages: int, strict: bool, carry_cuts: bool) -> Chain:
+    names = tuple(env)
+    with preserved_model_state(model), torch.no_grad():
         if not _reproducible(model, env):
             chain = _single_stage(model, names, mutates)
             chain.replayable = False
@@ -443,6 +506,13 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
     if not _same(out_val, reference):
         msg = (f"the traced graph of {type(model).__name__} does not reproduce its output on the example batch "
                "(data-dependent Python control flow?)")
+        with preserved_model_state(model):
+            return _fallback(model, env, names, mutates, msg, strict)
+    mismatch = _gradient_mismatch(model, gm, env)
+    if mismatch:
+        msg = (f"the graph torch.fx traced from {type(model).__name__} gives other gradients than its forward "
+               f"({mismatch}): a trace does not record torch.no_grad / torch.enable_grad blocks or a custom "
+               "torch.autograd.Function's backward inside the forward")
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
     cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts, last_write), nodes,

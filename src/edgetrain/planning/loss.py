@@ -20,7 +20,14 @@ label or all lack padding):
   samples asks for class 7 of 6): refused like an opaque one, with the error it raised;
 * a loss that changes from one evaluation of the same samples to the next, even in eval mode, is
   **random** (the forward draws random numbers whatever its mode: a masked autoencoder's random masking,
-  injected noise): its split cannot be checked, so it is refused like an opaque one, with that reason.
+  injected noise): its split cannot be checked, so it is refused like an opaque one, with that reason;
+* a model whose training-mode outputs for some samples change when other samples of the batch change
+  **mixes samples** (mixup or CutMix inside the forward, attention across the batch, statistics over the
+  batch outside BatchNorm): micro-batches would mix within themselves only, so it is refused like an
+  opaque one. The eval-mode checks cannot see what only training mode does; this one runs the forward
+  twice in training mode from the same random state (the same dropout masks), on the samples and on them
+  with the second half replaced, and compares the first half's output rows. BatchNorm layers run on their
+  running statistics for it: how edgetrain keeps their statistics under micro-batching is its own matter.
 
 A loss whose values pass as one of the splittable forms is then checked where it matters: the gradients
 of the samples whole against those of the two halves, each weighted as a micro-batch is. A term over the
@@ -40,7 +47,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._state import preserved_model_state
+from .._state import host_rng_moved, host_rng_state, module_generators, preserved_model_state, rng_state
 from ..batch import tensors_in
 from ..errors import InputError
 from ..profile.memory import available_bytes
@@ -49,7 +56,7 @@ __all__ = ["LossNorm", "loss_normalisation"]
 
 log = logging.getLogger(__name__)
 
-MEAN, SUM, WEIGHTED, OPAQUE, RANDOM, WHOLE = "mean", "sum", "weighted", "opaque", "random", "whole"
+MEAN, SUM, WEIGHTED, OPAQUE, RANDOM, WHOLE, MIXES = "mean", "sum", "weighted", "opaque", "random", "whole", "mixes"
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,11 @@ class LossNorm:
     """How the loss of a batch is made from the losses of its slices.
 
     Attributes:
-        kind: ``"mean"``, ``"sum"``, ``"weighted"``, ``"opaque"``, ``"random"`` or ``"whole"`` (see the module
-            docstring).
+        kind: ``"mean"``, ``"sum"``, ``"weighted"``, ``"opaque"``, ``"random"``, ``"whole"`` or ``"mixes"`` (see
+            the module docstring).
         loss_fn: the loss (for ``"weighted"``: its class weights and ignored index are read from it).
-        error: for ``"whole"``, what evaluating it on part of the batch raised.
+        error: for ``"whole"``, what evaluating it on part of the batch raised; for ``"opaque"``, where the
+            gradients differ; for ``"mixes"``, which output moved and by how much.
     """
 
     kind: str
@@ -70,7 +78,7 @@ class LossNorm:
     @property
     def splittable(self) -> bool:
         """Whether micro-batches can reproduce the full batch's gradients exactly."""
-        return self.kind not in (OPAQUE, RANDOM, WHOLE)
+        return self.kind not in (OPAQUE, RANDOM, WHOLE, MIXES)
 
     @property
     def why_unsplittable(self) -> str:
@@ -83,10 +91,17 @@ class LossNorm:
             return ("the loss of the same samples changes from one evaluation to the next, even in eval mode "
                     "(the forward draws random numbers whatever its mode: random masking, noise), so whether "
                     "micro-batches reproduce its gradients cannot be checked")
+        if self.kind == MIXES:
+            return (f"in training mode the model's outputs for some samples change when other samples of the "
+                    f"batch change ({self.error}): its forward mixes samples across the batch (mixup or CutMix "
+                    "inside the model, attention across the batch, statistics over the batch outside "
+                    "BatchNorm), and micro-batches would each mix only within themselves; the batch is trained "
+                    "whole")
         if self.kind == OPAQUE and self.error:
             return (f"split in two, the example's gradients do not add up to the whole's ({self.error}): the "
-                    "loss has a term over the batch as a whole (a mixture-of-experts load-balancing loss is "
-                    "one), so micro-batches could not reproduce its gradients")
+                    "loss, or the model's forward, has a term over the batch as a whole (a mixture-of-experts "
+                    "load-balancing loss, an output centred on the batch's mean), so micro-batches could not "
+                    "reproduce its gradients")
         if self.kind == OPAQUE:
             return ("the loss is neither a mean nor a sum over samples on the example batch (split in two, its "
                     "parts do not add up to the whole), so micro-batches could not reproduce its gradients (a "
@@ -199,7 +214,8 @@ def _diverse_samples(env: dict[str, Any], targets: Any, batch: int, n: int) -> t
 def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
                        batch: int, rtol: float = 1e-4, samples: int = 6) -> LossNorm:
     """Find how ``loss_fn`` normalises, on (at most) ``samples`` samples of the example batch that differ
-    (:func:`_diverse_samples`), whole and split after the first and in the middle.
+    (:func:`_diverse_samples`), whole and split after the first and in the middle; then, for a loss that
+    splits, whether the model mixes samples in training mode (:func:`_unless_samples_mix`).
 
     The model runs in eval mode (dropout off, BatchNorm on its running statistics: every sample on its
     own) without gradients, and its buffers, gradients, training flags and the RNG are restored after.
@@ -209,6 +225,13 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     """
     n = min(batch, samples)
     idx = _diverse_samples(env, targets, batch, n)
+    norm = _normalisation(model, env, loss_fn, targets, batch, idx, rtol)
+    return _unless_samples_mix(norm, model, env, idx) if norm.splittable else norm
+
+
+def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
+                   batch: int, idx: torch.Tensor, rtol: float) -> LossNorm:
+    n = len(idx)
     cuts = sorted({1, n // 2} - {0, n})
     flags = [(m, m.training) for m in model.modules()]
     with torch.no_grad():
@@ -251,6 +274,67 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
              whole_v, ", ".join(str(c) for c, _, _ in parts),
              "; ".join(f"{a_v:.6g} and {b_v:.6g}" for _, a_v, b_v in parts))
     return LossNorm(OPAQUE)
+
+
+def _unless_samples_mix(norm: LossNorm, model: nn.Module, env: dict[str, Any], idx: torch.Tensor,
+                        rtol: float = 1e-4) -> LossNorm:
+    """``norm``, or one of kind ``"mixes"`` when, in training mode, the first half of samples ``idx`` get
+    other output rows once the second half is replaced by other samples of the batch.
+
+    Both forwards start from the same generator states (torch's, NumPy's, Python's, the modules' own), so
+    dropout and other draws are the same in each; BatchNorm layers run on their running statistics. A
+    forward whose number of draws depends on the samples (the generators end elsewhere after the two runs:
+    ``nn.RReLU`` draws a slope per negative input) cannot be told apart from one that mixes, and is let
+    through (the eval-mode checks stand). Output
+    tensors whose dim 0 is not the samples (a loss the model computes itself) are not compared. A training-
+    mode forward that fails, or a model not in training mode, skips the check (the eval-mode checks stand).
+    """
+    n = len(idx)
+    if n < 2 or not model.training:
+        return norm
+    half = n // 2
+    other = idx.clone()
+    other[half:] = idx[[(j + 1) % n for j in range(half, n)]]  # every replaced row gets another sample
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                m.eval()
+
+        def rows(sel: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
+            with preserved_model_state(model), torch.no_grad():
+                out = model(**{k: _take(v, sel) for k, v in env.items()})
+                drawn = [rng_state()["cpu"], *(g.get_state() for g in module_generators(model))]
+                host = host_rng_state()
+            return [t[:half] for t in tensors_in(out) if t.dim() > 0 and t.shape[0] == n], [drawn, host]
+
+        (first, after_first), (second, after_second) = rows(idx), rows(other)
+    except Exception as e:
+        log.info("training-mode check that samples do not mix skipped: %s: %s", type(e).__name__, e)
+        return norm
+    finally:
+        for m, t in flags:
+            m.training = t
+    if any(not torch.equal(a, b) for a, b in zip(after_first[0], after_second[0])) \
+            or host_rng_moved(after_first[1], after_second[1]):
+        # how many numbers the forward drew depends on the samples (nn.RReLU draws for negative inputs only),
+        # so the first half's draws may differ between the two runs: the comparison cannot tell mixing apart
+        log.info("training-mode check that samples do not mix skipped: the forward's random draws depend on the "
+                 "samples' values")
+        return norm
+    for k, (a, b) in enumerate(zip(first, second)):
+        if not (a.is_floating_point() or a.is_complex()):
+            if not torch.equal(a, b):
+                return LossNorm(MIXES, error=f"output {k}'s first {half} rows changed")
+            continue
+        scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0)
+        rel = float((a.double() - b.double()).abs().max()) / scale if scale > 0 else 0.0
+        if rel > max(rtol, 16 * torch.finfo(a.dtype).eps):
+            log.info("training-mode output %d of the first %d samples moved by %.2g relative when the other %d "
+                     "were replaced: the forward mixes samples", k, half, rel, n - half)
+            return LossNorm(MIXES, error=f"output {k} of the first {half} samples moved by {rel:.2g} relative "
+                                         f"when the other {n - half} were replaced")
+    return norm
 
 
 def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, Any],

@@ -8,6 +8,11 @@ replayed so dropout masks are identical, and a :class:`RecomputeGuard` undoes Ba
 updates made by the replay. A ``selective:NAME`` group (one or more stages) runs under the same checkpoint
 with a selective policy that keeps the outputs of the op classes in ``NAME`` and re-runs the rest
 (:mod:`.selective`).
+
+A replay stops once every saved tensor is back (PyTorch's early stop), unless the chain has an op that
+writes into an argument autograd saves (``Chain.early_stop`` False, see
+:class:`~edgetrain.capture.chain.ArgumentWriters`): its replay then runs to the end, or the argument
+would never be written.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from ..capture.modules import BlockCalls, check_calls, replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
@@ -26,7 +32,15 @@ from ..plan import Plan
 from .batchnorm import FullBatchStats, RecomputeGuard
 from .selective import selective_context_fn
 
-__all__ = ["Executor", "ModuleExecutor", "PlainExecutor", "make_executor", "needs_stages"]
+__all__ = ["Executor", "ModuleExecutor", "PlainExecutor", "make_executor", "needs_stages", "checkpoint"]
+
+
+def checkpoint(chain: Chain, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Non-reentrant ``torch.utils.checkpoint`` of ``fn`` with RNG replay, stopping its replay early only
+    where ``chain`` allows (the flag is read when the checkpointed forward runs, so a checkpoint nested in a
+    replay is called through here too)."""
+    with set_checkpoint_early_stop(getattr(chain, "early_stop", True)):
+        return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 @dataclass
@@ -125,8 +139,7 @@ class Executor:
                     def ctx(st: Any = st) -> tuple[Any, Any]:
                         return self._guard(st.index, st.index, st.modules)
 
-                    outs = checkpoint(st, *(env[k] for k in st.inputs), use_reentrant=False,
-                                      preserve_rng_state=True, context_fn=ctx)
+                    outs = checkpoint(self.chain, st, *(env[k] for k in st.inputs), context_fn=ctx)
                 else:
                     outs = st(*(env[k] for k in st.inputs))
                 env.update(zip(st.outputs, outs))
@@ -144,8 +157,7 @@ class Executor:
                     def ctx(g: _Group = g) -> tuple[Any, Any]:
                         return self._guard(g.first, g.last, g.modules)
 
-                    outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
-                                      preserve_rng_state=True, context_fn=ctx)
+                    outs = checkpoint(self.chain, self._group_fn(g), *(env[k] for k in g.inputs), context_fn=ctx)
                     env.update(zip(g.outputs, outs))
                     self.chain.release(env, g.last)
                     continue
@@ -154,8 +166,8 @@ class Executor:
                     def guard(g: _Group = g) -> tuple[Any, Any]:
                         return self._guard(g.first, g.last, g.modules)
 
-                    outs = checkpoint(self._group_fn(g), *(env[k] for k in g.inputs), use_reentrant=False,
-                                      preserve_rng_state=True, context_fn=selective_context_fn(option, guard))
+                    outs = checkpoint(self.chain, self._group_fn(g), *(env[k] for k in g.inputs),
+                                      context_fn=selective_context_fn(option, guard))
                     env.update(zip(g.outputs, outs))
                     del outs
                     self.chain.release(env, g.last)
@@ -212,8 +224,7 @@ class ModuleExecutor:
         context_fn = ctx if option is None else selective_context_fn(option, ctx)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn,
-                              **kwargs)
+            return checkpoint(self.chain, forward, *args, context_fn=context_fn, **kwargs)
         return run
 
     def _by_policy(self, i: int, forward: Callable[..., Any]) -> Callable[..., Any]:

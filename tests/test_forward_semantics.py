@@ -1,0 +1,260 @@
+"""What a forward does beyond its values, kept under recomputation and micro-batching: ops that write into an
+argument autograd saves (nn.RReLU), gradient-mode blocks inside the forward (a frozen teacher under
+torch.no_grad), samples mixed across the batch in training mode only (mixup inside the model)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import edgetrain
+from edgetrain.errors import InputError
+
+
+def _plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 5) -> nn.Module:
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(seed)
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    opt.step()
+    return model
+
+
+def _prepared(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **planning: object) -> tuple[nn.Module, object]:
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y),
+                                 planning=edgetrain.PlanConfig(**planning))
+    return model, step
+
+
+def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    for (name, u), v in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(u, v), name
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_rrelu_recomputed_on_its_own_gets_exact_gradients():
+    """nn.RReLU fills the noise tensor it hands rrelu_with_noise, which autograd saved before the kernel ran; a
+    checkpoint replay stopping at the last saved tensor skipped the kernel, and backward read an unfilled tensor
+    (gradients of 1e19-1e35, no error) whenever the RReLU stage was recomputed without a later op."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.RReLU(), nn.Linear(32, 32), nn.RReLU(), nn.Linear(32, 3))
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plain = _plain_step(model, x, y)
+    base, step = _prepared(model, x, y, solver="no_saving")
+    assert len(step.chain) == 5
+    for policies in itertools.product(("keep", "recompute"), repeat=5):
+        if "recompute" not in policies:
+            continue
+        m, step = _prepared(model, x, y, solver="no_saving")
+        step.set_plan(step.plan.replace(policies=policies))
+        torch.manual_seed(5)
+        step(x, y)
+        _assert_same_state(plain, m)
+
+
+class _Distilled(nn.Module):
+    """A student fed a frozen teacher's output, the teacher run under torch.no_grad inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            hint = self.teacher(x)
+        return self.student(x + hint)
+
+
+def test_a_no_grad_block_in_the_forward_is_not_trained():
+    """torch.fx does not record torch.no_grad: the traced graph gave the teacher gradients, and SGD moved it (2.9e-3)."""
+    torch.manual_seed(0)
+    model = _Distilled()
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plain = _plain_step(model, x, y)
+    m, step = _prepared(model, x, y, solver="recompute_all")
+    assert "recompute" in step.plan.policies
+    torch.manual_seed(5)
+    step(x, y)
+    assert all(p.grad is None for p in m.teacher.parameters())
+    _assert_same_state(plain, m)
+
+
+class _Mixup(nn.Module):
+    """Mixup inside the model, in training mode only: each sample is blended with another of the batch."""
+
+    def __init__(self, mix: bool = True) -> None:
+        super().__init__()
+        self.mix = mix
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.mix:
+            x = 0.7 * x + 0.3 * x[torch.randperm(x.shape[0])]
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_model_mixing_samples_in_training_mode_is_never_micro_batched():
+    """Eval-mode checks cannot see mixup; micro-batches of 4 mixed within themselves only (4.9e-3 off a
+    full-batch step, no error)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    with pytest.raises(InputError, match="mixes samples across the batch"):
+        _prepared(_Mixup(), x, y, micro_batch_size=4)
+    model = _Mixup()
+    m, step = _prepared(model, x, y, solver="recompute_all")  # the batch trained whole, and exactly
+    assert step.plan.micro_batch_size == 8
+    assert any("mixes samples" in n for n in step.plan.notes)
+    torch.manual_seed(5)
+    step(x, y)
+    _assert_same_state(_plain_step(model, x, y), m)
+    _, step = _prepared(_Mixup(mix=False), x, y, micro_batch_size=4)  # the same model without mixing splits
+    assert step.plan.micro_batch_size == 4
+
+
+def test_random_draws_that_depend_on_the_samples_do_not_count_as_mixing():
+    """nn.RReLU draws a slope per negative input, so another second half moves the first half's draws: the
+    mixing check cannot conclude and lets the model split, as dropout's own streams do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.RReLU(), nn.Linear(32, 32), nn.RReLU(), nn.Linear(32, 3))
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    _, step = _prepared(model, x, y, micro_batch_size=4)
+    assert step.plan.micro_batch_size == 4
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounding with an identity gradient (quantisation-aware training's straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g
+
+
+class _GradientReversal(torch.autograd.Function):
+    """Identity forward, negated and halved gradient (domain-adversarial training)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return -0.5 * g
+
+
+class _CustomBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            h = torch.relu(b(h))
+            h = _StraightThrough.apply(h) if i % 2 == 0 else _GradientReversal.apply(h)
+        return self.head(h)
+
+
+def test_custom_autograd_functions_keep_their_backward_when_recomputed():
+    """torch.fx traces a custom Function's forward ops and differentiates those (rounding: zero gradient;
+    reversal: identity), so recompute-all trained with other gradients (6.3e-3 off after one SGD step); the
+    model now runs as its blocks, through its own forward."""
+    torch.manual_seed(0)
+    model = _CustomBackward()
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plain = _plain_step(model, x, y)
+    m, step = _prepared(model, x, y, solver="recompute_all")
+    assert step.chain.method == "modules"
+    assert "recompute" in step.plan.policies
+    torch.manual_seed(5)
+    step(x, y)
+    _assert_same_state(plain, m)
+
+
+class _LazyStats(nn.Module):
+    """Buffers that change shape in the first forward, in place and by reassignment (as quantisation observers
+    and lazily sized statistics do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.register_buffer("peak", torch.tensor([]))
+        self.register_buffer("seen", torch.tensor([]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.no_grad():
+            m = h.detach().amax(0)
+            if self.peak.numel() == 0:
+                self.peak.resize_(m.shape).copy_(m)
+            else:
+                self.peak.copy_(torch.maximum(self.peak, m))
+            self.seen = torch.cat([self.seen, h.detach().mean().reshape(1)])[-4:]
+        return self.b(h)
+
+
+def test_buffers_resized_or_reassigned_in_the_forward_are_put_back_by_analysis():
+    """Analysis restored buffers with copy_, which raised from deep in torch on a buffer the forward had resized
+    (quantisation-aware training's observers: 'The size of tensor a (8) must match the size of tensor b (0)')."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    model = _LazyStats()
+    m, step = _prepared(model, x, y, solver="no_saving")
+    assert m.peak.numel() == 0 and m.seen.numel() == 0  # analysis left them as they were
+    torch.manual_seed(5)
+    step(x, y)
+    _assert_same_state(_plain_step(model, x, y), m)
+
+
+def test_quantisation_aware_training_trains_exactly_and_is_never_micro_batched():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant, self.dequant = torch.ao.quantization.QuantStub(), torch.ao.quantization.DeQuantStub()
+            self.c1, self.c2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.c2(torch.relu(self.c1(self.quant(x)))))
+            return self.dequant(self.head(h.mean((2, 3))))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = Net().train()
+        net.qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+        model = torch.ao.quantization.prepare_qat(net)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 12, 12), torch.randint(0, 3, (8,))
+    for solver in ("no_saving", "recompute_all"):
+        m, step = _prepared(model, x, y, solver=solver)
+        torch.manual_seed(5)
+        step(x, y)
+        _assert_same_state(_plain_step(model, x, y), m)
+    with pytest.raises(InputError, match="cannot train this model exactly"):
+        _prepared(model, x, y, micro_batch_size=4)
+
+
+def test_a_buffer_reassigned_in_the_forward_refuses_micro_batching():
+    """Writes were seen by version counters only, so a buffer the forward replaces (``self.seen = ...``) was
+    missed and micro-batches would have appended to it once each."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    with pytest.raises(InputError, match="seen"):
+        _prepared(_LazyStats(), x, y, micro_batch_size=4)
