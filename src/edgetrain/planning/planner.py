@@ -496,7 +496,9 @@ class Planner:
             user_need = budget_for(math.ceil(RETRY_SLACK * need), self.margin_share)
         else:
             user_need = math.ceil(RETRY_SLACK * need * self.budget / (self.budget - self.margin))
-        hint = "" if self.micro_batch_size is None else " or let the planner choose micro_batch_size"
+        # a model that micro-batching cannot train exactly is told why after this message (Analysis.analyse)
+        hint = "" if self.micro_batch_size is None or self.whole_batch_only else \
+            " or let the planner choose micro_batch_size"
         fixed_shown = self.costs.fixed_bytes  # never more than the need named (that was measured, with them)
         return BudgetError(
             f"no {self.solver} plan trains this batch of {self.costs.batch_size} within "
