@@ -258,3 +258,35 @@ def test_a_buffer_reassigned_in_the_forward_refuses_micro_batching():
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
     with pytest.raises(InputError, match="seen"):
         _prepared(_LazyStats(), x, y, micro_batch_size=4)
+
+
+def test_a_torch_compiled_model_trains_the_module_it_wraps():
+    """prepare(torch.compile(model), ...) failed with advice about dict inputs that the user had not given
+    (``OptimizedModule.forward`` takes ``*args``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    compiled = torch.compile(model)
+    plain = _plain_step(model, x, y)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="torch.compile'd Sequential"):
+        step = edgetrain.prepare(compiled, opt, nn.CrossEntropyLoss(), example=(x, y),
+                                 planning=edgetrain.PlanConfig(solver="recompute_all"))
+    torch.manual_seed(5)
+    step(x, y)
+    _assert_same_state(plain, model)  # the wrapper's parameters are the module's
+
+
+def test_a_forward_taking_star_args_is_refused_with_how_to_wrap_it():
+    class StarArgs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 3)
+
+        def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+            return self.lin(sum(xs))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    with pytest.raises(edgetrain.CaptureError, match=r"wrap it in a module whose forward names them"):
+        edgetrain.prepare(StarArgs(), torch.optim.SGD(StarArgs().parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                          example=((x, x), y))

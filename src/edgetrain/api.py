@@ -21,6 +21,7 @@ from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
 from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
+from .capture.chain import unwrap_compiled
 from .capture.modules import replay_kwargs
 from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import InputError
@@ -373,6 +374,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         CaptureError: the model does not run on the example.
         InputError: the example is malformed.
     """
+    model = unwrap_compiled(model)
     cfg, paging_cfg = resolve_legacy(planning, paging, deprecated)
     micro_batch_size, solver, safety_margin = cfg.micro_batch_size, cfg.solver, cfg.safety_margin
     inputs, targets = _split_example(example)

@@ -24,6 +24,7 @@ from torch import nn
 from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
 from .batch import batch_size_of, slice_batch
 from .capture import bind_inputs
+from .capture.chain import unwrap_compiled
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -153,6 +154,7 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
     """
     from .api import _split_example, prepare
 
+    model = unwrap_compiled(model)
     inputs, targets = _split_example(example)
     ours, plain = copy.deepcopy(model), copy.deepcopy(model)
     opt_ours, opt_plain = _copy_optimizer(optimizer, model, ours), _copy_optimizer(optimizer, model, plain)

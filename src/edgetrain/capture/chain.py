@@ -8,6 +8,7 @@ values no later stage reads). Made by :mod:`edgetrain.capture.trace` (torch.fx) 
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container, Mapping
 
@@ -18,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import CaptureError
 
 __all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs",
-           "grad_outputs", "ArgumentWriters"]
+           "grad_outputs", "ArgumentWriters", "unwrap_compiled"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
@@ -154,6 +155,20 @@ class Chain:
             del env[k]
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds, with a warning, or ``model``.
+
+    edgetrain's steps run the model's own forward (recomputing, micro-batching, replaying random draws),
+    eagerly: the wrapped module, whose parameters are the wrapper's, is what it trains."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        warnings.warn(f"edgetrain was given a torch.compile'd {type(inner).__name__}: it trains the module the "
+                      "compiled wrapper holds (the same parameters), running it eagerly; pass the model before "
+                      "torch.compile to silence this", stacklevel=3)
+        return inner
+    return model
+
+
 def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
     """Name the model inputs the way ``model.forward``'s signature does (tensor, tuple or dict)."""
     sig = inspect.signature(model.forward)
@@ -175,8 +190,9 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
             env.update(value)  # forward(x, **kwargs): the extra keywords are inputs of their own
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             if value:
-                raise CaptureError(f"{type(model).__name__}.forward{sig} takes *{name}; edgetrain passes inputs "
-                                   "by name: give the extra inputs as a dict of keyword inputs")
+                raise CaptureError(f"{type(model).__name__}.forward{sig} takes *{name}; edgetrain calls the model "
+                                   "with its inputs by name, which *args cannot take: wrap it in a module whose "
+                                   "forward names them (def forward(self, x, mask): return model(x, mask))")
         else:
             env[name] = value
     return env
