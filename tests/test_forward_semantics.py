@@ -290,3 +290,10 @@ def test_a_forward_taking_star_args_is_refused_with_how_to_wrap_it():
     with pytest.raises(edgetrain.CaptureError, match=r"wrap it in a module whose forward names them"):
         edgetrain.prepare(StarArgs(), torch.optim.SGD(StarArgs().parameters(), lr=0.1), nn.CrossEntropyLoss(),
                           example=((x, x), y))
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_before_any_work():
+    model = nn.Linear(16, 3)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    with pytest.raises(InputError, match="LBFGS.step needs a closure"):
+        edgetrain.prepare(model, torch.optim.LBFGS(model.parameters()), nn.CrossEntropyLoss(), example=(x, y))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Any, Callable
@@ -43,6 +44,19 @@ def _split_example(example: Any) -> tuple[Any, Any]:
         raise InputError("example must be a pair (inputs, targets), e.g. example=(x, y), with every tensor "
                          "batched on dim 0 like the batches you will train on")
     return example[0], example[1]
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure that re-evaluates the loss (``LBFGS``): an edgetrain
+    step runs one forward and backward per optimizer step."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise InputError(f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, and an "
+                         "edgetrain step runs one forward and backward per optimizer step: use an optimizer "
+                         "that steps on the gradients it is given (SGD, Adam, AdamW, ...)")
 
 
 def _say_single_stage(chain: Any) -> None:
@@ -375,6 +389,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         InputError: the example is malformed.
     """
     model = unwrap_compiled(model)
+    _check_optimizer(optimizer)
     cfg, paging_cfg = resolve_legacy(planning, paging, deprecated)
     micro_batch_size, solver, safety_margin = cfg.micro_batch_size, cfg.solver, cfg.safety_margin
     inputs, targets = _split_example(example)
