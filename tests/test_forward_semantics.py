@@ -297,3 +297,40 @@ def test_an_optimizer_that_needs_a_closure_is_refused_before_any_work():
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
     with pytest.raises(InputError, match="LBFGS.step needs a closure"):
         edgetrain.prepare(model, torch.optim.LBFGS(model.parameters()), nn.CrossEntropyLoss(), example=(x, y))
+
+
+class _Annealed(nn.Module):
+    """Logits divided by a temperature and hidden units masked by a tensor, both plain attributes the training
+    loop sets between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.temperature = 1.0
+        self.keep = torch.ones(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)) * self.keep) / self.temperature
+
+
+def test_plain_attributes_set_between_steps_are_used_by_traced_stages(caplog):
+    """A trace bakes a float attribute into its code and holds the tensor object an attribute had: a temperature
+    or mask assigned between steps was ignored by the traced stages (recompute-all 2.2e-2 off plain after three
+    steps). The step now re-traces once such an attribute changes."""
+    torch.manual_seed(0)
+    model = _Annealed()
+    batches = [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    m, step = _prepared(model, *batches[0], solver="recompute_all")
+    assert step.chain.method == "fx"
+    for i, (x, y) in enumerate(batches):
+        for net in (plain, m):
+            net.temperature = 1.0 + i
+            net.keep = (torch.arange(32) % (i + 2) != 0).float()
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(plain(x), y).backward()
+        opt.step()
+        step(x, y)
+    _assert_same_state(plain, m)
+    assert "keep (a new tensor) changed" in caplog.text

@@ -13,7 +13,8 @@ from torch import nn
 from .profile import memory
 from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
-from .planning.guards import describe_change, draws_random, loss_norm_safely, mark_micro_batched, model_key
+from .planning.guards import (attribute_key, changed_attributes, describe_change, draws_random, loss_norm_safely,
+                              mark_micro_batched, model_key)
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
 from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
@@ -97,6 +98,8 @@ class TrainStep:
         self._pager = pager
         #: pages the optimizer state out during the passes (an OptimizerStatePager), or None
         self.state_pager = state_pager
+        self._traced_attributes: dict[str, Any] | None = None  # set by _make_executor for traced code
+        self._retraced = False
         self._executor = self._make_executor(plan)
         self.page_dir: str | None = None
         self.elastic: Any = None
@@ -138,10 +141,44 @@ class TrainStep:
         return self._chain
 
     def _make_executor(self, plan: Plan) -> Any:
+        self._traced_attributes = None
         if self.budget_bytes is None and self._pager is None and not needs_stages(plan):
             # no budget and nothing recomputed: plain PyTorch's own forward, with no graph captured here
             return PlainExecutor(self.model)
-        return make_executor(self.chain, plan, self._bn, self._pager)
+        executor = make_executor(self.chain, plan, self._bn, self._pager)
+        if self.chain.method == "fx":  # traced code: plain attributes are baked in (see _retrace_if_changed)
+            self._traced_attributes = attribute_key(self.model)
+        return executor
+
+    def _retrace_if_changed(self) -> None:
+        """Re-trace the model where a plain attribute its traced code froze has changed since the capture (a
+        temperature annealed by assignment, a mask tensor replaced), so the step computes with the new value;
+        the plan stays (the same stages, the same costs)."""
+        if self._traced_attributes is None:
+            return
+        now = attribute_key(self.model)
+        if now == self._traced_attributes:
+            return
+        changed = changed_attributes(self._traced_attributes, now)
+        assert self._capture is not None
+        t0 = time.perf_counter()
+        state, host = rng_state(), host_rng_state()
+        try:
+            chain = self._capture()
+        finally:
+            set_rng_state(state)
+            set_host_rng_state(host)
+        if len(chain) != len(self._chain) or chain.method != self._chain.method:
+            raise InputError(f"model attribute(s) {', '.join(changed)} changed since edgetrain.prepare(), and the "
+                             f"model traced again is cut otherwise ({len(chain)} {chain.method} stages, not "
+                             f"{len(self._chain)}): the plan no longer fits it. Call edgetrain.prepare again.")
+        self._chain = chain
+        self._executor = self._make_executor(self._plan)
+        if not self._retraced:
+            log.warning("model attribute(s) %s changed since the model was traced: traced again (%.0f ms), and again "
+                        "whenever they change, so that the step computes with the values set",
+                        ", ".join(changed), 1e3 * (time.perf_counter() - t0))
+        self._retraced = True
 
     @property
     def budget_source(self) -> Callable[[], int | str | None] | None:
@@ -167,6 +204,7 @@ class TrainStep:
                              "The prepared step runs the model as it was captured; put it back as it was "
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
+        self._retrace_if_changed()
         n = batch_size_of(inputs, targets)
         sig = batch_signature((inputs, targets))
         if sig != self._signature:

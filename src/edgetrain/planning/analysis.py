@@ -18,9 +18,10 @@ from ..profile import memory
 from ..profile.fork import measure_in_child
 from .planner import Measured, Planner
 from .runs import run_plan, run_steps
+from .._state import preserved_model_state
 from ..batch import slice_batch
 from ..capture import capture
-from ..errors import BudgetError, InputError
+from ..errors import BudgetError, CaptureError, InputError
 from ..graph import CostChain
 from ..plan import Plan
 from ..profile.stages import profile_chain
@@ -124,8 +125,25 @@ class Analysis:
         return None if self.budget is None else self.budget - self.margin
 
     def capture_chain(self) -> Any:
-        return capture(self.model, slice_batch(self.inputs, 0, min(self.batch, 2)), max_stages=self.max_stages,
-                       carry_cuts=not self.solver.startswith("poet"))  # the paging model has no carried tensors
+        """The model's chain, captured on two samples of the example.
+
+        Raises:
+            InputError: the model runs on the whole example but not on two of its samples (a forward tied to
+                one batch size), which edgetrain's profiling and micro-batching need.
+        """
+        part = min(self.batch, 2)
+        try:
+            return capture(self.model, slice_batch(self.inputs, 0, part), max_stages=self.max_stages,
+                           carry_cuts=not self.solver.startswith("poet"))  # the paging model has no carried tensors
+        except CaptureError as e:
+            if part == self.batch or not _runs(self.model, self.env):
+                raise
+            name = type(self.model).__name__
+            raise InputError(f"{name} runs on the example's {self.batch} samples but fails on {part} of them "
+                             f"({e.__cause__ or e}): edgetrain captures, measures and micro-batches a model on "
+                             "parts of the batch, so it cannot train a forward tied to one batch size (a recurrent "
+                             "state kept between batches, a buffer sized for the batch). Pass such state as an "
+                             "input batched on dim 0, or make the forward work for any number of samples") from e
 
     def unallocated(self, paged: bool) -> int:
         """Bytes real steps hold during the passes that validation runs do not: the gradients, and the
@@ -343,3 +361,13 @@ def state_paging_fields(optimizer: torch.optim.Optimizer, opt_costs: Any, cfg: A
         return {}
     return {"state_mode": mode, "pageable_state": old + new, "pageable_new": new, "state_dir": cfg.state_dir,
             "state_s_per_byte": w + r}
+
+
+def _runs(model: nn.Module, env: dict[str, Any]) -> bool:
+    """Whether ``model`` runs on ``env`` (no gradients; its buffers and the generators put back after)."""
+    try:
+        with preserved_model_state(model), torch.no_grad():
+            model(**env)
+    except Exception:
+        return False
+    return True

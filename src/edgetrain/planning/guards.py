@@ -3,6 +3,8 @@
 * :func:`model_key` and :func:`describe_change`: a step runs the model as it was captured (traced code holds
   ``self.training`` and the module objects of the capture), so a model changed after ``prepare`` (eval
   mode, a replaced submodule or parameter) is refused by name, never trained as something else.
+* :func:`attribute_key`: the plain attributes traced code froze (a temperature, a tensor set from outside),
+  so that a step re-traces the model once one changes rather than train with the old value.
 * :func:`loss_norm_safely`: how the loss normalises (:mod:`edgetrain.planning.loss`), found in a forked child.
 * :func:`draws_random`: whether the forward draws random numbers (dropout): micro-batches then draw their
   own, as gradient accumulation does, and a split step is not bit for bit one full-batch step.
@@ -18,8 +20,8 @@ from torch import nn
 
 from .loss import LossNorm, loss_normalisation
 
-__all__ = ["model_key", "describe_change", "loss_norm_safely", "draws_random", "mark_micro_batched",
-           "RANDOM_MICRO_BATCH_NOTE"]
+__all__ = ["model_key", "describe_change", "attribute_key", "changed_attributes", "loss_norm_safely",
+           "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
 
 #: The plan note (and warning) for a split batch whose forward draws random numbers.
 RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
@@ -54,6 +56,50 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
         if old_p.get(name) != new_p.get(name):
             return f"parameter '{name}' was added, removed or replaced by another tensor"
     return "its modules or parameters changed"
+
+
+_PLAIN = (bool, int, float, complex, str, type(None))
+
+
+def attribute_key(model: nn.Module) -> dict[str, Any]:
+    """The plain attributes of the modules whose code a torch.fx trace runs through (every module not defined in
+    ``torch.nn``, whose modules run as calls of their own): Python numbers, strings, tuples of those, by
+    value; tensors that are neither parameters nor buffers, by identity (the graph holds the object, so
+    writes into it are seen; an assigned new tensor is not). A trace bakes such values into its code."""
+    key: dict[str, Any] = {}
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("torch.nn."):
+            continue
+        for k, v in vars(m).items():
+            if k.startswith("_") or k == "training":
+                continue
+            where = f"{name}.{k}" if name else k
+            if isinstance(v, _PLAIN):
+                key[where] = v
+            elif isinstance(v, torch.Tensor):
+                key[where] = ("tensor", id(v))
+            elif isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v):
+                key[where] = tuple(v)
+    return key
+
+
+def changed_attributes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The attributes of :func:`attribute_key` whose values differ, each as ``name (old -> new)``."""
+    missing = object()
+
+    def tensor(v: Any) -> bool:
+        return isinstance(v, tuple) and v[:1] == ("tensor",)
+
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, missing), new.get(k, missing)
+        if a == b:
+            continue
+        if tensor(a) or tensor(b):
+            out.append(f"{k} (a new tensor)")
+        else:
+            out.append(f"{k} ({'unset' if a is missing else repr(a)} -> {'unset' if b is missing else repr(b)})")
+    return out
 
 
 def loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
