@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .._state import preserved_model_state
+from ..batch import tensors_in
 from ..errors import InputError
 from .chain import Chain, Stage
 
@@ -109,6 +110,7 @@ def block_stages(model: nn.Module, env: dict[str, Any]) -> tuple[list[str] | Non
     active: list[str] = []
     bad: set[str] = set()
     handles = []
+    versions: list[list[tuple[torch.Tensor, int]]] = []
 
     def pre(name: str):
         def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
@@ -116,11 +118,16 @@ def block_stages(model: nn.Module, env: dict[str, Any]) -> tuple[list[str] | Non
                 bad.add(name)
             active.append(name)
             calls.append(name)
+            versions.append([(t, t._version) for t in tensors_in((args, kwargs))])
         return hook
 
     def post(name: str):
         def hook(m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
             active.pop()
+            if any(t._version != v for t, v in versions.pop()):
+                # a checkpoint holds the block's inputs to replay it: one the block writes into would be
+                # replayed from its written value
+                bad.add(name)
         return hook
 
     for n, m in mods.items():
@@ -156,7 +163,8 @@ def block_stages(model: nn.Module, env: dict[str, Any]) -> tuple[list[str] | Non
     counts = {n: calls.count(n) for n in names}
     order = [n for n in calls if n not in bad and (counts[n] >= 2 or n not in alone)]
     if bad:
-        log.info("blocks not recomputable (handed a stateful object, or called inside another block): %s",
+        log.info("blocks not recomputable (handed a stateful object, called inside another block, or writing into "
+                 "a tensor handed to it): %s",
                  ", ".join(sorted(bad)))
     return (order if len(order) >= 2 else None), varies
 

@@ -323,9 +323,10 @@ def _fallback(model: nn.Module, env: dict[str, Any], names: tuple[str, ...], mut
                  chain.stages[-1].name)
         return chain
     chain = _single_stage(model, names, mutates)
-    chain.warning = (f"{why}, and it has no stack of blocks (a ModuleList or Sequential called once per forward); "
-                     "training it as a single stage (micro-batching only). Make the forward fx-traceable, or keep "
-                     "its blocks in a ModuleList, to let edgetrain recompute inside it.")
+    chain.warning = (f"{why}, and it has no stack of blocks it could recompute (a ModuleList or Sequential called "
+                     "once per forward, each block taking tensors and writing into none of them); training it as a "
+                     "single stage (micro-batching only). Make the forward fx-traceable, or keep its blocks in a "
+                     "ModuleList, to let edgetrain recompute inside it.")
     log.info(chain.warning)
     return chain
 
