@@ -372,3 +372,75 @@ def test_blocks_writing_into_their_input_are_not_recomputed():
     torch.manual_seed(5)
     step(x, y)
     _assert_same_state(_plain_step(model, x, y), m)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.blocks = nn.ModuleList(_Residual() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_hooks_on_traced_through_modules_still_run():
+    """A trace runs a hook on a module it traces through once, while tracing: a backward hook halving a
+    block's input gradients was dropped by traced stages. Such a model now runs as its blocks."""
+    torch.manual_seed(0)
+    model = _Stack()
+    model.blocks[1].register_full_backward_hook(lambda mod, gin, gout: tuple(g * 0.5 for g in gin))
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = _plain_step(model, x, y)
+        m, step = _prepared(model, x, y, solver="recompute_all")
+        assert step.chain.method != "fx"
+        torch.manual_seed(5)
+        step(x, y)
+    _assert_same_state(plain, m)
+
+
+def test_a_loss_reading_a_hooked_activation_is_refused_and_one_reading_parameters_is_not():
+    """A feature term read from a forward hook made prepare fail in profiling ('Trying to backward through the
+    graph a second time'); weight decay written into the loss reads parameters only and trains exactly."""
+    torch.manual_seed(0)
+    model = _Stack()
+    feats: dict[str, torch.Tensor] = {}
+    model.blocks[1].register_forward_hook(lambda mod, args, out: feats.__setitem__("mid", out))
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+
+    def feature_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y) + 0.1 * feats["mid"].pow(2).mean()
+
+    with pytest.raises(InputError, match="reads the forward's activations other than through the model's output"):
+        edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), feature_loss, example=(x, y))
+
+    model = _Stack()
+    plain = copy.deepcopy(model)
+
+    def decayed(net: nn.Module):
+        return lambda out, y: nn.functional.cross_entropy(out, y) + 1e-3 * sum(p.pow(2).sum() for p in net.parameters())
+
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    decayed(plain)(plain(x), y).backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), decayed(model), example=(x, y),
+                                 planning=edgetrain.PlanConfig(solver="recompute_all", micro_batch_size=4))
+    step(x, y)
+    for a, b in zip(plain.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

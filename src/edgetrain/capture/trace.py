@@ -362,6 +362,35 @@ _HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, w
                 "into constants; its blocks are the stages instead (a recomputation replays those generators)")
 
 
+#: Why a model with hooks on modules a trace runs through is not traced (%s names them).
+_HOOKED = ("hooks are registered on %s, whose code a torch.fx trace would run through: the trace runs a hook once, "
+           "while tracing, and never in a step (a forward hook keeping an activation for the loss, a backward hook "
+           "scaling gradients)")
+
+
+def _hooked_traced_modules(model: nn.Module, leaves: set[str]) -> list[str]:
+    """The modules a trace runs through (not leaves, nor inside one) that carry forward or backward hooks, the
+    model itself included (a traced step never calls it); every module where global module hooks are set.
+    A leaf runs as a call of its own in the traced graph, hooks and all."""
+    from torch.nn.modules import module as _module
+
+    if any(getattr(_module, k, None) for k in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                "_global_backward_hooks", "_global_backward_pre_hooks")):
+        return ["every module (global module hooks)"]
+    tracer = _RetryTracer(leaves)
+    inside: list[str] = []
+    hooked = []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p in inside):
+            continue
+        if name and tracer.is_leaf_module(m, name):
+            inside.append(name)
+            continue
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            hooked.append(f"'{name}'" if name else "the model")
+    return hooked
+
+
 def _reproducible(model: nn.Module, env: dict[str, Any], host_rngs: bool = True) -> bool:
     """Whether two forwards on two samples of ``env``, from the same random state, buffers and generators,
     give the same output (a model drawing from a generator edgetrain cannot replay does not). With
@@ -493,6 +522,11 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
             gm, leaves = _trace(model, concrete)
+            hooked = _hooked_traced_modules(model, leaves)
+            if hooked:
+                set_rng_state(state)
+                return _fallback(model, env, names, mutates, _HOOKED % (", ".join(hooked[:3]) + (
+                    f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")), strict)
             rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
             set_rng_state(state)
             values, last_write = _node_values(gm, env)

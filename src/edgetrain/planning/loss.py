@@ -225,6 +225,7 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     """
     n = min(batch, samples)
     idx = _diverse_samples(env, targets, batch, n)
+    _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
     norm = _normalisation(model, env, loss_fn, targets, batch, idx, rtol)
     return _unless_samples_mix(norm, model, env, idx) if norm.splittable else norm
 
@@ -396,6 +397,65 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
                      "relative in %s", norm.kind, rel, name)
             return LossNorm(OPAQUE, error=f"{rel:.2g} relative in {name}")
     return norm
+
+
+def _detached(x: Any) -> Any:
+    """``x`` with every tensor detached, its containers (a ``ModelOutput`` included) rebuilt as they were."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, dict):
+        items = {k: _detached(v) for k, v in x.items()}
+        try:
+            return type(x)(**items) if hasattr(x, "to_tuple") else type(x)(items)
+        except Exception:
+            return items
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_detached(v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detached(v) for v in x)
+    return x
+
+
+def _graph_nodes(roots: list[Any]) -> set[Any]:
+    """The autograd nodes reachable from ``roots``, parameters' own gradient accumulators left out."""
+    seen: set[Any] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return {fn for fn in seen if not hasattr(fn, "variable")}
+
+
+def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor],
+                              targets: Any, idx: torch.Tensor) -> None:
+    """Refuse a loss that reads the forward's activations other than through its output: an intermediate a
+    forward hook kept (a feature-matching term), or a tensor the model stored on itself. edgetrain measures
+    the model's backward from its output's gradient, and would backpropagate such a term twice. A loss that
+    reads parameters (weight decay written into the loss) is fine.
+
+    Raises:
+        InputError: the loss, given the model's output detached, still reaches the forward's graph.
+    """
+    try:
+        with torch.enable_grad(), preserved_model_state(model):
+            out = model(**{k: _take(v, idx) for k, v in env.items()})
+            forward = _graph_nodes([t.grad_fn for t in tensors_in(out)])
+            if not forward:
+                return
+            loss = loss_fn(_detached(out), _take(targets, idx))
+            reached = _graph_nodes([loss.grad_fn]) if isinstance(loss, torch.Tensor) else set()
+    except Exception as e:  # the checks after this one run the same forward and loss, and say what fails
+        log.info("check that the loss reads only the model's output skipped: %s: %s", type(e).__name__, e)
+        return
+    if reached & forward:
+        raise InputError("loss_fn reads the forward's activations other than through the model's output (a tensor "
+                         "a forward hook kept, or one the model stored on itself): edgetrain measures and runs the "
+                         "backward from the output's gradient, so such a term would be backpropagated wrongly. "
+                         "Return what the loss needs as part of the model's output (a tuple or dict), and read it "
+                         "there")
 
 
 def _check_scalar(loss: Any) -> None:
