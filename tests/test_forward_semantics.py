@@ -1,6 +1,7 @@
 """What a forward does beyond its values, kept under recomputation and micro-batching: ops that write into an
-argument autograd saves (nn.RReLU), gradient-mode blocks inside the forward (a frozen teacher under
-torch.no_grad), samples mixed across the batch in training mode only (mixup inside the model)."""
+argument autograd saves (nn.RReLU), gradient-mode blocks and custom backwards inside the forward, samples
+mixed across the batch in training mode only (mixup inside the model), hooks, attributes set between steps;
+and what a step assumes about the model after prepare (its trainable parameters, its optimizer)."""
 
 from __future__ import annotations
 
@@ -444,3 +445,26 @@ def test_a_loss_reading_a_hooked_activation_is_refused_and_one_reading_parameter
     step(x, y)
     for a, b in zip(plain.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_unfreezing_parameters_after_a_budgeted_prepare_is_refused():
+    """A budgeted plan counts the gradients and saved activations of the parameters trained at prepare; ones
+    unfrozen later trained outside the plan (their memory unbudgeted). Without a budget, or freezing more,
+    steps go on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    model[0].requires_grad_(False)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        budgeted = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y), memory_budget="1GiB")
+        free = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y))
+    budgeted(x, y)
+    model[2].requires_grad_(False)
+    budgeted(x, y)  # fewer trained: inside the plan
+    model.requires_grad_(True)
+    with pytest.raises(InputError, match=r"parameter\(s\) 0.weight, 0.bias now require gradients"):
+        budgeted(x, y)
+    free(x, y)
+    assert model[0].weight.grad is not None

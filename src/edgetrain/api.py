@@ -33,7 +33,7 @@ from .profile.stages import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import PlainExecutor, make_executor, needs_stages
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
 
 __all__ = ["prepare", "TrainStep"]
 
@@ -81,6 +81,9 @@ class TrainStep:
         self.model = model
         self.loss_norm = loss_norm or LossNorm("mean")
         self._model_key = model_key(model)
+        # the parameters trained when the step was planned: a budgeted plan counts their gradients and the
+        # activations their backward needs, and no more
+        self._trainable = {id(p) for p in model.parameters() if p.requires_grad}
         self._constants: dict[str, Any] | None = None  # non-tensor inputs, fixed in the traced code
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -205,6 +208,15 @@ class TrainStep:
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
         self._retrace_if_changed()
+        if self.budget_bytes is not None and self.elastic is None:
+            unfrozen = [name for name, p in self.model.named_parameters()
+                        if p.requires_grad and id(p) not in self._trainable]
+            if unfrozen:
+                shown = ", ".join(unfrozen[:4]) + (f" and {len(unfrozen) - 4} more" if len(unfrozen) > 4 else "")
+                raise InputError(f"parameter(s) {shown} now require gradients but were frozen when the step was "
+                                 f"planned for {format_bytes(self.budget_bytes)}: their gradients and the "
+                                 "activations their backward saves are not in the plan, so the budget could not be "
+                                 "kept. Call edgetrain.prepare again after unfreezing (freezing more is fine).")
         n = batch_size_of(inputs, targets)
         sig = batch_signature((inputs, targets))
         if sig != self._signature:
