@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._state import host_rng_moved, host_rng_state, module_generators, preserved_model_state, rng_state
 from ..batch import tensors_in
@@ -338,14 +339,31 @@ def _unless_samples_mix(norm: LossNorm, model: nn.Module, env: dict[str, Any], i
     return norm
 
 
+class _LowestPrecision(TorchDispatchMode):
+    """Records the largest epsilon among the floating-point results of the ops run under it: a forward that
+    computes in bfloat16 under ``torch.autocast`` rounds its gradients at that precision, whatever the
+    parameters' dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eps = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tensors_in(out):
+            if t.is_floating_point():
+                self.eps = max(self.eps, torch.finfo(t.dtype).eps)
+        return out
+
+
 def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, Any],
                              loss_fn: Callable[..., torch.Tensor], targets: Any, idx: torch.Tensor, batch: int,
                              gtol: float = 1e-3) -> LossNorm:
     """``norm``, or an opaque one when the gradients of samples ``idx`` differ from those of its two halves
     weighted as ``norm`` weighs micro-batches: per parameter tensor, by more than ``gtol`` of the larger of
-    the two's largest entry (float32 sums in another order differ by about 1e-6; a half-precision parameter
-    gets 16 of its dtype's epsilon, if more; entries below 1e-6 of the largest gradient anywhere count as
-    zero). Runs in eval mode, like the values' check; skipped (the values' check stands alone) where it
+    the two's largest entry (float32 sums in another order differ by about 1e-6; a half-precision parameter,
+    or a forward computing in half precision (autocast), gets 16 of that dtype's epsilon, if more; entries
+    below 1e-6 of the largest gradient anywhere count as zero). Runs in eval mode, like the values' check; skipped (the values' check stands alone) where it
     would need more than half the memory the system has available."""
     params = [p for p in model.parameters() if p.requires_grad]
     n = len(idx)
@@ -370,7 +388,8 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
     try:
         model.eval()
         with torch.enable_grad():
-            whole = grads(idx)
+            with _LowestPrecision() as precision:  # autocast, or half-precision layers inside the model
+                whole = grads(idx)
             total = norm.weight(_take(targets, idx), n)
             split = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
             for sel in (idx[:n // 2], idx[n // 2:]):
@@ -392,7 +411,7 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
         if scale <= floor:
             continue
         rel = float((g - s).abs().max()) / scale
-        if rel > max(gtol, 16 * torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0):
+        if rel > max(gtol, 16 * precision.eps, 16 * torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0):
             log.info("loss passes as %s on values, but split in two its gradients differ from the whole's by %.2g "
                      "relative in %s", norm.kind, rel, name)
             return LossNorm(OPAQUE, error=f"{rel:.2g} relative in {name}")
