@@ -493,3 +493,22 @@ def test_a_forward_computing_in_bfloat16_under_autocast_is_micro_batched():
     step(x, y)
     for a, b in zip(plain.parameters(), m.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+
+
+def test_a_tensor_shared_by_all_samples_is_refused_with_the_free_fix():
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)) * mask).mean(1)
+
+    model = Masked()
+    x, y, mask = torch.randn(8, 10, 16), torch.randint(0, 3, (8,)), torch.ones(1, 10, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match=r"some have 1 row, the rest 8.*mask.expand\(8, \*mask.shape\[1:\]\)"):
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=({"x": x, "mask": mask}, y))
+    report = edgetrain.verify(model, opt, nn.CrossEntropyLoss(), ({"x": x, "mask": mask.expand(8, 10, 1)}, y),
+                              planning=edgetrain.PlanConfig(micro_batch_size=4))
+    assert report.passed and report.micro_batch_size == 4

@@ -33,6 +33,12 @@ def batch_size_of(*parts: Any) -> int:
         raise InputError("the batch holds no tensor; pass tensors batched on dim 0")
     if None in sizes:
         raise InputError("a batch tensor is 0-dimensional; every input and target must be batched on dim 0")
+    if len(sizes) == 2 and 1 in sizes:
+        batch = max(sizes)  # type: ignore[type-var]
+        raise InputError(f"inputs and targets disagree on the batch size (dim 0): some have 1 row, the rest {batch}. "
+                         "edgetrain takes dim 0 of every input and target as the batch and slices it into "
+                         "micro-batches: expand a tensor shared by all samples (a mask, position ids) to the batch, "
+                         f"e.g. mask.expand({batch}, *mask.shape[1:]), a view that costs no memory")
     if len(sizes) != 1:
         raise InputError(f"inputs and targets disagree on the batch size (dim 0): {sorted(sizes)}. edgetrain takes "
                          "dim 0 of every input and target as the batch dimension: pass batch-first tensors "
