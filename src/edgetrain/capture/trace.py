@@ -421,7 +421,7 @@ def _gradients(out: Any, params: list[torch.Tensor]) -> list[torch.Tensor | None
 
 
 def _gradient_mismatch(model: nn.Module, gm: fx.GraphModule, env: dict[str, Any], rtol: float = 1e-3) -> str:
-    """Where the traced graph's gradients, on two samples, differ from the model's own forward's (empty
+    """Where the traced graph's gradients, on one or two samples, differ from the model's own forward's (empty
     where they agree). A trace records the ops a forward runs, not how autograd is told to differentiate
     them: a ``torch.no_grad()`` block (a frozen teacher) would be trained, and a custom
     ``torch.autograd.Function`` (a straight-through estimator, a gradient reversal) would be differentiated
@@ -431,7 +431,10 @@ def _gradient_mismatch(model: nn.Module, gm: fx.GraphModule, env: dict[str, Any]
     params = [p for p in model.parameters() if p.requires_grad]
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    for inputs in ({k: slice_batch(v, 0, 2) for k, v in env.items()}, env):  # the whole batch if 2 samples fail
+    # one sample where the model takes one (half the time of two: a forward and backward each way), else two,
+    # else the whole example (a BatchNorm over [N, C] needs two samples in training mode)
+    for inputs in ({k: slice_batch(v, 0, 1) for k, v in env.items()},
+                   {k: slice_batch(v, 0, 2) for k, v in env.items()}, env):
         try:
             with torch.enable_grad():
                 with preserved_model_state(model):
