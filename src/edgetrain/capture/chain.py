@@ -7,6 +7,7 @@ values no later stage reads). Made by :mod:`edgetrain.capture.trace` (torch.fx) 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -14,12 +15,11 @@ from typing import Any, Callable, Container, Mapping
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import CaptureError
 
 __all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs",
-           "grad_outputs", "ArgumentWriters", "unwrap_compiled"]
+           "grad_outputs", "argument_writer_nodes", "unwrap_compiled"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
@@ -49,32 +49,38 @@ def mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str
     return tuple(n for (n, b), v in zip(bufs, before) if b._version != v or now.get(n) is not b), out
 
 
-class ArgumentWriters(TorchDispatchMode):
-    """Records the ops that write into a tensor argument other than the one they update in place, such as
-    ``rrelu_with_noise``, which fills the ``noise`` tensor handed to it (``nn.RReLU`` in training mode).
+def _camel(op: str) -> str:
+    return "".join(w[:1].upper() + w[1:] for w in op.split("_") if w)
+
+
+@functools.lru_cache(maxsize=None)
+def argument_writer_nodes() -> frozenset[str]:
+    """Autograd node names (``RreluWithNoiseBackward0``) of the ATen ops that write into a tensor argument other
+    than the one they update in place, such as ``rrelu_with_noise``, which fills the ``noise`` tensor handed
+    to it (``nn.RReLU`` in training mode); read from the registered schemas once.
 
     Autograd saves such an argument before the kernel writes it, and a non-reentrant
     ``torch.utils.checkpoint`` stops its replay once the last saved tensor is back: when that is the
     argument, the kernel never runs in the replay and backward reads an unfilled tensor (an ``nn.RReLU``
-    recomputed alone gave gradients of 1e19-1e35, with no error). A chain with such an op is replayed in
-    full (:attr:`Chain.early_stop`). BatchNorm's running statistics are left out: a training-mode backward
-    does not read them.
+    recomputed alone gave gradients of 1e19-1e35, with no error). A chain whose graph has such a node is
+    replayed in full (:attr:`Chain.early_stop`). BatchNorm's running statistics are left out: a
+    training-mode backward does not read them.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        schema = func._schema
+    names = set()
+    for schema in torch._C._jit_get_all_schemas():
+        if not schema.name.startswith("aten::") or "out" in schema.overload_name:
+            continue
+        op = schema.name.split("::", 1)[1]
         for i, arg in enumerate(schema.arguments):
             info = arg.alias_info
-            if info is None or not info.is_write or arg.is_out or arg.name in ("running_mean", "running_var"):
+            if info is None or not info.is_write or arg.is_out or arg.name in ("running_mean", "running_var") \
+                    or str(arg.type) not in ("Tensor", "Optional[Tensor]"):  # lists and dicts: TorchScript's
                 continue
-            if i == 0 and schema.name.endswith("_"):  # the op's own in-place update: saved after it, if at all
+            if i == 0 and op.endswith("_"):  # the op's own in-place update: saved after it, if at all
                 continue
-            self.ops.add(str(schema.name))
-        return func(*args, **(kwargs or {}))
+            names.add(_camel(op.rstrip("_")) + "Backward0")
+            break
+    return frozenset(names)
 
 
 @dataclass
@@ -127,7 +133,7 @@ class Chain:
     # why the model trains as one stage; capture logs it at INFO (prepare's forked children capture too) and
     # the step prepared with the chain warns once
     warning: str = ""
-    # False: an op writes into an argument autograd saves (see ArgumentWriters); replays run to the end
+    # False: an op writes into an argument autograd saves (see argument_writer_nodes); replays run to the end
     early_stop: bool = True
 
     def __len__(self) -> int:

@@ -11,7 +11,7 @@ with a selective policy that keeps the outputs of the op classes in ``NAME`` and
 
 A replay stops once every saved tensor is back (PyTorch's early stop), unless the chain has an op that
 writes into an argument autograd saves (``Chain.early_stop`` False, see
-:class:`~edgetrain.capture.chain.ArgumentWriters`): its replay then runs to the end, or the argument
+:func:`~edgetrain.capture.chain.argument_writer_nodes`): its replay then runs to the end, or the argument
 would never be written.
 """
 
