@@ -490,7 +490,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         update_bytes=opt_costs.update_bytes, state_bytes=opt_costs.state_bytes, grads=grad_bytes_missing(model),
         max_stages=cfg.max_stages, use_cache=cfg.use_cache, name=name or type(model).__name__, pager=pager,
         optimizer=optimizer, margin_share=safety_margin, **state,
-        whole_batch_reasons=() if loss_norm.splittable else (loss_norm.why_unsplittable,))
+        whole_batch_reasons=() if loss_norm.splittable else (loss_norm.why_unsplittable,),
+        argument_writers=loss_norm.writers)
     if plan is not None:
         chain = analysis.capture_chain()
         if costs is None or plan.num_stages != len(chain) or batch not in (plan.batch_size, costs.batch_size) \

@@ -521,7 +521,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False,
-            carry_cuts: bool = True) -> Chain:
+            carry_cuts: bool = True, writers: Sequence[str] | None = None) -> Chain:
     """Cut ``model`` into a :class:`Chain` of stages, checked on ``example_inputs``.
 
     Args:
@@ -532,6 +532,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         carry_cuts: also cut inside residual blocks, where the block's skip input crosses the cut beside
             the running tensor (``StageCost.carried``); False keeps every block in one stage (planners
             without a model of carried tensors, such as the paging planners, need that).
+        writers: the forward's ops that write into arguments autograd saves, where the caller has seen its
+            autograd graph already (``prepare``'s loss check); None: found here, in a forked child.
 
     Returns:
         The chain. ``chain.method`` is ``"fx"``, ``"modules"`` (blocks of the module tree) or ``"single"``;
@@ -551,7 +553,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
                                "Check the example's shapes and dtypes against the model.") from e
     chain = _capture(model, env, mutates, reference, state, max_stages, strict, carry_cuts)
     if chain.method != "fx" and chain.replayable:  # a traced chain was checked with its graph (_capture)
-        _replay_to_the_end(chain, _isolated(lambda: _graph_checks(model, None, env), ([], ""))[0])
+        _replay_to_the_end(chain, list(writers) if writers is not None else
+                           _isolated(lambda: _graph_checks(model, None, env), ([], ""))[0])
     return chain
 
 

@@ -105,6 +105,8 @@ class Analysis:
     optimizer: Any = None
     margin_share: float | None = None  # prepare's safety_margin
     whole_batch_reasons: tuple[str, ...] = ()  # why micro-batching would not be exact (loss, buffers)
+    # the forward's ops writing into arguments autograd saves, as the loss check saw them (None: unseen)
+    argument_writers: tuple[str, ...] | None = None
     # paging the optimizer state (PlanConfig.page_optimizer_state): "auto", True or False; the bytes it
     # moves (state there now plus state the first update creates) and the part still to be created; the
     # page file's directory and its measured seconds per byte written and read back
@@ -134,7 +136,8 @@ class Analysis:
         part = min(self.batch, 2)
         try:
             return capture(self.model, slice_batch(self.inputs, 0, part), max_stages=self.max_stages,
-                           carry_cuts=not self.solver.startswith("poet"))  # the paging model has no carried tensors
+                           carry_cuts=not self.solver.startswith("poet"),  # the paging model has no carried tensors
+                           writers=self.argument_writers)
         except CaptureError as e:
             if part == self.batch or not _runs(self.model, self.env):
                 raise

@@ -41,7 +41,7 @@ A loss that is not a scalar (``reduction="none"``) is refused with the fix to ma
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._state import host_rng_moved, host_rng_state, module_generators, preserved_model_state, rng_state
 from ..batch import tensors_in
+from ..capture.chain import argument_writer_nodes
 from ..errors import InputError
 from ..profile.memory import available_bytes
 
@@ -75,6 +76,8 @@ class LossNorm:
     kind: str
     loss_fn: Any = None
     error: str = ""
+    #: the forward's ops writing into arguments autograd saves, seen by the check (None: not seen), for capture
+    writers: tuple[str, ...] | None = None
 
     @property
     def splittable(self) -> bool:
@@ -226,9 +229,10 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     """
     n = min(batch, samples)
     idx = _diverse_samples(env, targets, batch, n)
-    _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
+    writers = _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
     norm = _normalisation(model, env, loss_fn, targets, batch, idx, rtol)
-    return _unless_samples_mix(norm, model, env, idx) if norm.splittable else norm
+    norm = _unless_samples_mix(norm, model, env, idx) if norm.splittable else norm
+    return replace(norm, writers=writers)
 
 
 def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
@@ -449,11 +453,14 @@ def _graph_nodes(roots: list[Any]) -> set[Any]:
 
 
 def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor],
-                              targets: Any, idx: torch.Tensor) -> None:
+                              targets: Any, idx: torch.Tensor) -> tuple[str, ...] | None:
     """Refuse a loss that reads the forward's activations other than through its output: an intermediate a
     forward hook kept (a feature-matching term), or a tensor the model stored on itself. edgetrain measures
     the model's backward from its output's gradient, and would backpropagate such a term twice. A loss that
     reads parameters (weight decay written into the loss) is fine.
+
+    Returns the ops of the forward's graph that write into an argument autograd saves
+    (:func:`~edgetrain.capture.chain.argument_writer_nodes`), for capture; None where the forward failed.
 
     Raises:
         InputError: the loss, given the model's output detached, still reaches the forward's graph.
@@ -462,19 +469,22 @@ def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Ca
         with torch.enable_grad(), preserved_model_state(model):
             out = model(**{k: _take(v, idx) for k, v in env.items()})
             forward = _graph_nodes([t.grad_fn for t in tensors_in(out)])
+            writers = tuple(sorted(n.removesuffix("Backward0") for n in {type(fn).__name__ for fn in forward}
+                                   & argument_writer_nodes()))
             if not forward:
-                return
+                return writers
             loss = loss_fn(_detached(out), _take(targets, idx))
             reached = _graph_nodes([loss.grad_fn]) if isinstance(loss, torch.Tensor) else set()
     except Exception as e:  # the checks after this one run the same forward and loss, and say what fails
         log.info("check that the loss reads only the model's output skipped: %s: %s", type(e).__name__, e)
-        return
+        return None
     if reached & forward:
         raise InputError("loss_fn reads the forward's activations other than through the model's output (a tensor "
                          "a forward hook kept, or one the model stored on itself): edgetrain measures and runs the "
                          "backward from the output's gradient, so such a term would be backpropagated wrongly. "
                          "Return what the loss needs as part of the model's output (a tuple or dict), and read it "
                          "there")
+    return writers
 
 
 def _check_scalar(loss: Any) -> None:
