@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -348,10 +349,12 @@ class _InPlaceResidual(nn.Module):
 
 
 class _UntraceableStack(nn.Module):
-    def __init__(self) -> None:
+    """Three blocks called in a forward torch.fx cannot trace: the blocks are the stages."""
+
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
-        self.blocks = nn.ModuleList(_InPlaceResidual() for _ in range(3))
+        self.blocks = nn.ModuleList(block() for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -366,7 +369,7 @@ def test_blocks_writing_into_their_input_are_not_recomputed():
     """A checkpoint holds a block's input to replay it; a block that writes into that input made recompute-all
     fail at the step with autograd's 'modified by an inplace operation' from deep in torch."""
     torch.manual_seed(0)
-    model = _UntraceableStack()
+    model = _UntraceableStack(_InPlaceResidual)
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
     m, step = _prepared(model, x, y, solver="recompute_all")
     assert step.chain.method == "single" and "writing into none of them" in step.chain.warning
@@ -514,26 +517,11 @@ def test_a_tensor_shared_by_all_samples_is_refused_with_the_free_fix():
     assert report.passed and report.micro_batch_size == 4
 
 
-class _UntraceableRReLUStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.RReLU()) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        if float(h.abs().sum()) > 1e9:  # data-dependent: torch.fx cannot trace it, blocks are the stages
-            h = h / 2
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
 def test_rrelu_blocks_of_the_module_tree_are_recomputed_exactly():
     """The module-tree capture learns of argument-writing ops from the loss check's forward; each block ends in
     an RReLU, whose noise is the last tensor its replay saves."""
     torch.manual_seed(0)
-    model = _UntraceableRReLUStack()
+    model = _UntraceableStack(lambda: nn.Sequential(nn.Linear(32, 32), nn.RReLU()))
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
     plain = _plain_step(model, x, y)
     m, step = _prepared(model, x, y, solver="recompute_all")
