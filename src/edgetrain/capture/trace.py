@@ -15,16 +15,16 @@ becomes a single stage (micro-batching still applies), unless ``strict=True``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
 
 from .._state import preserved_model_state, rng_state, set_rng_state
-from ..batch import slice_batch, tensors_in
+from ..batch import slice_batch
 from ..errors import CaptureError
-from .chain import OUTPUT_KEY, argument_writer_nodes, Chain, Stage, bind_inputs, mutated_buffers
+from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
+from .checks import HOOKED, graph_checks, hooked_traced_modules, isolated
 from .modules import module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
 
@@ -363,35 +363,6 @@ _HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, w
                 "into constants; its blocks are the stages instead (a recomputation replays those generators)")
 
 
-#: Why a model with hooks on modules a trace runs through is not traced (%s names them).
-_HOOKED = ("hooks are registered on %s, whose code a torch.fx trace would run through: the trace runs a hook once, "
-           "while tracing, and never in a step (a forward hook keeping an activation for the loss, a backward hook "
-           "scaling gradients)")
-
-
-def _hooked_traced_modules(model: nn.Module, leaves: set[str]) -> list[str]:
-    """The modules a trace runs through (not leaves, nor inside one) that carry forward or backward hooks, the
-    model itself included (a traced step never calls it); every module where global module hooks are set.
-    A leaf runs as a call of its own in the traced graph, hooks and all."""
-    from torch.nn.modules import module as _module
-
-    if any(getattr(_module, k, None) for k in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                                "_global_backward_hooks", "_global_backward_pre_hooks")):
-        return ["every module (global module hooks)"]
-    tracer = _RetryTracer(leaves)
-    inside: list[str] = []
-    hooked = []
-    for name, m in model.named_modules():
-        if any(name.startswith(p + ".") for p in inside):
-            continue
-        if name and tracer.is_leaf_module(m, name):
-            inside.append(name)
-            continue
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            hooked.append(f"'{name}'" if name else "the model")
-    return hooked
-
-
 def _reproducible(model: nn.Module, env: dict[str, Any], host_rngs: bool = True) -> bool:
     """Whether two forwards on two samples of ``env``, from the same random state, buffers and generators,
     give the same output (a model drawing from a generator edgetrain cannot replay does not). With
@@ -407,107 +378,6 @@ def _reproducible(model: nn.Module, env: dict[str, Any], host_rngs: bool = True)
         except Exception:
             continue
     return True  # the example batch ran once already; it cannot fail here but on resources
-
-
-@dataclass
-class _Graph:
-    """What a backward from a forward's output would run: the leaf tensors given gradients (by id), the custom
-    ``torch.autograd.Function`` classes whose backward it calls, the names of its nodes; and the inputs the
-    forward was given (one, two or all samples of the example)."""
-
-    leaves: set[int]
-    custom: set[type]
-    nodes: set[str]
-    inputs: dict[str, Any]
-
-
-def _autograd_graph(out: Any, inputs: dict[str, Any]) -> _Graph:
-    stack = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
-    graph = _Graph({id(t) for t in tensors_in(out) if t.requires_grad and t.grad_fn is None}, set(), set(), inputs)
-    seen: set[Any] = set()
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        graph.nodes.add(type(fn).__name__)
-        if hasattr(fn, "variable"):  # AccumulateGrad
-            graph.leaves.add(id(fn.variable))
-        elif isinstance(fn, torch.autograd.function.BackwardCFunction):
-            graph.custom.add(type(fn))
-        stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return graph
-
-
-def _own_graph(model: nn.Module, env: dict[str, Any]) -> _Graph | None:
-    """The model's own forward's autograd graph (:class:`_Graph`), from one forward with gradients on one
-    sample where the model takes one, else two, else the whole example (a BatchNorm over ``[N, C]`` needs
-    two in training mode); buffers and generators put back. None where none runs (then nothing is checked)."""
-    for inputs in ({k: slice_batch(v, 0, 1) for k, v in env.items()},
-                   {k: slice_batch(v, 0, 2) for k, v in env.items()}, env):
-        try:
-            with torch.enable_grad(), preserved_model_state(model):
-                return _autograd_graph(model(**inputs), inputs)
-        except Exception:
-            continue
-    return None
-
-
-def _gradient_mismatch(gm: fx.GraphModule, own: _Graph | None, names: dict[int, str]) -> str:
-    """How the traced graph's backward would differ from the model's own (empty where it would not), from one
-    forward of it with gradients on the inputs ``own`` was made from (no backward, no gradients made).
-
-    A trace records the ops a forward runs, not how autograd is told to differentiate them: a
-    ``torch.no_grad()`` block (a frozen teacher) would be trained, so the two must give gradients to the same
-    parameters; a custom ``torch.autograd.Function`` (a straight-through estimator, a gradient reversal) is
-    traced as its forward's ops and differentiated as those, so every Function class in the model's own
-    graph must be in the traced one (the lean passes add classes of their own: more is fine)."""
-    if own is None:
-        return ""
-    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    try:
-        with torch.enable_grad(), preserved_model_state(gm):
-            traced = _autograd_graph(gm(*[own.inputs.get(k) for k in placeholders]), own.inputs)
-    except Exception:  # it ran on the example batch already; it cannot fail here but on resources
-        return ""
-    lost = sorted(t.__name__.removesuffix("Backward") for t in own.custom - traced.custom)
-    if lost:
-        return f"custom torch.autograd.Function {', '.join(lost)} would be differentiated as its forward's ops"
-    for leaf in (own.leaves ^ traced.leaves) & set(names):
-        return f"{names[leaf]} gets a gradient " + ("in the traced graph and none from the forward"
-                                                    if leaf in traced.leaves else
-                                                    "from the forward and none in the traced graph")
-    return ""
-
-
-def _graph_checks(model: nn.Module, gm: fx.GraphModule | None, env: dict[str, Any]) -> tuple[list[str], str]:
-    """From the model's own autograd graph (:func:`_own_graph`): the ops in it that write into an argument
-    autograd saves (:func:`~edgetrain.capture.chain.argument_writer_nodes`), and, given the traced graph, how
-    its backward would differ (:func:`_gradient_mismatch`)."""
-    own = _own_graph(model, env)
-    if own is None:
-        return [], ""
-    writers = sorted(n.removesuffix("Backward0") for n in own.nodes & argument_writer_nodes())
-    names = {id(p): n for n, p in model.named_parameters()}
-    return writers, ("" if gm is None else _gradient_mismatch(gm, own, names))
-
-
-def _isolated(fn: Callable[[], Any], default: Any) -> Any:
-    """``fn()`` in a forked child where possible: forwards with gradients leave heap behind (ResNet-18 at two
-    samples: 2.8 MiB, 1 MiB of it on the first step's peak) that a process training under a budget must not
-    carry into its steps after the plans were measured, nor a forked child of the analysis into the memory it
-    measures (its predicted peaks came out 2% above the validation runs'). ``default`` where it fails."""
-    from ..profile import fork as _fork
-
-    if _fork.available():
-        res = _fork.run_in_child(fn)
-        if res is not None and res.error is None and res.value is not None:
-            return res.value
-    try:
-        return fn()
-    except Exception as e:
-        log.info("capture's gradient checks skipped: %s: %s", type(e).__name__, e)
-        return default
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -554,7 +424,7 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
     chain = _capture(model, env, mutates, reference, state, max_stages, strict, carry_cuts)
     if chain.method != "fx" and chain.replayable:  # a traced chain was checked with its graph (_capture)
         _replay_to_the_end(chain, list(writers) if writers is not None else
-                           _isolated(lambda: _graph_checks(model, None, env), ([], ""))[0])
+                           isolated(lambda: graph_checks(model, None, env), ([], ""))[0])
     return chain
 
 
@@ -581,10 +451,10 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
             gm, leaves = _trace(model, concrete)
-            hooked = _hooked_traced_modules(model, leaves)
+            hooked = hooked_traced_modules(model, _RetryTracer(leaves).is_leaf_module)
             if hooked:
                 set_rng_state(state)
-                return _fallback(model, env, names, mutates, _HOOKED % (", ".join(hooked[:3]) + (
+                return _fallback(model, env, names, mutates, HOOKED % (", ".join(hooked[:3]) + (
                     f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")), strict)
             rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
             set_rng_state(state)
@@ -602,7 +472,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
                "(data-dependent Python control flow?)")
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
-    writers, mismatch = _isolated(lambda: _graph_checks(model, gm, env), ([], ""))
+    writers, mismatch = isolated(lambda: graph_checks(model, gm, env), ([], ""))
     if mismatch:
         msg = (f"the graph torch.fx traced from {type(model).__name__} gives other gradients than its forward "
                f"({mismatch}): a trace does not record torch.no_grad / torch.enable_grad blocks or a custom "

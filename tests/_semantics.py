@@ -1,0 +1,62 @@
+"""Shared by the tests of what a forward does beyond its values and of what a step assumes: one plain
+PyTorch SGD step, a prepared copy, bit-for-bit state comparison, a residual stack."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+import edgetrain
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 5) -> nn.Module:
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(seed)
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    opt.step()
+    return model
+
+
+def prepared(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **planning: object) -> tuple[nn.Module, object]:
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y),
+                                 planning=edgetrain.PlanConfig(**planning))
+    return model, step
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    for (name, u), v in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(u, v), name
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.blocks = nn.ModuleList(Residual() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
