@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from typing import Any, Callable
@@ -13,8 +12,8 @@ from torch import nn
 from .profile import memory
 from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
-from .planning.guards import (attribute_key, changed_attributes, describe_change, draws_random, loss_norm_safely,
-                              mark_micro_batched, model_key)
+from .planning.guards import (attribute_key, changed_attributes, check_optimizer, check_trainable, describe_change,
+                              draws_random, loss_norm_safely, mark_micro_batched, model_key)
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
 from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
@@ -33,7 +32,7 @@ from .profile.stages import optimizer_costs
 from .runtime import pool
 from .runtime.batchnorm import FullBatchStats
 from .runtime.executor import PlainExecutor, make_executor, needs_stages
-from .units import format_bytes, parse_bytes
+from .units import parse_bytes
 
 __all__ = ["prepare", "TrainStep"]
 
@@ -45,19 +44,6 @@ def _split_example(example: Any) -> tuple[Any, Any]:
         raise InputError("example must be a pair (inputs, targets), e.g. example=(x, y), with every tensor "
                          "batched on dim 0 like the batches you will train on")
     return example[0], example[1]
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    """Refuse an optimizer whose ``step`` needs a closure that re-evaluates the loss (``LBFGS``): an edgetrain
-    step runs one forward and backward per optimizer step."""
-    try:
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise InputError(f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, and an "
-                         "edgetrain step runs one forward and backward per optimizer step: use an optimizer "
-                         "that steps on the gradients it is given (SGD, Adam, AdamW, ...)")
 
 
 def _say_single_stage(chain: Any) -> None:
@@ -208,15 +194,8 @@ class TrainStep:
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
         self._retrace_if_changed()
-        if self.budget_bytes is not None and self.elastic is None:
-            unfrozen = [name for name, p in self.model.named_parameters()
-                        if p.requires_grad and id(p) not in self._trainable]
-            if unfrozen:
-                shown = ", ".join(unfrozen[:4]) + (f" and {len(unfrozen) - 4} more" if len(unfrozen) > 4 else "")
-                raise InputError(f"parameter(s) {shown} now require gradients but were frozen when the step was "
-                                 f"planned for {format_bytes(self.budget_bytes)}: their gradients and the "
-                                 "activations their backward saves are not in the plan, so the budget could not be "
-                                 "kept. Call edgetrain.prepare again after unfreezing (freezing more is fine).")
+        if self.budget_bytes is not None and self.elastic is None:  # elastic selection sets its own flags
+            check_trainable(self.model, self._trainable, self.budget_bytes)
         n = batch_size_of(inputs, targets)
         sig = batch_signature((inputs, targets))
         if sig != self._signature:
@@ -439,7 +418,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         InputError: the example is malformed.
     """
     model = unwrap_compiled(model)
-    _check_optimizer(optimizer)
+    check_optimizer(optimizer)
     cfg, paging_cfg = resolve_legacy(planning, paging, deprecated)
     micro_batch_size, solver, safety_margin = cfg.micro_batch_size, cfg.solver, cfg.safety_margin
     inputs, targets = _split_example(example)

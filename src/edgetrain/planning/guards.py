@@ -3,6 +3,8 @@
 * :func:`model_key` and :func:`describe_change`: a step runs the model as it was captured (traced code holds
   ``self.training`` and the module objects of the capture), so a model changed after ``prepare`` (eval
   mode, a replaced submodule or parameter) is refused by name, never trained as something else.
+* :func:`check_optimizer`, :func:`check_trainable`: an optimizer a step cannot drive (``LBFGS``), parameters
+  unfrozen after a budgeted plan was made.
 * :func:`attribute_key`: the plain attributes traced code froze (a temperature, a tensor set from outside),
   so that a step re-traces the model once one changes rather than train with the old value.
 * :func:`loss_norm_safely`: how the loss normalises (:mod:`edgetrain.planning.loss`), found in a forked child.
@@ -12,16 +14,19 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from ..errors import InputError
+from ..units import format_bytes
 from .loss import LossNorm, loss_normalisation
 
-__all__ = ["model_key", "describe_change", "attribute_key", "changed_attributes", "loss_norm_safely",
-           "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
+__all__ = ["model_key", "describe_change", "attribute_key", "changed_attributes", "check_optimizer",
+           "check_trainable", "loss_norm_safely", "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
 
 #: The plan note (and warning) for a split batch whose forward draws random numbers.
 RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
@@ -100,6 +105,31 @@ def changed_attributes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         else:
             out.append(f"{k} ({'unset' if a is missing else repr(a)} -> {'unset' if b is missing else repr(b)})")
     return out
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure that re-evaluates the loss (``LBFGS``): an edgetrain
+    step runs one forward and backward per optimizer step."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise InputError(f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, and an "
+                         "edgetrain step runs one forward and backward per optimizer step: use an optimizer "
+                         "that steps on the gradients it is given (SGD, Adam, AdamW, ...)")
+
+
+def check_trainable(model: nn.Module, trainable: set[int], budget_bytes: int) -> None:
+    """Refuse parameters that require gradients now but did not when the step was planned (``trainable``: their
+    ids then): a budgeted plan counts the gradients and saved activations of the parameters trained then."""
+    unfrozen = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in trainable]
+    if unfrozen:
+        shown = ", ".join(unfrozen[:4]) + (f" and {len(unfrozen) - 4} more" if len(unfrozen) > 4 else "")
+        raise InputError(f"parameter(s) {shown} now require gradients but were frozen when the step was planned for "
+                         f"{format_bytes(budget_bytes)}: their gradients and the activations their backward saves "
+                         "are not in the plan, so the budget could not be kept. Call edgetrain.prepare again after "
+                         "unfreezing (freezing more is fine).")
 
 
 def loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
