@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from .._state import preserved_model_state
 from ..batch import slice_batch, tensors_in
+from ..forking import answer_in_fork
 from .chain import argument_writer_nodes
 
 __all__ = ["HOOKED", "hooked_traced_modules", "own_graph", "gradient_mismatch", "graph_checks", "isolated"]
@@ -137,17 +138,18 @@ def graph_checks(model: nn.Module, gm: fx.GraphModule | None, env: dict[str, Any
     return writers, ("" if gm is None else gradient_mismatch(gm, own, names))
 
 
-def isolated(fn: Callable[[], Any], default: Any) -> Any:
+def isolated(fn: Callable[[], Any], default: Any, run: Callable[[Callable[[], Any]], Any] | None = None) -> Any:
     """``fn()`` in a forked child where possible: forwards with gradients leave heap behind (ResNet-18 at two
     samples: 2.8 MiB, 1 MiB of it on the first step's peak) that a process training under a budget must not
     carry into its steps after the plans were measured, nor a forked child of the analysis into the memory it
-    measures (its predicted peaks came out 2% above the validation runs'). ``default`` where it fails."""
-    from ..profile import fork as _fork
+    measures (its predicted peaks came out 2% above the validation runs').
 
-    if _fork.available():
-        res = _fork.run_in_child(fn)
-        if res is not None and res.error is None and res.value is not None:
-            return res.value
+    ``run(fn)`` forks and returns ``fn()``'s value, or None where it could not (``prepare``'s analysis hands
+    in its own forking); without it, :func:`edgetrain.forking.answer_in_fork` (a process running one
+    intra-op thread). Where neither answers, ``fn`` runs here; ``default`` where it fails."""
+    value = run(fn) if run is not None else answer_in_fork(fn)
+    if value is not None:
+        return value
     try:
         return fn()
     except Exception as e:

@@ -391,7 +391,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False,
-            carry_cuts: bool = True, writers: Sequence[str] | None = None) -> Chain:
+            carry_cuts: bool = True, writers: Sequence[str] | None = None,
+            isolate: Callable[[Callable[[], Any]], Any] | None = None) -> Chain:
     """Cut ``model`` into a :class:`Chain` of stages, checked on ``example_inputs``.
 
     Args:
@@ -404,6 +405,8 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
             without a model of carried tensors, such as the paging planners, need that).
         writers: the forward's ops that write into arguments autograd saves, where the caller has seen its
             autograd graph already (``prepare``'s loss check); None: found here, in a forked child.
+        isolate: runs a function in a forked child and returns its value (None where it could not), for the
+            checks that run forwards with gradients (:func:`edgetrain.capture.checks.isolated`).
 
     Returns:
         The chain. ``chain.method`` is ``"fx"``, ``"modules"`` (blocks of the module tree) or ``"single"``;
@@ -421,10 +424,10 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
         except Exception as e:
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
-    chain = _capture(model, env, mutates, reference, state, max_stages, strict, carry_cuts)
+    chain = _capture(model, env, mutates, reference, state, max_stages, strict, carry_cuts, isolate)
     if chain.method != "fx" and chain.replayable:  # a traced chain was checked with its graph (_capture)
         _replay_to_the_end(chain, list(writers) if writers is not None else
-                           isolated(lambda: graph_checks(model, None, env), ([], ""))[0])
+                           isolated(lambda: graph_checks(model, None, env), ([], ""), isolate)[0])
     return chain
 
 
@@ -437,7 +440,8 @@ def _replay_to_the_end(chain: Chain, writers: list[str]) -> None:
 
 
 def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], reference: Any, state: Any,
-             max_stages: int, strict: bool, carry_cuts: bool) -> Chain:
+             max_stages: int, strict: bool, carry_cuts: bool,
+             isolate: Callable[[Callable[[], Any]], Any] | None) -> Chain:
     names = tuple(env)
     with preserved_model_state(model), torch.no_grad():
         if not _reproducible(model, env):
@@ -472,7 +476,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
                "(data-dependent Python control flow?)")
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
-    writers, mismatch = isolated(lambda: graph_checks(model, gm, env), ([], ""))
+    writers, mismatch = isolated(lambda: graph_checks(model, gm, env), ([], ""), isolate)
     if mismatch:
         msg = (f"the graph torch.fx traced from {type(model).__name__} gives other gradients than its forward "
                f"({mismatch}): a trace does not record torch.no_grad / torch.enable_grad blocks or a custom "

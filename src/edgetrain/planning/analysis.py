@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..profile import memory
-from ..profile.fork import measure_in_child
+from ..profile.fork import available as fork_available
+from ..profile.fork import measure_in_child, run_in_child
 from .planner import Measured, Planner
 from .runs import run_plan, run_steps
 from .._state import preserved_model_state
@@ -137,7 +138,7 @@ class Analysis:
         try:
             return capture(self.model, slice_batch(self.inputs, 0, part), max_stages=self.max_stages,
                            carry_cuts=not self.solver.startswith("poet"),  # the paging model has no carried tensors
-                           writers=self.argument_writers)
+                           writers=self.argument_writers, isolate=_in_child)
         except CaptureError as e:
             if part == self.batch or not _runs(self.model, self.env):
                 raise
@@ -374,3 +375,11 @@ def _runs(model: nn.Module, env: dict[str, Any]) -> bool:
     except Exception:
         return False
     return True
+
+
+def _in_child(fn: Callable[[], Any]) -> Any:
+    """``fn()``'s value from a child forked as the analysis forks its own (:func:`run_in_child`), or None."""
+    if not fork_available():
+        return None
+    res = run_in_child(fn)
+    return res.value if res is not None and res.error is None else None
