@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 #: Why a model with hooks on modules a trace runs through is not traced (%s names them).
 HOOKED = ("hooks are registered on %s, whose code a torch.fx trace would run through: the trace runs a hook once, "
-           "while tracing, and never in a step (a forward hook keeping an activation for the loss, a backward hook "
-           "scaling gradients)")
+          "while tracing, and never in a step (a forward hook keeping an activation for the loss, a backward hook "
+          "scaling gradients)")
 
 
 def hooked_traced_modules(model: nn.Module, is_leaf: Callable[[nn.Module, str], bool]) -> list[str]:
