@@ -6,13 +6,14 @@
 * :func:`graph_checks`: that, and the ops writing into arguments autograd saves, whose replay must not stop
   early (:func:`~edgetrain.capture.chain.argument_writer_nodes`); run :func:`isolated`, in a forked child.
 * :func:`hooked_traced_modules`: hooks on modules a trace runs through (it runs them once, while tracing).
+* :func:`reproducible`, :func:`same`: whether two forwards from the same state agree (a replay would).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx, nn
@@ -22,7 +23,8 @@ from ..batch import slice_batch, tensors_in
 from ..forking import answer_in_fork
 from .chain import argument_writer_nodes
 
-__all__ = ["HOOKED", "hooked_traced_modules", "own_graph", "gradient_mismatch", "graph_checks", "isolated"]
+__all__ = ["HOOKED", "autograd_nodes", "hooked_traced_modules", "reproducible", "same", "own_graph", "gradient_mismatch",
+           "graph_checks", "isolated"]
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +69,27 @@ class _Graph:
     inputs: dict[str, Any]
 
 
-def _autograd_graph(out: Any, inputs: dict[str, Any]) -> _Graph:
-    stack = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
-    graph = _Graph({id(t) for t in tensors_in(out) if t.requires_grad and t.grad_fn is None}, set(), set(), inputs)
+def autograd_nodes(roots: list[Any]) -> set[Any]:
+    """The autograd nodes reachable from ``roots`` (``grad_fn`` objects; None entries skipped)."""
     seen: set[Any] = set()
+    stack = [r for r in roots if r is not None]
     while stack:
         fn = stack.pop()
         if fn in seen:
             continue
         seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return seen
+
+
+def _autograd_graph(out: Any, inputs: dict[str, Any]) -> _Graph:
+    graph = _Graph({id(t) for t in tensors_in(out) if t.requires_grad and t.grad_fn is None}, set(), set(), inputs)
+    for fn in autograd_nodes([t.grad_fn for t in tensors_in(out)]):
         graph.nodes.add(type(fn).__name__)
         if hasattr(fn, "variable"):  # AccumulateGrad
             graph.leaves.add(id(fn.variable))
         elif isinstance(fn, torch.autograd.function.BackwardCFunction):
             graph.custom.add(type(fn))
-        stack.extend(f for f, _ in fn.next_functions if f is not None)
     return graph
 
 
@@ -155,3 +163,30 @@ def isolated(fn: Callable[[], Any], default: Any, run: Callable[[Callable[[], An
     except Exception as e:
         log.info("capture's gradient checks skipped: %s: %s", type(e).__name__, e)
         return default
+
+
+def reproducible(model: nn.Module, env: dict[str, Any], host_rngs: bool = True) -> bool:
+    """Whether two forwards on two samples of ``env``, from the same random state, buffers and generators,
+    give the same output (a model drawing from a generator edgetrain cannot replay does not). With
+    ``host_rngs=False`` NumPy's and Python's generators are not rewound between the two: a model that draws
+    from them then differs (what a traced graph, which froze the draws at tracing, could not follow)."""
+    for inputs in ({k: slice_batch(v, 0, 2) for k, v in env.items()}, env):  # the whole batch if 2 samples fail
+        try:
+            outs = []
+            for _ in range(2):
+                with preserved_model_state(model, host_rngs=host_rngs):
+                    outs.append(model(**inputs))
+            return same(outs[0], outs[1])
+        except Exception:
+            continue
+    return True  # the example batch ran once already; it cannot fail here but on resources
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b)

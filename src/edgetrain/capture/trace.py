@@ -21,10 +21,9 @@ import torch
 from torch import fx, nn
 
 from .._state import preserved_model_state, rng_state, set_rng_state
-from ..batch import slice_batch
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
-from .checks import HOOKED, graph_checks, hooked_traced_modules, isolated
+from .checks import HOOKED, graph_checks, hooked_traced_modules, isolated, reproducible, same
 from .modules import module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
 
@@ -363,33 +362,6 @@ _HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, w
                 "into constants; its blocks are the stages instead (a recomputation replays those generators)")
 
 
-def _reproducible(model: nn.Module, env: dict[str, Any], host_rngs: bool = True) -> bool:
-    """Whether two forwards on two samples of ``env``, from the same random state, buffers and generators,
-    give the same output (a model drawing from a generator edgetrain cannot replay does not). With
-    ``host_rngs=False`` NumPy's and Python's generators are not rewound between the two: a model that draws
-    from them then differs (what a traced graph, which froze the draws at tracing, could not follow)."""
-    for inputs in ({k: slice_batch(v, 0, 2) for k, v in env.items()}, env):  # the whole batch if 2 samples fail
-        try:
-            outs = []
-            for _ in range(2):
-                with preserved_model_state(model, host_rngs=host_rngs):
-                    outs.append(model(**inputs))
-            return _same(outs[0], outs[1])
-        except Exception:
-            continue
-    return True  # the example batch ran once already; it cannot fail here but on resources
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return type(a) is type(b)
-
-
 def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False,
             carry_cuts: bool = True, writers: Sequence[str] | None = None,
             isolate: Callable[[Callable[[], Any]], Any] | None = None) -> Chain:
@@ -444,13 +416,13 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
              isolate: Callable[[Callable[[], Any]], Any] | None) -> Chain:
     names = tuple(env)
     with preserved_model_state(model), torch.no_grad():
-        if not _reproducible(model, env):
+        if not reproducible(model, env):
             chain = _single_stage(model, names, mutates)
             chain.replayable = False
             chain.warning = _NOT_REPLAYABLE % type(model).__name__
             log.info(chain.warning)
             return chain
-        if not _reproducible(model, env, host_rngs=False):  # torch.fx would freeze its draws into constants
+        if not reproducible(model, env, host_rngs=False):  # torch.fx would freeze its draws into constants
             return _fallback(model, env, names, mutates, _HOST_RANDOM % type(model).__name__, strict)
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
@@ -471,7 +443,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
     nodes = list(gm.graph.nodes)
     out_val = values.get(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], fx.Node) else \
         fx.node.map_aggregate(nodes[-1].args[0], lambda a: values.get(a) if isinstance(a, fx.Node) else a)
-    if not _same(out_val, reference):
+    if not same(out_val, reference):
         msg = (f"the traced graph of {type(model).__name__} does not reproduce its output on the example batch "
                "(data-dependent Python control flow?)")
         with preserved_model_state(model):

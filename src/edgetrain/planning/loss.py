@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._state import host_rng_moved, host_rng_state, module_generators, preserved_model_state, rng_state
 from ..batch import tensors_in
 from ..capture.chain import argument_writer_nodes
+from ..capture.checks import autograd_nodes
 from ..errors import InputError
 from ..profile.memory import available_bytes
 
@@ -441,15 +442,7 @@ def _detached(x: Any) -> Any:
 
 def _graph_nodes(roots: list[Any]) -> set[Any]:
     """The autograd nodes reachable from ``roots``, parameters' own gradient accumulators left out."""
-    seen: set[Any] = set()
-    stack = [r for r in roots if r is not None]
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return {fn for fn in seen if not hasattr(fn, "variable")}
+    return {fn for fn in autograd_nodes(roots) if not hasattr(fn, "variable")}
 
 
 def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor],
