@@ -270,3 +270,102 @@ def test_a_tensor_shared_by_all_samples_is_refused_with_the_free_fix():
     report = edgetrain.verify(model, opt, nn.CrossEntropyLoss(), ({"x": x, "mask": mask.expand(8, 10, 1)}, y),
                               planning=edgetrain.PlanConfig(micro_batch_size=4))
     assert report.passed and report.micro_batch_size == 4
+
+
+class _BatchBranch(nn.Module):
+    """Halves its activations when the largest of the whole batch is large: a branch on a batch-wide .item()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.abs().max().item() > 1.5:
+            h = h * 0.5
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.parametrize("make, shape", [
+    (_BatchBranch, (8, 16)),
+    (lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU(),
+                           nn.Flatten(), nn.Linear(8 * 4 * 4, 3)), (8, 3, 6, 6)),
+], ids=["item-branch", "batchnorm-without-running-stats"])
+def test_a_forward_mixing_samples_in_eval_mode_is_refused_as_such(make, shape):
+    """Such a loss does not split in eval mode either; the refusal used to blame the loss ("neither a mean nor a
+    sum ... pass the labels as targets", or its gradients' split), which the user cannot fix, not the forward."""
+    torch.manual_seed(0)
+    x, y = torch.randn(*shape) * 0.05, torch.randint(0, 3, (8,))
+    x[3] *= 200  # the branch is taken for every part of the batch holding this sample, and for no other part
+    with pytest.raises(InputError, match=r"mixes samples across the batch") as err:
+        prepared(make(), x, y, micro_batch_size=4)
+    assert "in eval mode" in str(err.value) and "neither a mean nor a sum" not in str(err.value)
+
+
+def test_a_loss_that_is_not_a_mean_still_names_the_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    with pytest.raises(InputError, match="neither a mean nor a sum"):
+        edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          lambda out, t: nn.functional.cross_entropy(out, t) * out.shape[0] ** 0.5, (x, y),
+                          planning=edgetrain.PlanConfig(micro_batch_size=4))
+
+
+def test_lazy_modules_are_refused_until_shaped_then_train_exactly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyConv2d(8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))
+    with pytest.raises(InputError, match=r"0\.weight, 0\.bias, 3\.weight, 3\.bias of a lazy module .* run the model "
+                                         r"once on a batch first"):
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y))
+    with torch.no_grad():
+        model(x)
+    reference = plain_step(model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y),  # the optimizer made before the forward
+                                 planning=edgetrain.PlanConfig(solver="recompute_all"))
+    torch.manual_seed(5)
+    step(x, y)
+    assert_same_state(reference, model)
+
+
+class _StatefulLSTM(nn.Module):
+    """An LSTM handed its initial state: (num_layers, batch, hidden) as nn.LSTM takes it, or batch-first."""
+
+    def __init__(self, state_batch_first: bool) -> None:
+        super().__init__()
+        self.state_batch_first = state_batch_first
+        self.lstm, self.head = nn.LSTM(8, 16, num_layers=2, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+        if self.state_batch_first:
+            h0, c0 = h0.transpose(0, 1).contiguous(), c0.transpose(0, 1).contiguous()
+        out, _ = self.lstm(x, (h0, c0))
+        return self.head(out[:, -1])
+
+
+def test_an_rnn_state_with_its_batch_on_dim_1_gets_the_fix_that_works():
+    """The advice used to be batch_first=True (which leaves the state as it is) or expanding a one-layer state to
+    the batch (wrong); the fix it names now trains, micro-batched, as plain PyTorch's full batch does."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5, 8), torch.randint(0, 3, (8,))
+    h0, c0 = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    model = _StatefulLSTM(state_batch_first=False)
+    with pytest.raises(InputError, match=r"shape \(2, 8, 16\) has the batch of 8 on dim 1.*shape \(8, 2, 16\)"):
+        prepared(model, (x, h0, c0), y, micro_batch_size=4)
+    with pytest.raises(InputError, match=r"shape \(1, 8, 16\) has the batch of 8 on dim 1"):
+        prepared(model, (x, h0[:1], c0[:1]), y)
+    fixed = _StatefulLSTM(state_batch_first=True)
+    fixed.load_state_dict(model.state_dict())
+    inputs = (x, h0.transpose(0, 1).contiguous(), c0.transpose(0, 1).contiguous())
+    m, step = prepared(fixed, inputs, y, micro_batch_size=4)
+    step(inputs, y)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.CrossEntropyLoss()(reference(x, h0, c0), y).backward()
+    opt.step()
+    for (name, p), q in zip(reference.named_parameters(), m.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=name)

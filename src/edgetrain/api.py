@@ -12,8 +12,8 @@ from torch import nn
 from .profile import memory
 from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
-from .planning.guards import (attribute_key, changed_attributes, check_optimizer, check_trainable, describe_change,
-                              draws_random, loss_norm_safely, mark_micro_batched, model_key)
+from .planning.guards import (attribute_key, changed_attributes, check_materialized, check_optimizer, check_trainable,
+                              describe_change, draws_random, loss_norm_safely, mark_micro_batched, model_key)
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
 from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
@@ -418,6 +418,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         InputError: the example is malformed.
     """
     model = unwrap_compiled(model)
+    check_materialized(model)
     check_optimizer(optimizer)
     cfg, paging_cfg = resolve_legacy(planning, paging, deprecated)
     micro_batch_size, solver, safety_margin = cfg.micro_batch_size, cfg.solver, cfg.safety_margin

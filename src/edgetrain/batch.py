@@ -28,11 +28,14 @@ def batch_size_of(*parts: Any) -> int:
     Raises:
         InputError: there is no tensor, a tensor is 0-dimensional, or the sizes disagree.
     """
-    sizes = {t.shape[0] if t.dim() > 0 else None for p in parts for t in _leaves(p)}
+    leaves = [t for p in parts for t in _leaves(p)]
+    sizes = {t.shape[0] if t.dim() > 0 else None for t in leaves}
     if not sizes:
         raise InputError("the batch holds no tensor; pass tensors batched on dim 0")
     if None in sizes:
         raise InputError("a batch tensor is 0-dimensional; every input and target must be batched on dim 0")
+    if len(sizes) > 1:
+        _refuse_batch_on_dim_1(leaves)
     if len(sizes) == 2 and 1 in sizes:
         batch = max(sizes)  # type: ignore[type-var]
         raise InputError(f"inputs and targets disagree on the batch size (dim 0): some have 1 row, the rest {batch}. "
@@ -45,6 +48,27 @@ def batch_size_of(*parts: Any) -> int:
                          "(nn.LSTM, nn.GRU, nn.Transformer: batch_first=True; or transpose inside the model's "
                          "forward)")
     return sizes.pop()
+
+
+def _refuse_batch_on_dim_1(leaves: list[torch.Tensor]) -> None:
+    """Name the fix for a tensor whose dim 1 is the batch the others have on dim 0: an RNN's initial state
+    ``(num_layers, batch, hidden)`` is laid out that way even with ``batch_first=True``, so neither expanding it
+    nor ``batch_first`` helps."""
+    counts: dict[int, int] = {}
+    for t in leaves:
+        counts[t.shape[0]] = counts.get(t.shape[0], 0) + 1
+    batch = max(counts, key=lambda b: (counts[b], b))
+    odd = [t for t in leaves if t.shape[0] != batch and t.dim() >= 2 and t.shape[1] == batch]
+    if not odd:
+        return
+    shape = list(odd[0].shape)
+    first = [shape[1], shape[0], *shape[2:]]
+    raise InputError(f"inputs and targets disagree on the batch size (dim 0): a tensor of shape {tuple(shape)} has "
+                     f"the batch of {batch} on dim 1, as an RNN's initial state (num_layers, batch, hidden) does "
+                     "even with batch_first=True. edgetrain takes dim 0 of every input and target as the batch and "
+                     f"slices it into micro-batches: pass it batch-first, shape {tuple(first)}, and call "
+                     ".transpose(0, 1).contiguous() on it inside the model's forward before the RNN (or leave it "
+                     "out to start from zeros)")
 
 
 def slice_batch(x: Any, start: int, stop: int) -> Any:

@@ -3,8 +3,8 @@
 * :func:`model_key` and :func:`describe_change`: a step runs the model as it was captured (traced code holds
   ``self.training`` and the module objects of the capture), so a model changed after ``prepare`` (eval
   mode, a replaced submodule or parameter) is refused by name, never trained as something else.
-* :func:`check_optimizer`, :func:`check_trainable`: an optimizer a step cannot drive (``LBFGS``), parameters
-  unfrozen after a budgeted plan was made.
+* :func:`check_optimizer`, :func:`check_materialized`, :func:`check_trainable`: an optimizer a step cannot drive
+  (``LBFGS``), a lazy module not shaped yet, parameters unfrozen after a budgeted plan was made.
 * :func:`attribute_key`: the plain attributes traced code froze (a temperature, a tensor set from outside),
   so that a step re-traces the model once one changes rather than train with the old value.
 * :func:`loss_norm_safely`: how the loss normalises (:mod:`edgetrain.planning.loss`), found in a forked child.
@@ -26,7 +26,7 @@ from ..units import format_bytes
 from .loss import LossNorm, loss_normalisation
 
 __all__ = ["model_key", "describe_change", "attribute_key", "changed_attributes", "check_optimizer",
-           "check_trainable", "loss_norm_safely", "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
+           "check_materialized", "check_trainable", "loss_norm_safely", "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
 
 #: The plan note (and warning) for a split batch whose forward draws random numbers.
 RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
@@ -118,6 +118,19 @@ def check_optimizer(optimizer: Any) -> None:
         raise InputError(f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, and an "
                          "edgetrain step runs one forward and backward per optimizer step: use an optimizer "
                          "that steps on the gradients it is given (SGD, Adam, AdamW, ...)")
+
+
+def check_materialized(model: nn.Module) -> None:
+    """Refuse a model with parameters or buffers a lazy module (``nn.LazyLinear``, ``nn.LazyConv2d``, ...) has not
+    shaped yet: planning needs their sizes, and their first forward draws their initial values."""
+    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        shown = ", ".join(lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
+        raise InputError(f"{shown} of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...) are not initialized yet, and "
+                         "edgetrain plans from their sizes: run the model once on a batch first (with "
+                         "torch.no_grad(): model(x)), then call edgetrain.prepare (an optimizer made before that "
+                         "still holds them)")
 
 
 def check_trainable(model: nn.Module, trainable: set[int], budget_bytes: int) -> None:

@@ -28,6 +28,9 @@ label or all lack padding):
   twice in training mode from the same random state (the same dropout masks), on the samples and on them
   with the second half replaced, and compares the first half's output rows. BatchNorm layers run on their
   running statistics for it: how edgetrain keeps their statistics under micro-batching is its own matter.
+  A loss that does not split in eval mode is checked the same way there (the first samples' outputs, whole
+  and on their own) before it is called opaque: BatchNorm without running statistics or a branch on a
+  batch-wide ``.item()`` mixes samples, and the refusal says so rather than blaming the loss.
 
 A loss whose values pass as one of the splittable forms is then checked where it matters: the gradients
 of the samples whole against those of the two halves, each weighted as a micro-batch is. A term over the
@@ -89,19 +92,19 @@ class LossNorm:
     def why_unsplittable(self) -> str:
         """Why micro-batches cannot reproduce the full batch's gradients (empty when they can)."""
         if self.kind == WHOLE:
-            return (f"the loss fails on part of the batch ({self.error}), so it is not a loss over samples that "
-                    "micro-batches could add up (an in-batch contrastive loss, whose targets index the batch, "
-                    "is one); the batch is trained whole")
+            return (f"the loss, or the model's forward, fails on part of the batch ({self.error}), so it is not a "
+                    "loss over samples that micro-batches could add up (an in-batch contrastive loss, whose "
+                    "targets index the batch, is one); the batch is trained whole")
         if self.kind == RANDOM:
             return ("the loss of the same samples changes from one evaluation to the next, even in eval mode "
                     "(the forward draws random numbers whatever its mode: random masking, noise), so whether "
                     "micro-batches reproduce its gradients cannot be checked")
         if self.kind == MIXES:
-            return (f"in training mode the model's outputs for some samples change when other samples of the "
-                    f"batch change ({self.error}): its forward mixes samples across the batch (mixup or CutMix "
-                    "inside the model, attention across the batch, statistics over the batch outside "
-                    "BatchNorm), and micro-batches would each mix only within themselves; the batch is trained "
-                    "whole")
+            return (f"the model's outputs for some samples change when other samples of the batch change "
+                    f"({self.error}): its forward mixes samples across the batch (mixup or CutMix inside the "
+                    "model, attention across the batch, statistics over the batch such as BatchNorm without "
+                    "running statistics, a branch on a batch-wide .item()), and micro-batches would each mix "
+                    "only within themselves; the batch is trained whole")
         if self.kind == OPAQUE and self.error:
             return (f"split in two, the example's gradients do not add up to the whole's ({self.error}): the "
                     "loss, or the model's forward, has a term over the batch as a whole (a mixture-of-experts "
@@ -280,7 +283,7 @@ def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[...,
     log.info("loss over %d samples is %.6g; split after %s samples: %s; neither their mean nor their sum", n,
              whole_v, ", ".join(str(c) for c, _, _ in parts),
              "; ".join(f"{a_v:.6g} and {b_v:.6g}" for _, a_v, b_v in parts))
-    return LossNorm(OPAQUE)
+    return _unless_mixing_in_eval(model, env, idx, [c for c, _, _ in parts])
 
 
 def _unless_samples_mix(norm: LossNorm, model: nn.Module, env: dict[str, Any], idx: torch.Tensor,
@@ -329,19 +332,69 @@ def _unless_samples_mix(norm: LossNorm, model: nn.Module, env: dict[str, Any], i
         log.info("training-mode check that samples do not mix skipped: the forward's random draws depend on the "
                  "samples' values")
         return norm
+    moved = _moved_rows(first, second, rtol)
+    if moved:
+        log.info("training-mode %s of the first %d samples when the other %d were replaced: the forward mixes "
+                 "samples", moved, half, n - half)
+        return LossNorm(MIXES, error=f"in training mode, {moved} for the first {half} samples when the other "
+                                     f"{n - half} were replaced")
+    return norm
+
+
+def _moved_rows(first: list[torch.Tensor], second: list[torch.Tensor], rtol: float) -> str:
+    """How the first output that differs between ``first`` and ``second`` (the same samples' rows from two
+    forwards) moved, or ``""`` when none did beyond ``rtol`` (or 16 epsilon of its dtype)."""
     for k, (a, b) in enumerate(zip(first, second)):
         if not (a.is_floating_point() or a.is_complex()):
             if not torch.equal(a, b):
-                return LossNorm(MIXES, error=f"output {k}'s first {half} rows changed")
+                return f"output {k} changed"
             continue
         scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0)
         rel = float((a.double() - b.double()).abs().max()) / scale if scale > 0 else 0.0
         if rel > max(rtol, 16 * torch.finfo(a.dtype).eps):
-            log.info("training-mode output %d of the first %d samples moved by %.2g relative when the other %d "
-                     "were replaced: the forward mixes samples", k, half, rel, n - half)
-            return LossNorm(MIXES, error=f"output {k} of the first {half} samples moved by {rel:.2g} relative "
-                                         f"when the other {n - half} were replaced")
-    return norm
+            return f"output {k} moved by {rel:.2g} relative"
+    return ""
+
+
+def _unless_mixing_in_eval(model: nn.Module, env: dict[str, Any], idx: torch.Tensor, cuts: list[int],
+                           opaque: LossNorm = LossNorm(OPAQUE), rtol: float = 1e-4) -> LossNorm:
+    """For a loss that did not split at ``cuts`` (in value or in gradient): kind ``"mixes"`` when the model's
+    eval-mode output rows for either side of a cut change once the other side is left out (a statistic over the
+    batch such as BatchNorm without running statistics, a branch on a batch-wide ``.item()``), since the loss
+    is not to blame then; otherwise ``opaque``. A forward that fails here leaves it ``opaque``."""
+    flags = [(m, m.training) for m in model.modules()]
+
+    def rows(sel: torch.Tensor) -> list[torch.Tensor]:
+        with preserved_model_state(model), torch.no_grad():
+            torch.manual_seed(torch.initial_seed() % 2**63)
+            out = model(**{k: _take(v, sel) for k, v in env.items()})
+        return [t for t in tensors_in(out) if t.dim() > 0 and t.shape[0] == len(sel)]
+
+    n, moved = len(idx), ""
+    try:
+        model.eval()
+        whole = rows(idx)
+        for c in cuts:
+            for lo, hi in ((0, c), (c, n)):
+                part = rows(idx[lo:hi])
+                if len(part) == len(whole):
+                    moved = _moved_rows([t[lo:hi] for t in whole], part, rtol)
+                if moved:
+                    break
+            if moved:
+                break
+    except Exception as e:
+        log.info("eval-mode check that samples do not mix skipped: %s: %s", type(e).__name__, e)
+        return opaque
+    finally:
+        for m, t in flags:
+            m.training = t
+    if not moved:
+        return opaque
+    log.info("eval-mode %s for %d of %d samples when run without the others: the forward mixes samples",
+             moved, hi - lo, n)
+    return LossNorm(MIXES, error=f"in eval mode, {moved} for {hi - lo} of {n} samples when they ran without the "
+                                 "others")
 
 
 class _LowestPrecision(TorchDispatchMode):
@@ -419,7 +472,8 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
         if rel > max(gtol, 16 * precision.eps, 16 * torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0):
             log.info("loss passes as %s on values, but split in two its gradients differ from the whole's by %.2g "
                      "relative in %s", norm.kind, rel, name)
-            return LossNorm(OPAQUE, error=f"{rel:.2g} relative in {name}")
+            return _unless_mixing_in_eval(model, env, idx, [n // 2],
+                                          LossNorm(OPAQUE, error=f"{rel:.2g} relative in {name}"))
     return norm
 
 
