@@ -11,7 +11,31 @@ import torch
 from torch import nn
 
 __all__ = ["preserved_model_state", "rng_state", "set_rng_state", "host_rng_state", "set_host_rng_state", "host_rng_moved",
-           "batchnorm_modules"]
+           "batchnorm_modules", "autocast_state", "describe_autocast", "backward_outside_autocast"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[tuple[str, str], ...]:
+    """The ``torch.autocast`` regions in force on this thread, as ``(device type, dtype)`` pairs (empty: none)."""
+    return tuple((d, str(torch.get_autocast_dtype(d)).replace("torch.", "")) for d in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
+
+
+def describe_autocast(state: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(f"torch.autocast({d!r}, dtype=torch.{t})" for d, t in state) or "no torch.autocast"
+
+
+@contextlib.contextmanager
+def backward_outside_autocast() -> Iterator[None]:
+    """Run a backward as PyTorch's mixed-precision recipe does, outside any autocast region: on CPU the engine
+    runs backward on the calling thread, where an enclosing autocast would cast the backward's own matmuls
+    again (0.5% off a bfloat16 BERT's gradients). Recomputed forwards still run under the autocast state
+    their checkpoint recorded."""
+    with contextlib.ExitStack() as stack:
+        for device, _ in autocast_state():
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def rng_state() -> dict[str, object]:

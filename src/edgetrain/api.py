@@ -16,7 +16,8 @@ from .planning.guards import (attribute_key, changed_attributes, check_materiali
                               describe_change, draws_random, loss_norm_safely, mark_micro_batched, model_key)
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
-from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
+from ._state import (autocast_state, backward_outside_autocast, batchnorm_modules, describe_autocast,
+                     host_rng_state, rng_state, set_host_rng_state, set_rng_state)
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
@@ -71,6 +72,7 @@ class TrainStep:
         # activations their backward needs, and no more
         self._trainable = {id(p) for p in model.parameters() if p.requires_grad}
         self._constants: dict[str, Any] | None = None  # non-tensor inputs, fixed in the traced code
+        self._autocast = autocast_state()  # the autocast regions prepare measured the plan under
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self._chain = chain
@@ -194,6 +196,11 @@ class TrainStep:
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
         self._retrace_if_changed()
+        if autocast_state() != self._autocast:
+            raise InputError(f"the step runs under {describe_autocast(autocast_state())} but was prepared under "
+                             f"{describe_autocast(self._autocast)}: autocast changes the activations' sizes and "
+                             "adds half-precision copies of the weights, and the plan was measured without that. "
+                             "Call edgetrain.prepare inside the same torch.autocast region as the steps.")
         if self.budget_bytes is not None and self.elastic is None:  # elastic selection sets its own flags
             check_trainable(self.model, self._trainable, self.budget_bytes)
         n = batch_size_of(inputs, targets)
@@ -257,7 +264,8 @@ class TrainStep:
                 weight = total_weight if size == n else norm.weight(part, size)
                 scale = norm.scale(weight, total_weight)
                 if weight or scale:  # a slice whose targets all weigh 0 adds nothing (its mean is 0/0)
-                    (loss if scale == 1.0 else loss * scale).backward()
+                    with backward_outside_autocast():  # PyTorch's mixed-precision recipe
+                        (loss if scale == 1.0 else loss * scale).backward()
                     losses.append((float(loss.detach()), weight))
                 del loss, env, part
                 start += size

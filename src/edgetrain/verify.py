@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._state import batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
+from ._state import backward_outside_autocast, batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
 from .batch import batch_size_of, slice_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
@@ -118,7 +118,8 @@ def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     optimizer.zero_grad(set_to_none=True)
     if micro >= n:
         loss = loss_fn(model(**env), targets)
-        loss.backward()
+        with backward_outside_autocast():
+            loss.backward()
         optimizer.step()
         return float(loss.detach())
     total = norm.weight(targets, n)
@@ -129,7 +130,8 @@ def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
         loss = loss_fn(model(**{k: slice_batch(v, start, stop) for k, v in env.items()}), part)
         weight = norm.weight(part, stop - start)
         if weight or norm.kind == "sum":
-            (loss * norm.scale(weight, total)).backward()
+            with backward_outside_autocast():
+                (loss * norm.scale(weight, total)).backward()
             parts.append((float(loss.detach()), weight))
     optimizer.step()
     return norm.combine(parts, total)

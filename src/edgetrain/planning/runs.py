@@ -12,7 +12,7 @@ from torch import nn
 
 from ..profile import memory
 from .budgets import Measured, predicted_activations
-from .._state import preserved_model_state
+from .._state import backward_outside_autocast, preserved_model_state
 from ..batch import slice_batch
 from ..graph import micro_batch_sizes
 from ..plan import Plan
@@ -33,7 +33,8 @@ def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets:
         whole = size == plan.batch_size  # not sliced, as the step does not slice it (measured alike)
         env = dict(env_full) if whole else {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
         loss = loss_fn(executor.forward(env), targets if whole else slice_batch(targets, start, start + size))
-        (loss * (size / plan.batch_size)).backward()
+        with backward_outside_autocast():  # as the step runs it
+            (loss * (size / plan.batch_size)).backward()
         del loss, env
         start += size
         if executor.pager is not None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .. import settings
-from .._state import preserved_model_state
+from .._state import autocast_state, backward_outside_autocast, preserved_model_state
 from ..batch import batch_signature, slice_batch
 from ..capture import OUTPUT_KEY, Chain
 from ..capture.chain import grad_outputs, stage_inputs
@@ -212,7 +212,8 @@ def _run_stage(stage: Any, env: dict[str, Any], live: Container[str], params: se
     if diff:
         grads = [torch.ones_like(o) for o in diff]
         t2 = time.perf_counter()
-        torch.autograd.backward(diff, grads)
+        with backward_outside_autocast():  # as the step runs it
+            torch.autograd.backward(diff, grads)
         bwd = time.perf_counter() - t2
         del grads
     peak = max(0, memory.peak_rss_bytes() - rss0) if measure_memory else 0
@@ -272,7 +273,8 @@ def _run_chain(chain: Chain, inputs_env: dict[str, Any], targets: Any, loss_fn: 
     t0 = time.perf_counter()
     loss = loss_fn(out, slice_batch(targets, 0, m))
     if loss.requires_grad:
-        loss.backward()
+        with backward_outside_autocast():
+            loss.backward()
     return samples, time.perf_counter() - t0, 0
 
 
@@ -299,7 +301,7 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs
              f"lean-bn:{settings.lean_batchnorm_enabled() and lean_bn_available()}",
-             f"lean-dropout:{lean_dropout_available()}"]
+             f"lean-dropout:{lean_dropout_available()}", f"autocast:{autocast_state()}"]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
     parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
     for p in parts:
