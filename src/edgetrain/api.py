@@ -12,12 +12,13 @@ from torch import nn
 from .profile import memory
 from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
-from .planning.guards import (attribute_key, changed_attributes, check_materialized, check_optimizer, check_trainable,
-                              describe_change, draws_random, loss_norm_safely, mark_micro_batched, model_key)
+from .planning.guards import (attribute_key, changed_attributes, check_autocast, check_constants, check_materialized,
+                              check_optimizer, check_trainable, describe_change, draws_random, loss_norm_safely,
+                              mark_micro_batched, model_key)
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
-from ._state import (autocast_state, backward_outside_autocast, batchnorm_modules, describe_autocast,
-                     host_rng_state, rng_state, set_host_rng_state, set_rng_state)
+from ._state import (autocast_state, backward_outside_autocast, batchnorm_modules, host_rng_state, rng_state,
+                     set_host_rng_state, set_rng_state)
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
@@ -120,16 +121,20 @@ class TrainStep:
         """The captured chain of stages (:class:`edgetrain.capture.trace.Chain`). A step prepared without a budget
         whose plan recomputes nothing runs the model's own forward and captures it here on first use."""
         if self._chain is None:
-            assert self._capture is not None
-            # capture runs the model on the example: the user's random streams must not move
-            state, host = rng_state(), host_rng_state()
-            try:
-                self._chain = self._capture()
-            finally:
-                set_rng_state(state)
-                set_host_rng_state(host)
+            self._chain = self._captured()
             _say_single_stage(self._chain)
         return self._chain
+
+    def _captured(self) -> Any:
+        """The model captured afresh; capture runs it on the example, and the user's random streams must not
+        move."""
+        assert self._capture is not None
+        state, host = rng_state(), host_rng_state()
+        try:
+            return self._capture()
+        finally:
+            set_rng_state(state)
+            set_host_rng_state(host)
 
     def _make_executor(self, plan: Plan) -> Any:
         self._traced_attributes = None
@@ -151,14 +156,8 @@ class TrainStep:
         if now == self._traced_attributes:
             return
         changed = changed_attributes(self._traced_attributes, now)
-        assert self._capture is not None
         t0 = time.perf_counter()
-        state, host = rng_state(), host_rng_state()
-        try:
-            chain = self._capture()
-        finally:
-            set_rng_state(state)
-            set_host_rng_state(host)
+        chain = self._captured()
         if len(chain) != len(self._chain) or chain.method != self._chain.method:
             raise InputError(f"model attribute(s) {', '.join(changed)} changed since edgetrain.prepare(), and the "
                              f"model traced again is cut otherwise ({len(chain)} {chain.method} stages, not "
@@ -196,11 +195,7 @@ class TrainStep:
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
         self._retrace_if_changed()
-        if autocast_state() != self._autocast:
-            raise InputError(f"the step runs under {describe_autocast(autocast_state())} but was prepared under "
-                             f"{describe_autocast(self._autocast)}: autocast changes the activations' sizes and "
-                             "adds half-precision copies of the weights, and the plan was measured without that. "
-                             "Call edgetrain.prepare inside the same torch.autocast region as the steps.")
+        check_autocast(self._autocast)
         if self.budget_bytes is not None and self.elastic is None:  # elastic selection sets its own flags
             check_trainable(self.model, self._trainable, self.budget_bytes)
         n = batch_size_of(inputs, targets)
@@ -228,15 +223,7 @@ class TrainStep:
                 self.replan_for_selection()
         t_step = time.perf_counter()  # the step's own time, for the elastic selector's closed loop
         env_full = bind_inputs(self.model, inputs)
-        constants = {k: v for k, v in env_full.items() if not isinstance(v, torch.Tensor)}
-        if self._constants is None:
-            self._constants = constants
-        elif constants != self._constants:
-            changed = sorted(k for k in set(constants) | set(self._constants)
-                             if constants.get(k) != self._constants.get(k))
-            raise InputError(f"non-tensor input(s) {', '.join(changed)} differ from the first step's "
-                             f"({', '.join(f'{k}={self._constants.get(k)!r}' for k in changed)}): edgetrain traced the "
-                             "model with them fixed. Prepare a step for each setting.")
+        self._constants = check_constants(env_full, self._constants)
         held = self.budget.before_step(n)
         self.optimizer.zero_grad(set_to_none=True)
         if self.state_pager is not None:

@@ -5,6 +5,8 @@
   mode, a replaced submodule or parameter) is refused by name, never trained as something else.
 * :func:`check_optimizer`, :func:`check_materialized`, :func:`check_trainable`: an optimizer a step cannot drive
   (``LBFGS``), a lazy module not shaped yet, parameters unfrozen after a budgeted plan was made.
+* :func:`check_autocast`, :func:`check_constants`: a step under another ``torch.autocast`` than prepare's, non-tensor
+  inputs other than the first step's.
 * :func:`attribute_key`: the plain attributes traced code froze (a temperature, a tensor set from outside),
   so that a step re-traces the model once one changes rather than train with the old value.
 * :func:`loss_norm_safely`: how the loss normalises (:mod:`edgetrain.planning.loss`), found in a forked child.
@@ -21,12 +23,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .._state import autocast_state, describe_autocast
 from ..errors import InputError
 from ..units import format_bytes
 from .loss import LossNorm, loss_normalisation
 
 __all__ = ["model_key", "describe_change", "attribute_key", "changed_attributes", "check_optimizer",
-           "check_materialized", "check_trainable", "loss_norm_safely", "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
+           "check_materialized", "check_trainable", "check_autocast", "check_constants", "loss_norm_safely",
+           "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
 
 #: The plan note (and warning) for a split batch whose forward draws random numbers.
 RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
@@ -131,6 +135,28 @@ def check_materialized(model: nn.Module) -> None:
                          "edgetrain plans from their sizes: run the model once on a batch first (with "
                          "torch.no_grad(): model(x)), then call edgetrain.prepare (an optimizer made before that "
                          "still holds them)")
+
+
+def check_autocast(prepared: tuple[tuple[str, str], ...]) -> None:
+    """Refuse a step whose ``torch.autocast`` regions differ from those ``prepare`` measured the plan under."""
+    now = autocast_state()
+    if now != prepared:
+        raise InputError(f"the step runs under {describe_autocast(now)} but was prepared under "
+                         f"{describe_autocast(prepared)}: autocast changes the activations' sizes and adds "
+                         "half-precision copies of the weights, and the plan was measured without that. Call "
+                         "edgetrain.prepare inside the same torch.autocast region as the steps.")
+
+
+def check_constants(env: dict[str, Any], first: dict[str, Any] | None) -> dict[str, Any]:
+    """The non-tensor inputs of ``env`` (a bound call), refused where they differ from the first step's
+    (``first``; None at the first step): traced code holds them fixed."""
+    constants = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
+    if first is None or constants == first:
+        return constants
+    changed = sorted(k for k in set(constants) | set(first) if constants.get(k) != first.get(k))
+    raise InputError(f"non-tensor input(s) {', '.join(changed)} differ from the first step's "
+                     f"({', '.join(f'{k}={first.get(k)!r}' for k in changed)}): edgetrain traced the model with "
+                     "them fixed. Prepare a step for each setting.")
 
 
 def check_trainable(model: nn.Module, trainable: set[int], budget_bytes: int) -> None:
