@@ -369,3 +369,22 @@ def test_an_rnn_state_with_its_batch_on_dim_1_gets_the_fix_that_works():
     opt.step()
     for (name, p), q in zip(reference.named_parameters(), m.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x) * scale))
+
+
+def test_a_non_tensor_input_other_than_the_first_steps_is_refused():
+    """Traced code holds non-tensor inputs fixed: another value would train with the first."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    m, step = prepared(_Scaled(), {"x": x, "scale": 0.5}, y, solver="recompute_all")
+    step({"x": x, "scale": 0.5}, y)
+    with pytest.raises(InputError, match=r"non-tensor input\(s\) scale differ from the first step's \(scale=0.5\)"):
+        step({"x": x, "scale": 2.0}, y)
