@@ -195,6 +195,37 @@ def test_a_load_balancing_loss_over_the_batch_is_never_micro_batched():
     assert report.passed and report.recomputed == report.stages > 1, str(report)
 
 
+class _BatchNormWithRouter(nn.Module):
+    """A BatchNorm CNN whose router's load (softmax averaged over the batch) is a second output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head, self.router = nn.Linear(8, 3), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.head(h), self.router(h).softmax(-1).mean(0)
+
+
+def test_the_gradient_check_of_a_split_runs_on_batchnorm_models():
+    """The check put the buffers back before its backward, an in-place write to BatchNorm's running statistics
+    that autograd refused, and the check was skipped on every BatchNorm model: a router's load-balancing term
+    (1e-4 x, inside the values' check) was micro-batched with no error."""
+    torch.manual_seed(0)
+    model = _BatchNormWithRouter()
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))
+
+    def loss_fn(out, t):
+        logits, load = out
+        return F.cross_entropy(logits, t) + 1e-4 * 4 * (load ** 2).sum()
+
+    with pytest.raises(InputError, match=r"gradients do not add up .* relative in router\."):
+        edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, (x, y),
+                          planning=edgetrain.PlanConfig(micro_batch_size=4))
+
+
 def test_the_gradient_check_of_a_split_allows_half_precision_rounding():
     """A bfloat16 MLP's split gradients differ from the whole's by its rounding (0.0024 relative): a
     per-sample loss, micro-batched as plain accumulation is."""

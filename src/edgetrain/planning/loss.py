@@ -148,14 +148,17 @@ def _target_weighted(loss_fn: Any, targets: Any) -> bool:
 
 
 def _loss_value(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
-                idx: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+                idx: torch.Tensor, batch: int | None = None, then: Callable[[torch.Tensor], Any] | None = None) -> Any:
     """The loss of samples ``idx``; with ``batch`` (the example's size), first a check that the output
-    follows the samples along dim 0 (:func:`_check_batch_first`)."""
+    follows the samples along dim 0 (:func:`_check_batch_first`). With ``then``, what it returns for the loss,
+    called before the buffers are put back: a backward must run first, since putting back a buffer the forward
+    saved (BatchNorm's running statistics, in eval mode) is an in-place write autograd refuses."""
     with preserved_model_state(model):  # each evaluation sees the buffers as they are now
         out = model(**{k: _take(v, idx) for k, v in env.items()})
         if batch is not None:
             _check_batch_first(model, out, len(idx), batch)
-        return loss_fn(out, _take(targets, idx))
+        loss = loss_fn(out, _take(targets, idx))
+        return loss if then is None else then(loss)
 
 
 def _check_batch_first(model: nn.Module, out: Any, taken: int, batch: int) -> None:
@@ -436,12 +439,14 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
         return norm
     flags = [(m, m.training) for m in model.modules()]
 
-    def grads(sel: torch.Tensor) -> list[torch.Tensor | None]:
-        loss = _loss_value(model, env, loss_fn, targets, sel, batch)
+    def of(loss: torch.Tensor) -> list[torch.Tensor | None]:
         if not loss.requires_grad:
             return [None] * len(params)
         got = torch.autograd.grad(loss, params, allow_unused=True)
         return [g.to_dense() if g is not None and g.is_sparse else g for g in got]  # nn.Embedding(sparse=True)
+
+    def grads(sel: torch.Tensor) -> list[torch.Tensor | None]:
+        return _loss_value(model, env, loss_fn, targets, sel, batch, then=of)
 
     try:
         model.eval()
