@@ -226,6 +226,23 @@ def test_the_gradient_check_of_a_split_runs_on_batchnorm_models():
                           planning=edgetrain.PlanConfig(micro_batch_size=4))
 
 
+def test_a_loss_that_does_not_take_the_models_output_says_what_the_model_returns():
+    """A Hugging Face model returns a ModelOutput; nn.CrossEntropyLoss handed it failed deep in profiling
+    ("profiling failed: TypeError ..."), or, asked for micro-batches, was called a loss failing on part of the
+    batch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_labels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100, max_position_embeddings=32)
+    model = transformers.BertForSequenceClassification(config)
+    x, y = {"input_ids": torch.randint(1, 100, (8, 12))}, torch.randint(0, 3, (8,))
+    for planning in (edgetrain.PlanConfig(), edgetrain.PlanConfig(micro_batch_size=4)):
+        with pytest.raises(InputError, match=r"loss_fn\(output, targets\) fails on the model's output .* returns "
+                                             r"SequenceClassifierOutput with 'logits'.*out\.logits"):
+            edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y),
+                              memory_budget="1GiB", planning=planning)
+
+
 def test_the_gradient_check_of_a_split_allows_half_precision_rounding():
     """A bfloat16 MLP's split gradients differ from the whole's by its rounding (0.0024 relative): a
     per-sample loss, micro-batched as plain accumulation is."""

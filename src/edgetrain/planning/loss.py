@@ -161,6 +161,37 @@ def _loss_value(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., to
         return loss if then is None else then(loss)
 
 
+def _check_loss_runs_whole(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
+                           batch: int) -> None:
+    """Refuse a loss that fails on the model's output for the whole example too (a loss taking a tensor handed a
+    Hugging Face ``ModelOutput``), saying what the model returns; a loss failing on part of it only is left to
+    the caller (kind ``"whole"``)."""
+    with preserved_model_state(model):
+        try:
+            out = model(**env)
+        except Exception:  # in eval mode only, maybe: the profiling that follows runs it as it trains
+            return
+        try:
+            loss_fn(out, targets)
+            return
+        except Exception as e:
+            failure = e
+    kind = type(out).__name__
+    if isinstance(out, torch.Tensor):
+        returns = f"a tensor of shape {tuple(out.shape)}"
+    elif isinstance(out, dict):
+        returns = f"{kind} with {', '.join(repr(k) for k in list(out.keys())[:6])}"
+    elif isinstance(out, (tuple, list)):
+        returns = f"a {kind} of {len(out)}"
+    else:
+        returns = kind
+    hint = (f"; e.g. lambda out, y: nn.functional.cross_entropy(out.logits, y)" if isinstance(out, dict)
+            and "logits" in out else "")
+    raise InputError(f"loss_fn(output, targets) fails on the model's output for the example batch: "
+                     f"{type(failure).__name__}: {failure}. The model returns {returns}: pass a loss_fn that takes "
+                     f"what it returns and the targets{hint}") from failure
+
+
 def _check_batch_first(model: nn.Module, out: Any, taken: int, batch: int) -> None:
     """Refuse a model whose batch is not dim 0 of its inputs: given ``taken`` of the example's ``batch`` samples
     along dim 0, none of its outputs has ``taken`` rows and one still has ``batch`` (a sequence-first LSTM or
@@ -259,7 +290,8 @@ def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[...,
                           float(_loss_value(model, env, loss_fn, targets, idx[c:], batch))) for c in cuts]
             except InputError:
                 raise
-            except Exception as e:  # the example batch ran whole in prepare already: a part is what fails
+            except Exception as e:
+                _check_loss_runs_whole(model, env, loss_fn, targets, batch)
                 log.info("loss on part of the batch raised %s: %s", type(e).__name__, e)
                 return LossNorm(WHOLE, error=f"{type(e).__name__}: {e}")
             with preserved_model_state(model):  # the same samples, other random draws: equal unless it draws
