@@ -162,15 +162,22 @@ def _loss_value(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., to
 
 
 def _check_loss_runs_whole(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
-                           batch: int) -> None:
+                           batch: int, flags: list[tuple[nn.Module, bool]]) -> None:
     """Refuse a loss that fails on the model's output for the whole example too (a loss taking a tensor handed a
     Hugging Face ``ModelOutput``), saying what the model returns; a loss failing on part of it only is left to
-    the caller (kind ``"whole"``)."""
+    the caller (kind ``"whole"``). The model runs in the modes it trains in (``flags``: an Inception-style
+    model returns its auxiliary logits in training mode only), without gradients."""
+    now = [(m, m.training) for m in model.modules()]
     with preserved_model_state(model):
         try:
+            for m, t in flags:
+                m.training = t
             out = model(**env)
-        except Exception:  # in eval mode only, maybe: the profiling that follows runs it as it trains
+        except Exception:  # the profiling that follows runs it as it trains, and says so
             return
+        finally:
+            for m, t in now:
+                m.training = t
         try:
             loss_fn(out, targets)
             return
@@ -185,7 +192,7 @@ def _check_loss_runs_whole(model: nn.Module, env: dict[str, Any], loss_fn: Calla
         returns = f"a {kind} of {len(out)}"
     else:
         returns = kind
-    hint = (f"; e.g. lambda out, y: nn.functional.cross_entropy(out.logits, y)" if isinstance(out, dict)
+    hint = ("; e.g. lambda out, y: nn.functional.cross_entropy(out.logits, y)" if isinstance(out, dict)
             and "logits" in out else "")
     raise InputError(f"loss_fn(output, targets) fails on the model's output for the example batch: "
                      f"{type(failure).__name__}: {failure}. The model returns {returns}: pass a loss_fn that takes "
@@ -291,7 +298,7 @@ def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[...,
             except InputError:
                 raise
             except Exception as e:
-                _check_loss_runs_whole(model, env, loss_fn, targets, batch)
+                _check_loss_runs_whole(model, env, loss_fn, targets, batch, flags)
                 log.info("loss on part of the batch raised %s: %s", type(e).__name__, e)
                 return LossNorm(WHOLE, error=f"{type(e).__name__}: {e}")
             with preserved_model_state(model):  # the same samples, other random draws: equal unless it draws
