@@ -4,7 +4,8 @@
 can); :class:`~.planner.Planner` plans with the pure solvers of :mod:`edgetrain.planners`, validates each
 candidate by running it once (:mod:`.runs`), corrects the cost model with what it measured and names the
 smallest feasible budget; :mod:`.loss` works out how the loss is normalised, so micro-batches weigh it
-exactly; :mod:`.guards` refuses changes to the model after prepare. Nothing here is called by users.
+exactly, and :mod:`.mixing` whether the forward keeps samples apart; :mod:`.guards` refuses changes to the
+model after prepare. Nothing here is called by users.
 """
 
 __all__: list[str] = []

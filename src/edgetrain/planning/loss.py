@@ -51,12 +51,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._state import host_rng_moved, host_rng_state, module_generators, preserved_model_state, rng_state
+from .._state import preserved_model_state
 from ..batch import tensors_in
 from ..capture.chain import argument_writer_nodes
 from ..capture.checks import autograd_nodes
 from ..errors import InputError
 from ..profile.memory import available_bytes
+from .mixing import mixes_in_eval, mixes_in_training, take
 
 __all__ = ["LossNorm", "loss_normalisation"]
 
@@ -154,10 +155,10 @@ def _loss_value(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., to
     called before the buffers are put back: a backward must run first, since putting back a buffer the forward
     saved (BatchNorm's running statistics, in eval mode) is an in-place write autograd refuses."""
     with preserved_model_state(model):  # each evaluation sees the buffers as they are now
-        out = model(**{k: _take(v, idx) for k, v in env.items()})
+        out = model(**{k: take(v, idx) for k, v in env.items()})
         if batch is not None:
             _check_batch_first(model, out, len(idx), batch)
-        loss = loss_fn(out, _take(targets, idx))
+        loss = loss_fn(out, take(targets, idx))
         return loss if then is None else then(loss)
 
 
@@ -210,17 +211,6 @@ def _check_batch_first(model: nn.Module, out: Any, taken: int, batch: int) -> No
                          "dim 0 of every input and target as the batch dimension: pass batch-first tensors "
                          "(nn.LSTM, nn.GRU, nn.Transformer: batch_first=True; or transpose inside the model's "
                          "forward)")
-
-
-def _take(x: Any, idx: torch.Tensor) -> Any:
-    """Samples ``idx`` (dim 0) of every tensor in ``x``; other values pass through."""
-    if isinstance(x, torch.Tensor):
-        return x.index_select(0, idx.to(x.device))
-    if isinstance(x, dict):
-        return {k: _take(v, idx) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_take(v, idx) for v in x)
-    return x
 
 
 def _int_tensors(x: Any) -> list[torch.Tensor]:
@@ -328,115 +318,20 @@ def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[...,
     return _unless_mixing_in_eval(model, env, idx, [c for c, _, _ in parts])
 
 
-def _unless_samples_mix(norm: LossNorm, model: nn.Module, env: dict[str, Any], idx: torch.Tensor,
-                        rtol: float = 1e-4) -> LossNorm:
-    """``norm``, or one of kind ``"mixes"`` when, in training mode, the first half of samples ``idx`` get
-    other output rows once the second half is replaced by other samples of the batch.
-
-    Both forwards start from the same generator states (torch's, NumPy's, Python's, the modules' own), so
-    dropout and other draws are the same in each; BatchNorm layers run on their running statistics. A
-    forward whose number of draws depends on the samples (the generators end elsewhere after the two runs:
-    ``nn.RReLU`` draws a slope per negative input) cannot be told apart from one that mixes, and is let
-    through (the eval-mode checks stand). Output
-    tensors whose dim 0 is not the samples (a loss the model computes itself) are not compared. A training-
-    mode forward that fails, or a model not in training mode, skips the check (the eval-mode checks stand).
-    """
-    n = len(idx)
-    if n < 2 or not model.training:
-        return norm
-    half = n // 2
-    other = idx.clone()
-    other[half:] = idx[[(j + 1) % n for j in range(half, n)]]  # every replaced row gets another sample
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-                m.eval()
-
-        def rows(sel: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
-            with preserved_model_state(model), torch.no_grad():
-                out = model(**{k: _take(v, sel) for k, v in env.items()})
-                drawn = [rng_state()["cpu"], *(g.get_state() for g in module_generators(model))]
-                host = host_rng_state()
-            return [t[:half] for t in tensors_in(out) if t.dim() > 0 and t.shape[0] == n], [drawn, host]
-
-        (first, after_first), (second, after_second) = rows(idx), rows(other)
-    except Exception as e:
-        log.info("training-mode check that samples do not mix skipped: %s: %s", type(e).__name__, e)
-        return norm
-    finally:
-        for m, t in flags:
-            m.training = t
-    if any(not torch.equal(a, b) for a, b in zip(after_first[0], after_second[0])) \
-            or host_rng_moved(after_first[1], after_second[1]):
-        # how many numbers the forward drew depends on the samples (nn.RReLU draws for negative inputs only),
-        # so the first half's draws may differ between the two runs: the comparison cannot tell mixing apart
-        log.info("training-mode check that samples do not mix skipped: the forward's random draws depend on the "
-                 "samples' values")
-        return norm
-    moved = _moved_rows(first, second, rtol)
-    if moved:
-        log.info("training-mode %s of the first %d samples when the other %d were replaced: the forward mixes "
-                 "samples", moved, half, n - half)
-        return LossNorm(MIXES, error=f"in training mode, {moved} for the first {half} samples when the other "
-                                     f"{n - half} were replaced")
-    return norm
-
-
-def _moved_rows(first: list[torch.Tensor], second: list[torch.Tensor], rtol: float) -> str:
-    """How the first output that differs between ``first`` and ``second`` (the same samples' rows from two
-    forwards) moved, or ``""`` when none did beyond ``rtol`` (or 16 epsilon of its dtype)."""
-    for k, (a, b) in enumerate(zip(first, second)):
-        if not (a.is_floating_point() or a.is_complex()):
-            if not torch.equal(a, b):
-                return f"output {k} changed"
-            continue
-        scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0)
-        rel = float((a.double() - b.double()).abs().max()) / scale if scale > 0 else 0.0
-        if rel > max(rtol, 16 * torch.finfo(a.dtype).eps):
-            return f"output {k} moved by {rel:.2g} relative"
-    return ""
+def _unless_samples_mix(norm: LossNorm, model: nn.Module, env: dict[str, Any], idx: torch.Tensor) -> LossNorm:
+    """``norm``, or one of kind ``"mixes"`` when the forward mixes samples in training mode
+    (:func:`~edgetrain.planning.mixing.mixes_in_training`)."""
+    moved = mixes_in_training(model, env, idx)
+    return LossNorm(MIXES, error=moved) if moved else norm
 
 
 def _unless_mixing_in_eval(model: nn.Module, env: dict[str, Any], idx: torch.Tensor, cuts: list[int],
-                           opaque: LossNorm = LossNorm(OPAQUE), rtol: float = 1e-4) -> LossNorm:
-    """For a loss that did not split at ``cuts`` (in value or in gradient): kind ``"mixes"`` when the model's
-    eval-mode output rows for either side of a cut change once the other side is left out (a statistic over the
-    batch such as BatchNorm without running statistics, a branch on a batch-wide ``.item()``), since the loss
-    is not to blame then; otherwise ``opaque``. A forward that fails here leaves it ``opaque``."""
-    flags = [(m, m.training) for m in model.modules()]
-
-    def rows(sel: torch.Tensor) -> list[torch.Tensor]:
-        with preserved_model_state(model), torch.no_grad():
-            torch.manual_seed(torch.initial_seed() % 2**63)
-            out = model(**{k: _take(v, sel) for k, v in env.items()})
-        return [t for t in tensors_in(out) if t.dim() > 0 and t.shape[0] == len(sel)]
-
-    n, moved = len(idx), ""
-    try:
-        model.eval()
-        whole = rows(idx)
-        for c in cuts:
-            for lo, hi in ((0, c), (c, n)):
-                part = rows(idx[lo:hi])
-                if len(part) == len(whole):
-                    moved = _moved_rows([t[lo:hi] for t in whole], part, rtol)
-                if moved:
-                    break
-            if moved:
-                break
-    except Exception as e:
-        log.info("eval-mode check that samples do not mix skipped: %s: %s", type(e).__name__, e)
-        return opaque
-    finally:
-        for m, t in flags:
-            m.training = t
-    if not moved:
-        return opaque
-    log.info("eval-mode %s for %d of %d samples when run without the others: the forward mixes samples",
-             moved, hi - lo, n)
-    return LossNorm(MIXES, error=f"in eval mode, {moved} for {hi - lo} of {n} samples when they ran without the "
-                                 "others")
+                           opaque: LossNorm = LossNorm(OPAQUE)) -> LossNorm:
+    """For a loss that did not split at ``cuts`` (in value or in gradient): kind ``"mixes"`` when the forward
+    mixes samples in eval mode (:func:`~edgetrain.planning.mixing.mixes_in_eval`), since the loss is not to blame
+    then; otherwise ``opaque``."""
+    moved = mixes_in_eval(model, env, idx, cuts)
+    return LossNorm(MIXES, error=moved) if moved else opaque
 
 
 class _LowestPrecision(TorchDispatchMode):
@@ -492,10 +387,10 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
         with torch.enable_grad():
             with _LowestPrecision() as precision:  # autocast, or half-precision layers inside the model
                 whole = grads(idx)
-            total = norm.weight(_take(targets, idx), n)
+            total = norm.weight(take(targets, idx), n)
             split = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
             for sel in (idx[:n // 2], idx[n // 2:]):
-                scale = norm.scale(norm.weight(_take(targets, sel), len(sel)), total)
+                scale = norm.scale(norm.weight(take(targets, sel), len(sel)), total)
                 for acc, g in zip(split, grads(sel)):
                     if g is not None:
                         acc.add_(g, alpha=scale)
@@ -558,13 +453,13 @@ def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Ca
     """
     try:
         with torch.enable_grad(), preserved_model_state(model):
-            out = model(**{k: _take(v, idx) for k, v in env.items()})
+            out = model(**{k: take(v, idx) for k, v in env.items()})
             forward = _graph_nodes([t.grad_fn for t in tensors_in(out)])
             writers = tuple(sorted(n.removesuffix("Backward0") for n in {type(fn).__name__ for fn in forward}
                                    & argument_writer_nodes()))
             if not forward:
                 return writers
-            loss = loss_fn(_detached(out), _take(targets, idx))
+            loss = loss_fn(_detached(out), take(targets, idx))
             reached = _graph_nodes([loss.grad_fn]) if isinstance(loss, torch.Tensor) else set()
     except Exception as e:  # the checks after this one run the same forward and loss, and say what fails
         log.info("check that the loss reads only the model's output skipped: %s: %s", type(e).__name__, e)
