@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+import edgetrain
+
 from _semantics import Stack, assert_same_state, plain_step, prepared
 
 
@@ -224,3 +226,37 @@ def test_rrelu_blocks_of_the_module_tree_are_recomputed_exactly():
     torch.manual_seed(5)
     step(x, y)
     assert_same_state(plain, m)
+
+
+class _ScalesItsInput(nn.Module):
+    """Scales its input in place (``x.div_(255)``, preprocessing written into the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.div_(255)
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_prepare_leaves_an_example_the_forward_writes_into_as_it_was():
+    """prepare ran the model on the example a dozen times, dividing the caller's tensor by 255 each time: a
+    step on that example then trained on zeros, silently. Now prepare works on a copy and says so; the step
+    writes into its batch once, as plain PyTorch's forward does."""
+    torch.manual_seed(0)
+    x0, y = torch.randn(8, 16) * 255, torch.randint(0, 3, (8,))
+    model = _ScalesItsInput()
+    x = x0.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = copy.deepcopy(model)
+        step = edgetrain.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y),
+                                 memory_budget="1GiB")
+    assert torch.equal(x, x0)
+    assert any("writes into its input(s) x in place" in str(w.message) for w in caught)
+    torch.manual_seed(5)
+    step(x, y)
+    x_plain = x0.clone()
+    assert_same_state(plain_step(model, x_plain, y), m)
+    assert torch.equal(x, x_plain)  # divided once, by each

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,7 @@ from ._state import (autocast_state, backward_outside_autocast, batchnorm_module
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
-from .batch import batch_signature, batch_size_of, slice_batch
+from .batch import batch_signature, batch_size_of, clone_tensors, slice_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
 from .capture.modules import replay_kwargs
@@ -440,6 +441,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
     loss_norm = loss_norm_safely(model, env, loss_fn, targets, batch)
+    if loss_norm.written_inputs:  # every run on the example would write into the caller's tensors again
+        warnings.warn(f"{type(model).__name__}'s forward writes into its input(s) {', '.join(loss_norm.written_inputs)} "
+                      "in place: prepare runs it on a copy of the example (your tensors are left as they are), and "
+                      "a stage that writes into its inputs is never recomputed (a replay would start from the "
+                      "written values). Each step writes into the batch it is given, as plain PyTorch does.",
+                      stacklevel=2)
+        inputs = clone_tensors(inputs)
+        env = bind_inputs(model, inputs)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1
     solver_kw: dict[str, Any] = {}

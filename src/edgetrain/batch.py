@@ -8,7 +8,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in"]
+__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in", "clone_tensors"]
 
 
 def _leaves(x: Any) -> Iterator[torch.Tensor]:
@@ -79,6 +79,17 @@ def slice_batch(x: Any, start: int, stop: int) -> Any:
         return {k: slice_batch(v, start, stop) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
         return type(x)(slice_batch(v, start, stop) for v in x)
+    return x
+
+
+def clone_tensors(x: Any) -> Any:
+    """``x`` with every tensor cloned (tensors, dicts, tuples and lists of them); other values pass through."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, Mapping):
+        return {k: clone_tensors(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(clone_tensors(v) for v in x)
     return x
 
 

@@ -178,13 +178,13 @@ def loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..
     from ..profile import fork as _fork
 
     if _fork.available():
-        def kind_and_error() -> tuple[str, str, tuple[str, ...] | None]:
+        def kind_and_error() -> tuple[str, str, tuple[str, ...] | None, tuple[str, ...]]:
             norm = loss_normalisation(model, env, loss_fn, targets, batch)
-            return norm.kind, norm.error, norm.writers
+            return norm.kind, norm.error, norm.writers, norm.written_inputs
 
         res = _fork.run_in_child(kind_and_error)
         if res is not None and res.error is None and res.value is not None:
-            return LossNorm(res.value[0], loss_fn, res.value[1], res.value[2])
+            return LossNorm(res.value[0], loss_fn, res.value[1], res.value[2], res.value[3])
     return loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
 
 

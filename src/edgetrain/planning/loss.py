@@ -83,6 +83,8 @@ class LossNorm:
     error: str = ""
     #: the forward's ops writing into arguments autograd saves, seen by the check (None: not seen), for capture
     writers: tuple[str, ...] | None = None
+    #: the input tensors the forward writes into in place (``x.div_(255)``), by argument name
+    written_inputs: tuple[str, ...] = ()
 
     @property
     def splittable(self) -> bool:
@@ -264,10 +266,25 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     """
     n = min(batch, samples)
     idx = _diverse_samples(env, targets, batch, n)
+    written = _written_inputs(model, env, idx[:2])
     writers = _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
     norm = _normalisation(model, env, loss_fn, targets, batch, idx, rtol)
     norm = _unless_samples_mix(norm, model, env, idx) if norm.splittable else norm
-    return replace(norm, writers=writers)
+    return replace(norm, writers=writers, written_inputs=written)
+
+
+def _written_inputs(model: nn.Module, env: dict[str, Any], idx: torch.Tensor) -> tuple[str, ...]:
+    """The arguments of ``env`` whose tensors a forward (in training mode, without gradients, on samples
+    ``idx``) writes into in place: every run of the model on the example changes them."""
+    taken = {k: take(v, idx) for k, v in env.items()}
+    versions = {k: [t._version for t in tensors_in(v)] for k, v in taken.items()}
+    try:
+        with preserved_model_state(model), torch.no_grad():
+            model(**taken)
+    except Exception as e:  # the checks that follow run it too, and say why it fails
+        log.info("check for writes into the inputs skipped: %s: %s", type(e).__name__, e)
+        return ()
+    return tuple(k for k, v in taken.items() if [t._version for t in tensors_in(v)] != versions[k])
 
 
 def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
