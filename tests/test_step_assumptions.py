@@ -388,3 +388,37 @@ def test_a_non_tensor_input_other_than_the_first_steps_is_refused():
     step({"x": x, "scale": 0.5}, y)
     with pytest.raises(InputError, match=r"non-tensor input\(s\) scale differ from the first step's \(scale=0.5\)"):
         step({"x": x, "scale": 2.0}, y)
+
+
+def test_micro_batches_never_end_in_one_sample_where_they_can_avoid_it():
+    from edgetrain.graph import micro_batch_sizes, run_micro_batch_sizes
+
+    assert run_micro_batch_sizes(8, 4) == [4, 4]
+    assert run_micro_batch_sizes(9, 4) == [4, 3, 2]
+    assert run_micro_batch_sizes(5, 4) == [3, 2]
+    assert run_micro_batch_sizes(7, 3) == [3, 2, 2]
+    assert run_micro_batch_sizes(5, 2) == [2, 2, 1]  # no split into pieces of at most 2 avoids it
+    assert run_micro_batch_sizes(3, 8) == [3]
+    for n in range(1, 40):  # never larger than the cost model's micro-batches, as many of them
+        for m in range(1, 12):
+            run, model = run_micro_batch_sizes(n, m), micro_batch_sizes(n, m)
+            assert sum(run) == n and max(run) <= max(model) and len(run) == len(model)
+
+
+def test_a_batchnorm1d_model_trains_batches_that_leave_one_sample_over():
+    """A tabular MLP with BatchNorm1d, micro-batches of 4: a batch of 9, or a short last batch of 5, ended in a
+    micro-batch of one sample and failed in torch ("Expected more than 1 value per channel") where plain
+    PyTorch's full batch trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+    x, y = torch.randn(9, 16), torch.randint(0, 3, (9,))
+    m, step = prepared(model, x, y, micro_batch_size=4)
+    assert step.plan.bn_micro_batched
+    step(x, y)
+    step(x[:5], y[:5])
+    with pytest.raises(InputError, match=r"this batch is one sample .*drop_last=True"):
+        step(x[:1], y[:1])
+    m, step = prepared(model, x, y, micro_batch_size=2)
+    with pytest.raises(InputError, match=r"batch of 9 leaves a micro-batch of one sample .* micro_batch_size of 3 or "
+                                         r"more"):
+        step(x, y)

@@ -29,7 +29,7 @@ from .capture.chain import unwrap_compiled
 from .capture.modules import replay_kwargs
 from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import InputError
-from .graph import CostChain, micro_batch_sizes
+from .graph import CostChain, run_micro_batch_sizes
 from .plan import Plan
 from .profile.stages import optimizer_costs
 from .runtime import pool
@@ -234,10 +234,10 @@ class TrainStep:
         norm = self.loss_norm
         total_weight = norm.weight(targets, n) if self._plan.micro_batch_size < n else 1.0
         losses: list[tuple[float, float]] = []
-        start = 0
+        start = size = 0
         try:
             while start < n:
-                size = min(self._plan.micro_batch_size, n - start)
+                size = run_micro_batch_sizes(n - start, self._plan.micro_batch_size)[0]  # a budget may change m
                 # the whole batch is not sliced: a process's first slice faults in indexing code (up to 0.6 MiB
                 # of pages, 0.1 MiB on a small transformer that slices itself) plain PyTorch's loop never runs
                 env = dict(env_full) if size == n else {k: slice_batch(v, start, start + size)
@@ -263,9 +263,15 @@ class TrainStep:
                     self.budget.poll()  # a budget change re-plans the samples still to run
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step()
-        except BaseException:
+        except BaseException as e:
             self._bn.abort()
             self.optimizer.zero_grad(set_to_none=True)
+            if isinstance(e, ValueError) and "Expected more than 1 value per channel" in str(e) and size == 1:
+                split = (f"this batch of {n} leaves a micro-batch of one sample (micro-batches of "
+                         f"{self._plan.micro_batch_size}); prepare with micro_batch_size of 3 or more, or"
+                         if n > 1 else "this batch is one sample (plain PyTorch fails on it too);")
+                raise InputError(f"{split} BatchNorm in training mode cannot normalise one sample of a (N, C) "
+                                 "input: drop the short last batch (DataLoader(drop_last=True))") from e
             raise
         if self.state_pager is not None:
             self.state_pager.page_in()  # (the optimizer's step hook would too; here the order is plain)
@@ -512,7 +518,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     step.draws_random = random
     if budget is not None:
         step.budget.validate = analysis.validator(chain)
-        step.budget.seen_micro = set(micro_batch_sizes(batch, plan.micro_batch_size))
+        step.budget.seen_micro = set(run_micro_batch_sizes(batch, plan.micro_batch_size))
         step.budget.first_run_bytes = outcome.first_run_bytes
         step.budget.opt_state_bytes = opt_costs.state_bytes - (analysis.pageable_new if outcome.page_state else 0)
         step.budget.update_bytes = outcome.update_bytes

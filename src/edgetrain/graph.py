@@ -308,12 +308,23 @@ def candidate_micro_batch_sizes(batch_size: int, allowed: Sequence[int] | None =
 
 
 def micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
-    """Sizes of the micro-batches a logical batch is split into (all ``m`` but a smaller last one)."""
+    """Sizes of the micro-batches a logical batch is split into, as the cost model counts them (all ``m`` but
+    a smaller last one)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     m = min(micro_batch_size, batch_size)
     full, rest = divmod(batch_size, m)
     return [m] * full + ([rest] if rest else [])
+
+
+def run_micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
+    """Sizes of the micro-batches a step runs: :func:`micro_batch_sizes`, except that a last micro-batch of one
+    sample becomes ``m - 1`` and 2 where ``m`` >= 3 (BatchNorm in training mode cannot normalise one sample of a
+    ``(N, C)`` input). No micro-batch is larger than the cost model's, and the split costs the same time."""
+    sizes = micro_batch_sizes(batch_size, micro_batch_size)
+    if len(sizes) > 1 and sizes[-1] == 1 and sizes[-2] >= 3:
+        return sizes[:-2] + [sizes[-2] - 1, 2]
+    return sizes
 
 
 def singleton_groups(n: int) -> tuple[int, ...]:

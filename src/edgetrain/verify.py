@@ -21,10 +21,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._state import backward_outside_autocast, batchnorm_modules, host_rng_state, rng_state, set_host_rng_state, set_rng_state
+from ._state import (backward_outside_autocast, batchnorm_modules, host_rng_state, rng_state, set_host_rng_state,
+                     set_rng_state)
 from .batch import batch_size_of, slice_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
+from .graph import run_micro_batch_sizes
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -124,8 +126,9 @@ def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
         return float(loss.detach())
     total = norm.weight(targets, n)
     parts = []
-    for start in range(0, n, micro):
-        stop = min(start + micro, n)
+    stop = 0
+    for size in run_micro_batch_sizes(n, micro):  # as the step splits it
+        start, stop = stop, stop + size
         part = slice_batch(targets, start, stop)
         loss = loss_fn(model(**{k: slice_batch(v, start, stop) for k, v in env.items()}), part)
         weight = norm.weight(part, stop - start)

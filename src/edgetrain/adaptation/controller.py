@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable, Protocol
 
 from ..errors import BudgetError
-from ..graph import micro_batch_sizes
+from ..graph import run_micro_batch_sizes
 from ..plan import Plan
 from ..planning.analysis import block_solver_options
 from ..planning.budgets import Measured, budget_for, safety_margin_bytes
@@ -118,7 +118,7 @@ class BudgetController:
 
         batch = step.plan.batch_size
         new = {m for m in {p.micro_batch_size for p in table.plans}
-               if not self.seen_micro.issuperset(micro_batch_sizes(batch, m))}
+               if not self.seen_micro.issuperset(run_micro_batch_sizes(batch, m))}
 
         update = step.costs.fixed_bytes + self.update_bytes
 
@@ -189,11 +189,11 @@ class BudgetController:
     def before_step(self, n: int) -> int | None:
         """Called before a step of ``n`` samples: what the process holds, when this step runs a micro-batch
         size for the first time (its first-run cost is measured against it), else None."""
-        new_sizes = not self.seen_micro.issuperset(micro_batch_sizes(n, self.step.plan.micro_batch_size))
+        new_sizes = not self.seen_micro.issuperset(run_micro_batch_sizes(n, self.step.plan.micro_batch_size))
         return self.held() if new_sizes and self.step.steps_done else None
 
     def after_step(self, n: int, held: int | None) -> None:
         """Called after a step of ``n`` samples with :meth:`before_step`'s reading."""
         if held is not None:  # what this size's first run left behind bounds the next new size's
             self.first_run_bytes = max(self.first_run_bytes, self.held() - held)
-        self.seen_micro.update(micro_batch_sizes(n, self.step.plan.micro_batch_size))
+        self.seen_micro.update(run_micro_batch_sizes(n, self.step.plan.micro_batch_size))

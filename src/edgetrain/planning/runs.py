@@ -14,7 +14,7 @@ from ..profile import memory
 from .budgets import Measured, predicted_activations
 from .._state import backward_outside_autocast, preserved_model_state
 from ..batch import slice_batch
-from ..graph import micro_batch_sizes
+from ..graph import run_micro_batch_sizes
 from ..plan import Plan
 from ..runtime import pool
 from ..runtime.executor import make_executor
@@ -29,7 +29,7 @@ def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets:
                    loss_fn: Callable[..., torch.Tensor]) -> None:
     """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples."""
     start = 0
-    for size in micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
+    for size in run_micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
         whole = size == plan.batch_size  # not sliced, as the step does not slice it (measured alike)
         env = dict(env_full) if whole else {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
         loss = loss_fn(executor.forward(env), targets if whole else slice_batch(targets, start, start + size))
