@@ -186,20 +186,22 @@ def _check_loss_runs_whole(model: nn.Module, env: dict[str, Any], loss_fn: Calla
             return
         except Exception as e:
             failure = e
-    kind = type(out).__name__
-    if isinstance(out, torch.Tensor):
-        returns = f"a tensor of shape {tuple(out.shape)}"
-    elif isinstance(out, dict):
-        returns = f"{kind} with {', '.join(repr(k) for k in list(out.keys())[:6])}"
-    elif isinstance(out, (tuple, list)):
-        returns = f"a {kind} of {len(out)}"
-    else:
-        returns = kind
     hint = ("; e.g. lambda out, y: nn.functional.cross_entropy(out.logits, y)" if isinstance(out, dict)
             and "logits" in out else "")
     raise InputError(f"loss_fn(output, targets) fails on the model's output for the example batch: "
-                     f"{type(failure).__name__}: {failure}. The model returns {returns}: pass a loss_fn that takes "
-                     f"what it returns and the targets{hint}") from failure
+                     f"{type(failure).__name__}: {failure}. The model returns {_describe(out)} and the targets are "
+                     f"{_describe(targets)}: pass a loss_fn that takes them{hint}") from failure
+
+
+def _describe(x: Any) -> str:
+    """A tensor's shape and dtype, a dict's keys, a sequence's length: what a loss is handed, in words."""
+    if isinstance(x, torch.Tensor):
+        return f"a {str(x.dtype).replace('torch.', '')} tensor of shape {tuple(x.shape)}"
+    if isinstance(x, dict):
+        return f"{type(x).__name__} with {', '.join(repr(k) for k in list(x.keys())[:6])}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return type(x).__name__
 
 
 def _check_batch_first(model: nn.Module, out: Any, taken: int, batch: int) -> None:
