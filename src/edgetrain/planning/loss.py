@@ -298,12 +298,13 @@ def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[...,
         model.eval()
         try:
             try:
-                whole = _loss_value(model, env, loss_fn, targets, idx, batch)
-                _check_scalar(whole)
-                if n < 2:
-                    return LossNorm(MEAN)
-                parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c], batch)),
-                          float(_loss_value(model, env, loss_fn, targets, idx[c:], batch))) for c in cuts]
+                with _LowestPrecision() as precision:  # a bfloat16 model's losses are rounded to its precision
+                    whole = _loss_value(model, env, loss_fn, targets, idx, batch)
+                    _check_scalar(whole)
+                    if n < 2:
+                        return LossNorm(MEAN)
+                    parts = [(c, float(_loss_value(model, env, loss_fn, targets, idx[:c], batch)),
+                              float(_loss_value(model, env, loss_fn, targets, idx[c:], batch))) for c in cuts]
             except InputError:
                 raise
             except Exception as e:
@@ -319,6 +320,7 @@ def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[...,
     if _target_weighted(loss_fn, targets):
         return _unless_gradients_differ(LossNorm(WEIGHTED, loss_fn), model, env, loss_fn, targets, idx, batch)
     whole_v = float(whole)
+    rtol = max(rtol, 16 * precision.eps)  # as the gradient check allows half-precision rounding
 
     def close(v: float, a_v: float, b_v: float) -> bool:
         return abs(whole_v - v) <= rtol * max(abs(whole_v), abs(a_v), abs(b_v), 1e-12) + 1e-7
