@@ -422,3 +422,12 @@ def test_a_batchnorm1d_model_trains_batches_that_leave_one_sample_over():
     with pytest.raises(InputError, match=r"batch of 9 leaves a micro-batch of one sample .* micro_batch_size of 3 or "
                                          r"more"):
         step(x, y)
+
+
+def test_a_zero_dimensional_input_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    with pytest.raises(InputError, match=r"0-dimensional.*as a Python number"):
+        prepared(_Scaled(), {"x": x, "scale": torch.tensor(0.5)}, y)
+    m, step = prepared(_Scaled(), {"x": x, "scale": 0.5}, y, micro_batch_size=4)
+    step({"x": x, "scale": 0.5}, y)

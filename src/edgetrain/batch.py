@@ -33,7 +33,9 @@ def batch_size_of(*parts: Any) -> int:
     if not sizes:
         raise InputError("the batch holds no tensor; pass tensors batched on dim 0")
     if None in sizes:
-        raise InputError("a batch tensor is 0-dimensional; every input and target must be batched on dim 0")
+        raise InputError("a batch tensor is 0-dimensional; every input and target must be batched on dim 0. Pass a "
+                         "scalar setting (a temperature) as a Python number, which the step holds fixed, or keep "
+                         "it on the model as a buffer or attribute")
     if len(sizes) > 1:
         _refuse_batch_on_dim_1(leaves)
     if len(sizes) == 2 and 1 in sizes:
