@@ -57,7 +57,7 @@ from ..capture.chain import argument_writer_nodes
 from ..capture.checks import autograd_nodes
 from ..errors import InputError
 from ..profile.memory import available_bytes
-from .mixing import mixes_in_eval, mixes_in_training, take
+from .mixing import mixes_in_eval, mixes_in_training, modes_kept, take
 
 __all__ = ["LossNorm", "loss_normalisation"]
 
@@ -170,17 +170,14 @@ def _check_loss_runs_whole(model: nn.Module, env: dict[str, Any], loss_fn: Calla
     Hugging Face ``ModelOutput``), saying what the model returns; a loss failing on part of it only is left to
     the caller (kind ``"whole"``). The model runs in the modes it trains in (``flags``: an Inception-style
     model returns its auxiliary logits in training mode only), without gradients."""
-    now = [(m, m.training) for m in model.modules()]
     with preserved_model_state(model):
         try:
-            for m, t in flags:
-                m.training = t
-            out = model(**env)
+            with modes_kept(model):
+                for m, t in flags:
+                    m.training = t
+                out = model(**env)
         except Exception:  # the profiling that follows runs it as it trains, and says so
             return
-        finally:
-            for m, t in now:
-                m.training = t
         try:
             loss_fn(out, targets)
             return

@@ -10,8 +10,9 @@ of either side of a cut run with and without the other side. Each says how an ou
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -19,9 +20,20 @@ from torch import nn
 from .._state import host_rng_moved, host_rng_state, module_generators, preserved_model_state, rng_state
 from ..batch import tensors_in
 
-__all__ = ["mixes_in_training", "mixes_in_eval", "moved_rows", "take"]
+__all__ = ["mixes_in_training", "mixes_in_eval", "moved_rows", "take", "modes_kept"]
 
 log = logging.getLogger("edgetrain.planning.loss")
+
+
+@contextlib.contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Put every module's training flag back as it was on leaving."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, t in flags:
+            m.training = t
 
 
 def take(x: Any, idx: torch.Tensor) -> Any:
@@ -53,26 +65,23 @@ def mixes_in_training(model: nn.Module, env: dict[str, Any], idx: torch.Tensor, 
     half = n // 2
     other = idx.clone()
     other[half:] = idx[[(j + 1) % n for j in range(half, n)]]  # every replaced row gets another sample
-    flags = [(m, m.training) for m in model.modules()]
     try:
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-                m.eval()
+        with modes_kept(model):
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                    m.eval()
 
-        def rows(sel: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
-            with preserved_model_state(model), torch.no_grad():
-                out = model(**{k: take(v, sel) for k, v in env.items()})
-                drawn = [rng_state()["cpu"], *(g.get_state() for g in module_generators(model))]
-                host = host_rng_state()
-            return [t[:half] for t in tensors_in(out) if t.dim() > 0 and t.shape[0] == n], [drawn, host]
+            def rows(sel: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
+                with preserved_model_state(model), torch.no_grad():
+                    out = model(**{k: take(v, sel) for k, v in env.items()})
+                    drawn = [rng_state()["cpu"], *(g.get_state() for g in module_generators(model))]
+                    host = host_rng_state()
+                return [t[:half] for t in tensors_in(out) if t.dim() > 0 and t.shape[0] == n], [drawn, host]
 
-        (first, after_first), (second, after_second) = rows(idx), rows(other)
+            (first, after_first), (second, after_second) = rows(idx), rows(other)
     except Exception as e:
         log.info("training-mode check that samples do not mix skipped: %s: %s", type(e).__name__, e)
         return ""
-    finally:
-        for m, t in flags:
-            m.training = t
     if any(not torch.equal(a, b) for a, b in zip(after_first[0], after_second[0])) \
             or host_rng_moved(after_first[1], after_second[1]):
         # how many numbers the forward drew depends on the samples (nn.RReLU draws for negative inputs only),
@@ -108,8 +117,6 @@ def mixes_in_eval(model: nn.Module, env: dict[str, Any], idx: torch.Tensor, cuts
     """How the model's eval-mode output rows for either side of a cut of samples ``idx`` change once the other
     side is left out (a statistic over the batch such as BatchNorm without running statistics, a branch on a
     batch-wide ``.item()``), or ``""`` when they do not, or the forward fails."""
-    flags = [(m, m.training) for m in model.modules()]
-
     def rows(sel: torch.Tensor) -> list[torch.Tensor]:
         with preserved_model_state(model), torch.no_grad():
             torch.manual_seed(torch.initial_seed() % 2**63)
@@ -118,23 +125,21 @@ def mixes_in_eval(model: nn.Module, env: dict[str, Any], idx: torch.Tensor, cuts
 
     n, moved = len(idx), ""
     try:
-        model.eval()
-        whole = rows(idx)
-        for c in cuts:
-            for lo, hi in ((0, c), (c, n)):
-                part = rows(idx[lo:hi])
-                if len(part) == len(whole):
-                    moved = moved_rows([t[lo:hi] for t in whole], part, rtol)
+        with modes_kept(model):
+            model.eval()
+            whole = rows(idx)
+            for c in cuts:
+                for lo, hi in ((0, c), (c, n)):
+                    part = rows(idx[lo:hi])
+                    if len(part) == len(whole):
+                        moved = moved_rows([t[lo:hi] for t in whole], part, rtol)
+                    if moved:
+                        break
                 if moved:
                     break
-            if moved:
-                break
     except Exception as e:
         log.info("eval-mode check that samples do not mix skipped: %s: %s", type(e).__name__, e)
         return ""
-    finally:
-        for m, t in flags:
-            m.training = t
     if not moved:
         return ""
     log.info("eval-mode %s for %d of %d samples when run without the others: the forward mixes samples",
