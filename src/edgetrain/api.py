@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -14,8 +13,8 @@ from .profile import memory
 from .planning.analysis import Analysis, Outcome, block_solver_options, state_paging_fields
 from .profile.fork import analyse_safely
 from .planning.guards import (attribute_key, changed_attributes, check_autocast, check_constants, check_materialized,
-                              check_optimizer, check_trainable, describe_change, draws_random, loss_norm_safely,
-                              mark_micro_batched, model_key)
+                              check_optimizer, check_trainable, describe_change, draws_random, example_copy,
+                              loss_norm_safely, mark_micro_batched, model_key, raise_for_one_sample)
 from .planning.loss import LossNorm
 from .planning.budgets import safety_margin_bytes
 from ._state import (autocast_state, backward_outside_autocast, batchnorm_modules, host_rng_state, rng_state,
@@ -23,7 +22,7 @@ from ._state import (autocast_state, backward_outside_autocast, batchnorm_module
 from .adaptation.controller import BudgetController, grad_bytes_missing
 from .adaptation.table import PlanTable
 from .approx import ElasticConfig, GradFilter
-from .batch import batch_signature, batch_size_of, clone_tensors, slice_batch
+from .batch import batch_signature, batch_size_of, slice_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
 from .capture.modules import replay_kwargs
@@ -266,12 +265,8 @@ class TrainStep:
         except BaseException as e:
             self._bn.abort()
             self.optimizer.zero_grad(set_to_none=True)
-            if isinstance(e, ValueError) and "Expected more than 1 value per channel" in str(e) and size == 1:
-                split = (f"this batch of {n} leaves a micro-batch of one sample (micro-batches of "
-                         f"{self._plan.micro_batch_size}); prepare with micro_batch_size of 3 or more, or"
-                         if n > 1 else "this batch is one sample (plain PyTorch fails on it too);")
-                raise InputError(f"{split} BatchNorm in training mode cannot normalise one sample of a (N, C) "
-                                 "input: drop the short last batch (DataLoader(drop_last=True))") from e
+            if size == 1:
+                raise_for_one_sample(e, n, self._plan.micro_batch_size)
             raise
         if self.state_pager is not None:
             self.state_pager.page_in()  # (the optimizer's step hook would too; here the order is plain)
@@ -448,12 +443,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     env = bind_inputs(model, inputs)
     loss_norm = loss_norm_safely(model, env, loss_fn, targets, batch)
     if loss_norm.written_inputs:  # every run on the example would write into the caller's tensors again
-        warnings.warn(f"{type(model).__name__}'s forward writes into its input(s) {', '.join(loss_norm.written_inputs)} "
-                      "in place: prepare runs it on a copy of the example (your tensors are left as they are), and "
-                      "a stage that writes into its inputs is never recomputed (a replay would start from the "
-                      "written values). Each step writes into the batch it is given, as plain PyTorch does.",
-                      stacklevel=2)
-        inputs = clone_tensors(inputs)
+        inputs = example_copy(model, inputs, loss_norm.written_inputs)
         env = bind_inputs(model, inputs)
     has_bn = any(m.training for _, m in batchnorm_modules(model))
     min_micro = 2 if has_bn and batch >= 2 else 1

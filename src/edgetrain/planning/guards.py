@@ -7,6 +7,8 @@
   (``LBFGS``), a lazy module not shaped yet, parameters unfrozen after a budgeted plan was made.
 * :func:`check_autocast`, :func:`check_constants`: a step under another ``torch.autocast`` than prepare's, non-tensor
   inputs other than the first step's.
+* :func:`example_copy`, :func:`raise_for_one_sample`: an example the forward writes into (prepare works on a
+  copy), a micro-batch of one sample that BatchNorm cannot normalise (the fix, not torch's error).
 * :func:`attribute_key`: the plain attributes traced code froze (a temperature, a tensor set from outside),
   so that a step re-traces the model once one changes rather than train with the old value.
 * :func:`loss_norm_safely`: how the loss normalises (:mod:`edgetrain.planning.loss`), found in a forked child.
@@ -24,13 +26,14 @@ import torch
 from torch import nn
 
 from .._state import autocast_state, describe_autocast
+from ..batch import clone_tensors
 from ..errors import InputError
 from ..units import format_bytes
 from .loss import LossNorm, loss_normalisation
 
 __all__ = ["model_key", "describe_change", "attribute_key", "changed_attributes", "check_optimizer",
            "check_materialized", "check_trainable", "check_autocast", "check_constants", "loss_norm_safely",
-           "draws_random", "mark_micro_batched", "RANDOM_MICRO_BATCH_NOTE"]
+           "draws_random", "mark_micro_batched", "example_copy", "raise_for_one_sample", "RANDOM_MICRO_BATCH_NOTE"]
 
 #: The plan note (and warning) for a split batch whose forward draws random numbers.
 RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
@@ -157,6 +160,27 @@ def check_constants(env: dict[str, Any], first: dict[str, Any] | None) -> dict[s
     raise InputError(f"non-tensor input(s) {', '.join(changed)} differ from the first step's "
                      f"({', '.join(f'{k}={first.get(k)!r}' for k in changed)}): edgetrain traced the model with "
                      "them fixed. Prepare a step for each setting.")
+
+
+def example_copy(model: nn.Module, inputs: Any, written: tuple[str, ...]) -> Any:
+    """A copy of the example ``inputs`` for prepare's runs of a model whose forward writes into ``written`` in
+    place (``x.div_(255)``): each run would write into the caller's tensors again. Warns."""
+    warnings.warn(f"{type(model).__name__}'s forward writes into its input(s) {', '.join(written)} in place: prepare "
+                  "runs it on a copy of the example (your tensors are left as they are), and a stage that writes "
+                  "into its inputs is never recomputed (a replay would start from the written values). Each step "
+                  "writes into the batch it is given, as plain PyTorch does.", stacklevel=3)
+    return clone_tensors(inputs)
+
+
+def raise_for_one_sample(error: BaseException, batch: int, micro_batch_size: int) -> None:
+    """Turn BatchNorm's failure on a one-sample micro-batch (``error``, from torch) into the fix to make."""
+    if not (isinstance(error, ValueError) and "Expected more than 1 value per channel" in str(error)):
+        return
+    split = (f"this batch of {batch} leaves a micro-batch of one sample (micro-batches of {micro_batch_size}); "
+             "prepare with micro_batch_size of 3 or more, or" if batch > 1
+             else "this batch is one sample (plain PyTorch fails on it too);")
+    raise InputError(f"{split} BatchNorm in training mode cannot normalise one sample of a (N, C) input: drop the "
+                     "short last batch (DataLoader(drop_last=True))") from error
 
 
 def check_trainable(model: nn.Module, trainable: set[int], budget_bytes: int) -> None:
