@@ -136,7 +136,7 @@ def test_no_import_cycles():
 
 
 def test_every_top_level_name_has_a_layer_or_is_a_surface():
-    surfaces = {"api", "verify", "offline", "measure", "checkpoint", "data", "models", "trainer", "cli",
+    surfaces = {"api", "step", "verify", "offline", "measure", "checkpoint", "data", "models", "trainer", "cli",
                 "report", "fl", "spec", "adapt", "profiles", "__init__"}
     names = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
              if (p.suffix == ".py" or (p.is_dir() and p.name != "__pycache__"))}

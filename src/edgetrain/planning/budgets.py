@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..plan import Plan
 
 __all__ = ["MIN_MARGIN_BYTES", "RETRY_SLACK", "STALE_BYTES", "Measured", "budget_for", "predicted_activations",
-           "safety_margin_bytes"]
+           "safety_margin_bytes", "plan_key", "recomputes"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,15 @@ def budget_for(need: int, share: float) -> int:
     if share <= 0:
         return need
     return max(math.ceil(need / (1 - share)), need + MIN_MARGIN_BYTES) if need > MIN_MARGIN_BYTES else 2 * need
+
+
+def plan_key(plan: Plan) -> tuple[int, tuple[str, ...]]:
+    """A plan's identity for the runs validation keeps: its micro-batch size and policies."""
+    return plan.micro_batch_size, tuple(plan.policies)
+
+
+def recomputes(plan: Plan) -> bool:
+    """Whether a plan runs checkpointing (or paging) code: that code's own pages stay resident after its
+    first run, so validation measures the fixed bytes of such plans apart from those of plans that keep
+    every stage."""
+    return any(p != "keep" for p in plan.policies)

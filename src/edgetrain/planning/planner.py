@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -12,25 +11,15 @@ from ..graph import KEEP, CostChain, candidate_micro_batch_sizes, simulate
 from ..plan import Plan
 from ..profile import memory
 from ..units import format_bytes
-from .budgets import RETRY_SLACK, STALE_BYTES, Measured, budget_for, predicted_activations
+from .budgets import RETRY_SLACK, STALE_BYTES, Measured, plan_key, predicted_activations, recomputes
+from .smallest import SmallestPlanSearch
 
-__all__ = ["Measured", "Planner"]
+__all__ = ["Measured", "Planner", "RETRY_SLACK"]
 
 log = logging.getLogger("edgetrain.api")
 
 
-def _plan_key(plan: Plan) -> tuple[int, tuple[str, ...]]:
-    return plan.micro_batch_size, tuple(plan.policies)
-
-
-def _recomputes(plan: Plan) -> bool:
-    """Whether a plan runs checkpointing (or paging) code: that code's own pages stay resident after its
-    first run, so validation measures the fixed bytes of such plans apart from those of plans that keep
-    every stage."""
-    return any(p != "keep" for p in plan.policies)
-
-
-class Planner:
+class Planner(SmallestPlanSearch):
     """Plans, validates plans by running them once, and names the smallest feasible budget when none fits.
 
     Validation measures what the cost model cannot see (kernel caches for new tensor shapes, allocator
@@ -58,7 +47,7 @@ class Planner:
         self.solver_kw = dict(solver_kw or {})
         self.reprofile = reprofile  # profiles again for a budget (None: never)
         self.margin_share = margin_share  # prepare's safety_margin (the margin then has a floor)
-        # Fixed bytes measured per micro-batch size and plan kind (see _recomputes): a run leaves kernels and
+        # Fixed bytes measured per micro-batch size and plan kind (see budgets.recomputes): a run leaves kernels and
         # heap behind that grow with the size it ran, and code that only recomputing plans run.
         self._fixed_at: dict[tuple[int, bool], int] = {}
         self.floor: int | None = None  # fixed bytes before a run (validation measured; no residue)
@@ -130,7 +119,7 @@ class Planner:
             except BudgetError as e:
                 err = e
                 continue
-            update_peak = self.fixed_at(plan.micro_batch_size, _recomputes(plan)) + self.update_bytes
+            update_peak = self.fixed_at(plan.micro_batch_size, recomputes(plan)) + self.update_bytes
             if update_peak <= plan_budget:
                 return plan.replace(peak_bytes=max(plan.peak_bytes, update_peak), budget_bytes=self.budget)
             err = BudgetError("the optimizer update does not fit", min_feasible_bytes=update_peak)
@@ -158,12 +147,12 @@ class Planner:
             except BudgetError as e:
                 last = e
                 if e.min_feasible_bytes is not None:
-                    if rec and len(kinds) > 1 and not self._min_recomputes(m, e.min_feasible_bytes):
+                    if rec and len(kinds) > 1 and not self._minrecomputes(m, e.min_feasible_bytes):
                         continue  # the DP's smallest keeps every stage: the other branch judges it
                     need_m = max(e.min_feasible_bytes, self.fixed_at(m, rec) + self.update_bytes)
                     need = need_m if need is None else min(need, need_m)
                 continue
-            if rec and len(kinds) > 1 and not _recomputes(plan):
+            if rec and len(kinds) > 1 and not recomputes(plan):
                 continue  # keeps every stage: judged with the fixed bytes of its kind (the other branch)
             update_peak = self.fixed_at(m, rec) + self.update_bytes
             if update_peak > plan_budget:
@@ -177,7 +166,7 @@ class Planner:
         assert last is not None
         raise BudgetError(str(last), budget_bytes=plan_budget, min_feasible_bytes=need)
 
-    def _min_recomputes(self, m: int, need: int) -> bool:
+    def _minrecomputes(self, m: int, need: int) -> bool:
         """Whether the DP's smallest plan at micro-batch ``m`` (``need`` bytes with the fixed bytes of
         recomputing plans) recomputes. Where it keeps every stage (recomputing saves nothing at that size),
         its need is not one of a recomputing plan: judged with those plans' fixed bytes, which are lower
@@ -186,7 +175,7 @@ class Planner:
         from ..planners import solve
 
         try:
-            return _recomputes(solve(self._costs_at(m), need, solver=self.solver, micro_batch_sizes=[m],
+            return recomputes(solve(self._costs_at(m), need, solver=self.solver, micro_batch_sizes=[m],
                                      **self.solver_kw))
         except BudgetError:
             return True
@@ -210,7 +199,7 @@ class Planner:
         """
         plan = self._plan_validated(run, unallocated, grads)
         for _ in range(3):
-            ran_at = self._ran_at.get(_plan_key(plan))
+            ran_at = self._ran_at.get(plan_key(plan))
             grown = 0 if ran_at is None else memory.rss_bytes() - memory.baseline_rss_bytes() - ran_at
             if grown <= STALE_BYTES:
                 break
@@ -220,7 +209,7 @@ class Planner:
                 plan = plan.replace(peak_bytes=measured_peak) if measured_peak > plan.peak_bytes else plan
                 break
             plan = self._plan_validated(run, unallocated, grads)
-        self.costs = self._costs_at(plan.micro_batch_size, _recomputes(plan))
+        self.costs = self._costs_at(plan.micro_batch_size, recomputes(plan))
         return plan, self.costs
 
     def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int) -> Plan:
@@ -294,44 +283,13 @@ class Planner:
         return plan.replace(peak_bytes=measured_peak, metadata={**plan.metadata, "model_peak_bytes": model_peak},
                             notes=plan.notes + (note,))
 
-    def _smallest_if_it_fits(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
-                             plan_budget: int) -> Plan | None:
-        """When no plan is predicted to fit, run the smallest one: the model may over-predict it.
-
-        Its peak is measured, and the plan is taken only if that fits, so the budget stays a promise.
-        """
-        try:
-            plan = self._solve(self._min_needed())
-        except BudgetError:
-            return None
-        costs_before = self.costs
-        model_peak, measured_peak = self._correct(plan, run(plan), unallocated, grads)
-        if measured_peak <= plan_budget:
-            log.info("smallest plan measured %s, inside the budget the model said it misses",
-                     format_bytes(measured_peak))
-            return self._measured(plan, measured_peak, model_peak)
-        self.costs = costs_before
-        largest = self._largest_size_run(run, unallocated, grads, measured_peak)
-        if largest is not None and largest[2] <= plan_budget:
-            log.info("the largest micro-batch size's smallest plan measured %s, inside the budget",
-                     format_bytes(largest[2]))
-            return self._measured(largest[0].replace(budget_bytes=self.budget), largest[2], largest[1])
-        self.costs = costs_before
-        kept = self._smallest_keep_run(run, unallocated, grads)
-        if kept is not None and kept[2] <= plan_budget:
-            # the named minimum may be such a plan's measurement: a retry at it must find the plan
-            log.info("the smallest plan keeping every stage measured %s, inside the budget", format_bytes(kept[2]))
-            return self._measured(kept[0].replace(budget_bytes=self.budget), kept[2], kept[1])
-        self.costs = costs_before  # leave the model as the infeasible path expects it
-        return None
-
     def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> tuple[int, int]:
         """Set the fixed bytes to what the process really holds, plus any activation under-prediction.
 
         Returns the plan's peak under the corrected model, and the peak its run measured (plus what real
         steps add: optimizer state; and the optimizer update's transient).
         """
-        rec = _recomputes(plan)
+        rec = recomputes(plan)
         act_pred = predicted_activations(plan, self.fixed_at(plan.micro_batch_size, rec))
         # What the run left resident (kernels built for new shapes, allocator heap growth) is in rss_after and
         # so in the fixed bytes below; measuring activations from before the run would count it twice.
@@ -346,7 +304,7 @@ class Planner:
                  self.fixed_at(plan.micro_batch_size, rec) / 2**20)
         self._fixed_at[(plan.micro_batch_size, rec)] = fixed
         if m.process_rss is not None:
-            self._ran_at[_plan_key(plan)] = m.process_rss
+            self._ran_at[plan_key(plan)] = m.process_rss
         self.floor = m.rss_before + unallocated
         self._with_fixed(fixed - self.costs.fixed_bytes)
         if m.update_peak is not None:
@@ -356,10 +314,10 @@ class Planner:
         model_peak = max(fixed + act_pred, fixed + self.update_bytes)
         if self.runs_vary:
             measured = max(measured, model_peak)
-        self._runs[_plan_key(plan)] = plan, model_peak, measured
+        self._runs[plan_key(plan)] = plan, model_peak, measured
         if self._rss0 is None:
             self._rss0 = m.rss_before
-        self._grown[_plan_key(plan)] = max(0, m.rss_before - self._rss0)
+        self._grown[plan_key(plan)] = max(0, m.rss_before - self._rss0)
         return model_peak, measured
 
     def _as_fresh(self, plan: Plan, measured: int) -> int:
@@ -368,81 +326,7 @@ class Planner:
         keep-everything plan measured 27.0, 28.0 and 29.1 MiB in three runs, 1 MiB more after each re-profile,
         and the 29.1 named a minimum 10% above what a fresh process trains in). Used to name the smallest
         feasible budget only; a plan is taken on its run as measured."""
-        return measured - self._grown.get(_plan_key(plan), 0)
-
-    def _largest_size_run(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
-                          near: int) -> tuple[Plan, int, int] | None:
-        """Run the smallest plan of the largest micro-batch size once: ``(plan, model peak, measured peak)``.
-
-        What a run leaves resident depends on the plan as well as its size (ResNet-18, batch 12: 162 MiB
-        after everything recomputed at micro-batch 2), sizes never run are extrapolated from the sizes
-        that ran, and the cost model may over-predict a size's activations (validation corrects them
-        upwards only: 18.2 MiB predicted, 3.7 measured at micro-batch 12). So the smallest plan alone
-        can miss a plan that fits and over-state the smallest budget (191.5 MiB named where micro-batch
-        12 peaks at 167 MiB). None when that size already ran, or its plan is predicted to need more
-        than 1.5x ``near`` (not worth a run, and a run far above the budget could exhaust the memory of
-        a small device; a later call, after re-profiling, may judge it again). Runs at most once.
-        """
-        largest = max(s for group in self._sizes() for s in group)
-        if self._largest_run is not None or any(k == largest for k, _ in self._fixed_at):
-            return self._largest_run  # it ran (once is enough), or that size ran on the main path
-        try:
-            self._solve_sizes(0, [largest])
-            return None  # a plan of any size fits a budget of 0: nothing to learn
-        except BudgetError as e:
-            at_largest = int(e.min_feasible_bytes or 0)
-        # judged with the fixed bytes measured so far, not their extrapolation to this size
-        flat = at_largest - self.fixed_at(largest) + max(self._fixed_at.values(), default=0)
-        if not at_largest or flat >= 1.5 * near:
-            return None
-        costs_before = self.costs
-        try:
-            plan = self._solve_sizes(at_largest, [largest])
-        except BudgetError as e:
-            log.debug("could not run the largest micro-batch size: %s", e)
-            self.costs = costs_before
-            return None
-        model_peak, measured = self._correct(plan, run(plan), unallocated, grads)
-        self._largest_run = plan, model_peak, measured
-        return self._largest_run
-
-    def _smallest_keep_run(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
-                           tries: int = 2) -> tuple[Plan, int, int] | None:
-        """``(plan, model peak, measured peak)`` of the smallest plan that keeps every stage as measured
-        (run here unless it ran before), or None (not the DP, or none fits).
-
-        The smallest plan by the cost model recomputes, and recomputing plans leave more resident (code
-        pages, see :func:`_recomputes`); on a small model that outweighs the activations they save (GPT-2,
-        batch 8: 17.3 MiB kept at micro-batch 2 against 20.1 recomputed at 1). Until a plan keeping all
-        has run, its fixed bytes are estimated from recomputing runs: run the smallest, and again when
-        its measurement moves the estimate to another size (``tries`` runs at most).
-        """
-        if self.solver != "dp":
-            return None
-
-        def best() -> tuple[Plan, int, int] | None:
-            kept = [r for r in self._runs.values() if not _recomputes(r[0]) and r[0].micro_batch_size in allowed]
-            return min(kept, key=lambda r: r[2]) if kept else None
-
-        allowed = sorted({m for group in self._sizes() for m in group})  # a fixed micro_batch_size is kept
-        for _ in range(tries):
-            need, plan = None, None
-            for m in allowed:
-                try:
-                    self._solve_keep(m, 0)
-                except BudgetError as e:
-                    if e.min_feasible_bytes is not None and (need is None or e.min_feasible_bytes < need):
-                        need, plan = e.min_feasible_bytes, m
-                    continue
-                return best()  # a plan keeping all fits 0 bytes: nothing to learn
-            if plan is None or (plan, False) in self._fixed_at:
-                break
-            try:
-                keep = self._solve_keep(plan, int(need))
-            except BudgetError:
-                break
-            self._correct(keep, run(keep), unallocated, grads)
-        return best()
+        return measured - self._grown.get(plan_key(plan), 0)
 
     def _solve_keep(self, m: int, plan_budget: int) -> Plan:
         """The plan keeping every stage at micro-batch ``m``, with the fixed bytes of its kind."""
@@ -454,55 +338,3 @@ class Planner:
             raise BudgetError("keeping every stage does not fit", budget_bytes=plan_budget,
                               min_feasible_bytes=int(need))
         return solve(costs, plan_budget, solver="no_saving", micro_batch_sizes=[m])
-
-    def _infeasible(self, err: BudgetError, run: Callable[[Plan], Measured], unallocated: int,
-                    grads: int) -> BudgetError:
-        need = int(err.min_feasible_bytes or 0)
-        measured = None  # the measured peak of the smallest plan's last run
-        # Do what a retry at the estimated budget would do (profile at the sizes it allows, run its plan once
-        # and correct), twice, so that the number we name is one at which a fresh run really works.
-        for _ in range(2):
-            try:
-                if self.reprofile is not None:
-                    fixed = self.costs.fixed_bytes
-                    self.costs = self.reprofile(int(need * 1.1))
-                    self._with_fixed(max(0, fixed - self.costs.fixed_bytes))
-                    need = self._min_needed()
-                plan = self._solve(need)
-                _, measured = self._correct(plan, run(plan), unallocated, grads)
-                measured = self._as_fresh(plan, measured)
-                need = self._min_needed()
-            except BudgetError as e:
-                log.debug("could not refine the smallest feasible budget: %s", e)
-                break
-        if measured is not None and measured < need:
-            # The cost model over-predicts this plan (validation corrects it upwards only): name what it
-            # measured. prepare at that budget runs the same smallest plan and takes it on its measurement
-            # (_smallest_if_it_fits), so the number stays one at which training works.
-            need = measured
-        kept = self._smallest_keep_run(run, unallocated, grads)
-        if kept is not None:
-            need = min(need, self._as_fresh(kept[0], kept[2]))  # a budget at which a plan ran and was measured
-        largest = self._largest_size_run(run, unallocated, grads, need)
-        if largest is not None:
-            need = min(need, self._as_fresh(largest[0], largest[2]))  # likewise
-        if self._runs:  # never below every plan's measurement: a cost-model estimate no run has backed
-            need = max(need, min(self._as_fresh(r[0], r[2]) for r in self._runs.values()))
-        assert self.budget is not None
-        # A fresh process profiling at larger sizes loads kernels for more tensor shapes than this failed
-        # attempt did, and a plan's run measures a MiB more or less from one process to the next (GPT-2, 3
-        # layers: 20.7 and 22.4 MiB at micro-batch 2): keep 5% for that, so that a retry there succeeds.
-        if self.margin_share is not None:
-            user_need = budget_for(math.ceil(RETRY_SLACK * need), self.margin_share)
-        else:
-            user_need = math.ceil(RETRY_SLACK * need * self.budget / (self.budget - self.margin))
-        # a model that micro-batching cannot train exactly is told why after this message (Analysis.analyse)
-        hint = "" if self.micro_batch_size is None or self.whole_batch_only else \
-            " or let the planner choose micro_batch_size"
-        fixed_shown = self.costs.fixed_bytes  # never more than the need named (that was measured, with them)
-        return BudgetError(
-            f"no {self.solver} plan trains this batch of {self.costs.batch_size} within "
-            f"{format_bytes(self.budget)}: the smallest feasible budget is {format_bytes(user_need)} (of which the "
-            f"model, its gradients, optimizer state, batch and runtime take {format_bytes(min(fixed_shown, need))} "
-            f"before any activation). Raise memory_budget to at least that, or train a smaller batch{hint}.",
-            budget_bytes=self.budget, min_feasible_bytes=user_need)
