@@ -23,8 +23,8 @@ from ..batch import slice_batch, tensors_in
 from ..forking import answer_in_fork
 from .chain import argument_writer_nodes
 
-__all__ = ["HOOKED", "autograd_nodes", "hooked_traced_modules", "reproducible", "same", "own_graph", "gradient_mismatch",
-           "graph_checks", "isolated"]
+__all__ = ["HOOKED", "autograd_nodes", "hooked_traced_modules", "reproducible", "same", "own_graph",
+           "gradient_mismatch", "graph_checks", "isolated"]
 
 log = logging.getLogger(__name__)
 

@@ -353,8 +353,8 @@ def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any])
 #: Why a chain is one stage that is never recomputed (``Chain.replayable`` False); %s is the model's class.
 _NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same random state and buffers (does it write "
                    "into its inputs in place, draw from a generator that is not a torch.Generator attribute of one "
-                   "of its modules, or read the clock?): recomputation would differ from the first forward, so it trains as one stage that is "
-                   "never recomputed (micro-batching only)")
+                   "of its modules, or read the clock?): recomputation would differ from the first forward, so it "
+                   "trains as one stage that is never recomputed (micro-batching only)")
 
 
 #: Why a model that draws from NumPy's or Python's generator is not traced (%s is the model's class).

@@ -265,25 +265,10 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     """
     n = min(batch, samples)
     idx = _diverse_samples(env, targets, batch, n)
-    written = _written_inputs(model, env, idx[:2])
-    writers = _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
+    writers, written = _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
     norm = _normalisation(model, env, loss_fn, targets, batch, idx, rtol)
     norm = _unless_samples_mix(norm, model, env, idx) if norm.splittable else norm
     return replace(norm, writers=writers, written_inputs=written)
-
-
-def _written_inputs(model: nn.Module, env: dict[str, Any], idx: torch.Tensor) -> tuple[str, ...]:
-    """The arguments of ``env`` whose tensors a forward (in training mode, without gradients, on samples
-    ``idx``) writes into in place: every run of the model on the example changes them."""
-    taken = {k: take(v, idx) for k, v in env.items()}
-    versions = {k: [t._version for t in tensors_in(v)] for k, v in taken.items()}
-    try:
-        with preserved_model_state(model), torch.no_grad():
-            model(**taken)
-    except Exception as e:  # the checks that follow run it too, and say why it fails
-        log.info("check for writes into the inputs skipped: %s: %s", type(e).__name__, e)
-        return ()
-    return tuple(k for k, v in taken.items() if [t._version for t in tensors_in(v)] != versions[k])
 
 
 def _normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor], targets: Any,
@@ -376,8 +361,9 @@ def _unless_gradients_differ(norm: LossNorm, model: nn.Module, env: dict[str, An
     weighted as ``norm`` weighs micro-batches: per parameter tensor, by more than ``gtol`` of the larger of
     the two's largest entry (float32 sums in another order differ by about 1e-6; a half-precision parameter,
     or a forward computing in half precision (autocast), gets 16 of that dtype's epsilon, if more; entries
-    below 1e-6 of the largest gradient anywhere count as zero). Runs in eval mode, like the values' check; skipped (the values' check stands alone) where it
-    would need more than half the memory the system has available."""
+    below 1e-6 of the largest gradient anywhere count as zero). Runs in eval mode, like the values' check;
+    skipped (the values' check stands alone) where it would need more than half the memory the system has
+    available."""
     params = [p for p in model.parameters() if p.requires_grad]
     n = len(idx)
     if n < 2 or not params:
@@ -457,38 +443,43 @@ def _graph_nodes(roots: list[Any]) -> set[Any]:
 
 
 def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor],
-                              targets: Any, idx: torch.Tensor) -> tuple[str, ...] | None:
+                              targets: Any, idx: torch.Tensor) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
     """Refuse a loss that reads the forward's activations other than through its output: an intermediate a
     forward hook kept (a feature-matching term), or a tensor the model stored on itself. edgetrain measures
     the model's backward from its output's gradient, and would backpropagate such a term twice. A loss that
     reads parameters (weight decay written into the loss) is fine.
 
     Returns the ops of the forward's graph that write into an argument autograd saves
-    (:func:`~edgetrain.capture.chain.argument_writer_nodes`), for capture; None where the forward failed.
+    (:func:`~edgetrain.capture.chain.argument_writer_nodes`), for capture, None where the forward failed; and
+    the inputs the forward wrote into in place (``x.div_(255)``: their version counters moved), by name.
 
     Raises:
         InputError: the loss, given the model's output detached, still reaches the forward's graph.
     """
+    taken = {k: take(v, idx) for k, v in env.items()}
+    versions = {k: [t._version for t in tensors_in(v)] for k, v in taken.items()}
+    written: tuple[str, ...] = ()
     try:
         with torch.enable_grad(), preserved_model_state(model):
-            out = model(**{k: take(v, idx) for k, v in env.items()})
+            out = model(**taken)
+            written = tuple(k for k, v in taken.items() if [t._version for t in tensors_in(v)] != versions[k])
             forward = _graph_nodes([t.grad_fn for t in tensors_in(out)])
             writers = tuple(sorted(n.removesuffix("Backward0") for n in {type(fn).__name__ for fn in forward}
                                    & argument_writer_nodes()))
             if not forward:
-                return writers
+                return writers, written
             loss = loss_fn(_detached(out), take(targets, idx))
             reached = _graph_nodes([loss.grad_fn]) if isinstance(loss, torch.Tensor) else set()
     except Exception as e:  # the checks after this one run the same forward and loss, and say what fails
         log.info("check that the loss reads only the model's output skipped: %s: %s", type(e).__name__, e)
-        return None
+        return None, written
     if reached & forward:
         raise InputError("loss_fn reads the forward's activations other than through the model's output (a tensor "
                          "a forward hook kept, or one the model stored on itself): edgetrain measures and runs the "
                          "backward from the output's gradient, so such a term would be backpropagated wrongly. "
                          "Return what the loss needs as part of the model's output (a tuple or dict), and read it "
                          "there")
-    return writers
+    return writers, written
 
 
 def _check_scalar(loss: Any) -> None:
