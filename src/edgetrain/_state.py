@@ -81,6 +81,18 @@ def module_generators(*modules: nn.Module) -> list[torch.Generator]:
     return list(found.values())
 
 
+@contextlib.contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Put every module's training flag back as it was on leaving (a model may mix training and eval
+    submodules: a frozen backbone's BatchNorm left in eval mode; ``model.train(flag)`` would flatten them)."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, t in flags:
+            m.training = t
+
+
 def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
     """BatchNorm layers of ``model`` that update running statistics when trained."""
     return [(n, m) for n, m in model.named_modules()

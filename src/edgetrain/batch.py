@@ -8,7 +8,17 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in", "clone_tensors"]
+__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in", "clone_tensors", "call_model"]
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    """``model`` called on a batch's inputs as a step calls it: a dict as keyword arguments, a tuple or list
+    as positional arguments, anything else as the one argument."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
 
 
 def _leaves(x: Any) -> Iterator[torch.Tensor]:

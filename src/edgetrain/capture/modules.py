@@ -32,7 +32,7 @@ from ..batch import tensors_in
 from ..errors import InputError
 from .chain import Chain, Stage
 
-__all__ = ["BlockCalls", "check_calls", "find_blocks", "block_stages", "module_chain", "replay_kwargs"]
+__all__ = ["BlockCalls", "check_calls", "find_blocks", "block_stages", "module_chain", "blocks_behind", "replay_kwargs"]
 
 log = logging.getLogger(__name__)
 
@@ -248,3 +248,25 @@ def _miscount(name: str, now: int, captured: int) -> str:
     return (f"block {name} ran {now} time(s) in this forward, {captured} on the example batch edgetrain planned "
             "with: its stages no longer match the model's calls (does the number of calls depend on the input?). "
             "Prepare the step with an example batch that calls it as training does.")
+
+
+def blocks_behind(model: nn.Module, env: dict[str, Any], names: tuple[str, ...], mutates: tuple[str, ...],
+                  leaves: set[str], traced: int) -> Chain | None:
+    """The module-tree chain, where an opaque leaf of the trace hides a stack of blocks and that chain has
+    more stages than the trace's ``traced``: a Hugging Face model handed an attention mask builds it with
+    data-dependent code, so its whole encoder stays one opaque module while its layers are plain to see."""
+    blocks, _ = find_blocks(model)
+    hidden = [b for b in blocks if any(b.startswith(leaf + ".") for leaf in leaves)]
+    if len(hidden) < 2 or len(hidden) < traced:
+        return None
+    try:
+        with preserved_model_state(model):
+            chain = module_chain(model, env, names, mutates)
+    except Exception as e:  # the module tree cannot be followed: the traced chain stands
+        log.info("following the module tree of %s failed: %s", type(model).__name__, e)
+        return None
+    if chain is None or len(chain) <= traced:
+        return None
+    log.info("%s: the traced graph keeps %s opaque (%d stages); its %d repeated blocks are the stages instead",
+             type(model).__name__, ", ".join(sorted(leaves)), traced, len(chain))
+    return chain

@@ -24,7 +24,7 @@ from .._state import preserved_model_state, rng_state, set_rng_state
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
 from .checks import HOOKED, graph_checks, hooked_traced_modules, isolated, reproducible, same
-from .modules import module_chain
+from .modules import blocks_behind, module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
 
 __all__ = ["capture"]
@@ -470,6 +470,10 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
         last_use.setdefault(k, -1)
     if leaves:
         log.info("modules kept opaque (not fx-traceable): %s", ", ".join(sorted(leaves)))
+        finer = blocks_behind(model, env, names, mutates, leaves, len(stages))
+        if finer is not None:
+            return finer
     chain = Chain(stages, names, "fx", tuple(sorted(leaves)), last_use, model)
     _replay_to_the_end(chain, writers)
     return chain
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from ..config import options
 from ..spec import build_model, load_data
 from .train_config import TrainConfig
 
-__all__ = ["run_train", "spec_model_and_batch"]
+__all__ = ["run_train", "spec_model_and_batch", "write_card"]
 
 log = logging.getLogger("edgetrain.cli")
 
@@ -62,12 +63,14 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    data = load_data(cfg.data, kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
-                     target_column=cfg.target_column, task=cfg.task, seed=cfg.seed)
+    text_model = cfg.model[3:] if cfg.model.startswith("hf:") else None
+    data_options = dict(kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
+                        target_column=cfg.target_column, seed=cfg.seed, text_model=text_model,
+                        max_length=cfg.max_length, standardize=cfg.standardize)
+    data = load_data(cfg.data, task=cfg.task, **data_options)
     train, val = data.train, data.val
-    if cfg.val_data is not None:
-        val = load_data(cfg.val_data, kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
-                        target_column=cfg.target_column, task=data.task, seed=cfg.seed).train
+    if cfg.val_data is not None:  # prepared as the training data was: its classes, statistics, text length
+        val = load_data(cfg.val_data, task=data.task, like=data, **data_options).train
     elif cfg.val_fraction > 0:
         n_val = max(1, int(len(train) * cfg.val_fraction))
         train, val = random_split(train, [len(train) - n_val, n_val],
@@ -76,7 +79,7 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     memory.record_baseline()
     memory.reset_peak()
     model = build_model(cfg.model, cfg.model_kwargs, num_classes=data.num_classes, in_channels=data.in_channels,
-                        image_size=cfg.image_size)
+                        image_size=cfg.image_size, in_features=data.in_features)
     opt = _optimizer(cfg, model)
     loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.num_workers)
     val_loader = DataLoader(val, batch_size=cfg.batch_size) if val is not None else None
@@ -109,7 +112,8 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
         tmp = path.with_name(f".{path.name}.tmp")
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, path)
-        out(f"saved model weights to {path}")
+        card = write_card(path, cfg, data)
+        out(f"saved model weights to {path}, and how to build the model and prepare its inputs to {card}")
     if cfg.report:
         out(f"report written to {trainer.report(cfg.report)}")
     trainer.close()
@@ -119,6 +123,36 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     verdict = "within" if peak <= budget else "ABOVE"
     out(f"measured peak {format_bytes(peak)} vs budget {format_bytes(budget)}: {verdict} budget")
     return 0 if peak <= budget else 1
+
+
+def write_card(weights: Path, cfg: TrainConfig, data: Any) -> Path:
+    """Write ``weights`` with suffix ``.json`` beside the weights, atomically: what a program that uses the
+    trained model needs besides them (the model spec and its arguments, the task, the class names and how
+    the raw inputs were prepared: image size and per-channel mean and std, a table's columns and their
+    statistics, the tokenizer and sequence length)."""
+    card = {
+        "weights": weights.name,
+        "model": cfg.model,
+        "model_kwargs": dict(cfg.model_kwargs),
+        "task": data.task,
+        "outputs": data.num_classes,
+        "classes": list(data.classes),
+        "in_channels": data.in_channels,
+        "in_features": data.in_features,
+        "input": dict(data.preprocessing),
+        "edgetrain": _version(),
+    }
+    path = weights.with_suffix(".json") if weights.suffix != ".json" else weights.with_name(weights.name + ".json")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(card, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 def spec_model_and_batch(model: str, kwargs: dict[str, Any], input_shape: tuple[int, ...],

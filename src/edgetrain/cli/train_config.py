@@ -41,7 +41,12 @@ class TrainConfig:
     val_fraction: float = _opt(0.0, "share of the training data held out for evaluation when val_data is unset")
     image_size: int = _opt(32, "image folders and mnist: images are resized to this many pixels a side")
     channels: int = _opt(3, "image folders: 3 (RGB) or 1 (grey)")
-    target_column: int = _opt(-1, "CSV / .npy: the column holding the target")
+    target_column: int | str = _opt(-1, "CSV / .npy: the column holding the target, by index (-1: the last) or, "
+                                    "in a CSV with a header, by name")
+    max_length: int = _opt(128, "text CSV with model hf:NAME: at most this many tokens per text (every text is "
+                           "padded to the longest, so every batch has the planned shape)")
+    standardize: bool = _opt(True, "CSV tables: standardise each feature column with the training rows' mean and "
+                             "std (written beside the saved weights)")
     task: str = _opt("auto", "classification, regression or auto (classification when the targets are whole "
                      "numbers)")
     epochs: int = _opt(1, "epochs to train (counting those before a resume)")
@@ -76,7 +81,8 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes")
     threads: int = _opt(0, "torch threads (0: torch's default)")
     progress: bool | None = _opt(None, "progress bar (null: only on a terminal outside CI)")
-    save: str | None = _opt(None, "write the trained weights (state_dict) here, atomically")
+    save: str | None = _opt(None, "write the trained weights (state_dict) here, atomically, and beside them (same "
+                            "name, .json) the model spec, classes and input preprocessing")
     report: str | None = _opt(None, "write the plan report (HTML and PNGs) here after training")
 
     def __post_init__(self) -> None:
@@ -120,6 +126,10 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
             return None
         raise ConfigError(f"{name} must not be null")
     try:
+        if base == "int|str":  # an index or a name
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError
+            return int(value) if isinstance(value, str) and value.lstrip("-").isdigit() else value
         if base == "bool|str":  # a switch with a third, named setting ("auto")
             if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
                 return value.lower() in ("true", "yes", "on")

@@ -10,30 +10,20 @@ of either side of a cut run with and without the other side. Each says how an ou
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._state import host_rng_moved, host_rng_state, module_generators, preserved_model_state, rng_state
+from .._state import (
+    host_rng_moved, host_rng_state, modes_kept, module_generators, preserved_model_state, rng_state,
+)
 from ..batch import tensors_in
 
 __all__ = ["mixes_in_training", "mixes_in_eval", "moved_rows", "take", "modes_kept"]
 
 log = logging.getLogger("edgetrain.planning.loss")
-
-
-@contextlib.contextmanager
-def modes_kept(model: nn.Module) -> Iterator[None]:
-    """Put every module's training flag back as it was on leaving."""
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for m, t in flags:
-            m.training = t
 
 
 def take(x: Any, idx: torch.Tensor) -> Any:

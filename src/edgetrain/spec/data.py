@@ -8,9 +8,9 @@ for the data sets that fit on the device being trained on.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +36,13 @@ class LoadedData:
         num_classes: classes of a classification target (for regression: the number of outputs).
         in_channels: channels of image inputs (None for other inputs).
         task: ``"classification"`` or ``"regression"``.
-        classes: class names, where the data names them (image folders: the subfolder names).
+        classes: class names, where the data names them (image folders: the subfolder names; a table's
+            target column of names).
+        in_features: feature columns of a table (None for other inputs).
+        preprocessing: what was done to the raw inputs, as JSON-able values (``kind``: image, table, text or
+            other; per kind the size, scale, mean and std, column names, tokenizer and length), so that a
+            trained model can be given new inputs the same way (``edgetrain train`` writes it beside the
+            weights) and a validation set is prepared with the training set's numbers.
     """
 
     train: Dataset
@@ -45,21 +51,56 @@ class LoadedData:
     in_channels: int | None
     task: str
     classes: tuple[str, ...] = ()
+    in_features: int | None = None
+    preprocessing: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _targets(y: np.ndarray, task: str) -> tuple[torch.Tensor, str, int]:
+def _targets(y: np.ndarray, task: str, classes: Sequence[str] = (), what: str = "the targets"
+             ) -> tuple[torch.Tensor, str, int, tuple[str, ...]]:
+    """Targets as a tensor, the task, the number of classes (or outputs) and the class names.
+
+    A column of names is a classification target: class ``i`` is the ``i``-th name in sorted order, or in
+    ``classes`` where they are given (a validation set takes its training set's; a name not among them is
+    an error).
+    """
+    if y.dtype.kind in "OUS":
+        if task == "regression":
+            raise ConfigError(f"{what} hold names ({', '.join(map(repr, np.unique(y)[:3]))}, ...): a regression "
+                              "target must be numbers")
+        names = tuple(classes) or tuple(sorted(set(y.tolist())))
+        index = {n: i for i, n in enumerate(names)}
+        unknown = sorted(set(y.tolist()) - set(index))
+        if unknown:
+            raise ConfigError(f"{what} hold classes the training data does not have: "
+                              f"{', '.join(map(repr, unknown[:5]))}")
+        return torch.tensor([index[v] for v in y.tolist()], dtype=torch.int64), "classification", len(names), names
     whole = np.issubdtype(y.dtype, np.integer) or bool(np.all(np.isfinite(y)) and np.all(np.mod(y, 1) == 0))
     if task == "auto":
         task = "classification" if whole and y.ndim == 1 else "regression"
     if task == "classification":
         if not whole or y.ndim != 1 or (y.size and y.min() < 0):
-            raise ConfigError("classification targets must be one column of whole numbers >= 0 (set "
-                              "task: regression for real-valued targets)")
+            raise ConfigError(f"classification targets must be one column of whole numbers >= 0 or of class names "
+                              f"(set task: regression for real-valued targets); {what} are not")
         t = torch.as_tensor(y.astype(np.int64))
-        return t, task, int(t.max()) + 1 if t.numel() else 0
+        k = max(int(t.max()) + 1 if t.numel() else 0, len(classes))
+        return t, task, k, tuple(classes)
     t = torch.as_tensor(y.astype(np.float32))
     t = t.unsqueeze(1) if t.dim() == 1 else t
-    return t, task, int(t.shape[1])
+    return t, task, int(t.shape[1]), ()
+
+
+def _standardize(x: torch.Tensor, like: Mapping[str, Any] | None, dims: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, list[float], list[float]]:
+    """``x`` standardised per feature (per channel) with its own mean and std, or with ``like``'s."""
+    if like and "mean" in like:
+        shape = [1] * x.dim()
+        shape[1] = -1
+        mean = torch.tensor(like["mean"], dtype=x.dtype).reshape(shape)
+        std = torch.tensor(like["std"], dtype=x.dtype).reshape(shape)
+    else:
+        mean = x.mean(dim=dims, keepdim=True)
+        std = x.std(dim=dims, keepdim=True).nan_to_num(1.0).clamp_min(1e-6)
+    return (x - mean) / std, mean.flatten().tolist(), std.flatten().tolist()
 
 
 def _table(arr: np.ndarray, target_column: int, task: str, source: str) -> LoadedData:
@@ -69,23 +110,39 @@ def _table(arr: np.ndarray, target_column: int, task: str, source: str) -> Loade
     col = target_column % arr.shape[1]
     y = arr[:, col]
     x = np.delete(arr, col, axis=1).astype(np.float32)
-    t, task, k = _targets(y, task)
-    return LoadedData(TensorDataset(torch.as_tensor(x), t), None, k, None, task)
+    t, task, k, _ = _targets(y, task)
+    return LoadedData(TensorDataset(torch.as_tensor(x), t), None, k, None, task, in_features=x.shape[1],
+                      preprocessing={"kind": "table", "target_column": col})
 
 
-def _csv(path: Path, target_column: int, task: str) -> LoadedData:
-    with open(path) as f:
-        first = f.readline()
-    try:
-        [float(v) for v in first.strip().split(",")]
-        skip = 0
-    except ValueError:
-        skip = 1  # a header row
-    try:
-        arr = np.loadtxt(path, delimiter=",", skiprows=skip, ndmin=2)
-    except ValueError as e:
-        raise ConfigError(f"{path}: not a numeric CSV table ({e})") from None
-    return _table(arr, target_column, task, str(path))
+def _csv(path: Path, target_column: int | str, task: str, text_model: str | None, max_length: int,
+         standardize: bool, like: LoadedData | None) -> LoadedData:
+    from .tables import read_csv
+
+    table = read_csv(path, target_column, allow_text=text_model is not None)
+    prior = like.preprocessing if like is not None else None
+    t, task, k, classes = _targets(table.target, task, like.classes if like is not None else (),
+                                   f"the target column {table.target_name!r}")
+    common = {"target": table.target_name}
+    if table.text is not None:
+        from .text import TokenDataset, load_tokenizer, tokenize
+
+        assert text_model is not None
+        ids, mask = tokenize(load_tokenizer(text_model), table.text, max_length,
+                             length=prior.get("length") if prior else None)
+        pre = {"kind": "text", "text_column": table.text_name, "tokenizer": text_model,
+               "max_length": max_length, "length": int(ids.shape[1]), **common}
+        log.info("%s: %d texts as %d tokens each", path, len(ids), ids.shape[1])
+        return LoadedData(TokenDataset(ids, mask, t), None, k, None, task, classes, None, pre)
+    if text_model is not None:
+        raise ConfigError(f"{path}: model hf:... reads text, and this table has no column of text (its columns "
+                          f"are {', '.join(table.feature_names)}, {table.target_name})")
+    x = torch.as_tensor(table.features)
+    pre = {"kind": "table", "features": list(table.feature_names), **common}
+    if standardize:
+        x, mean, std = _standardize(x, prior, (0,))
+        pre.update(mean=mean, std=std)
+    return LoadedData(TensorDataset(x, t), None, k, None, task, classes, x.shape[1], pre)
 
 
 def _npz(path: Path, task: str) -> LoadedData:
@@ -99,9 +156,10 @@ def _npz(path: Path, task: str) -> LoadedData:
         x, y = z[pair[0]], z[pair[1]]
     if len(x) != len(y):
         raise ConfigError(f"{path}: {len(x)} inputs but {len(y)} targets")
-    t, task, k = _targets(y, task)
+    t, task, k, classes = _targets(y, task)
     xt = torch.as_tensor(x.astype(np.float32))
-    return LoadedData(TensorDataset(xt, t), None, k, int(xt.shape[1]) if xt.dim() == 4 else None, task)
+    return LoadedData(TensorDataset(xt, t), None, k, int(xt.shape[1]) if xt.dim() == 4 else None, task, classes,
+                      int(xt.shape[1]) if xt.dim() == 2 else None, {"kind": "other"})
 
 
 def _read_image(path: Path, size: int, channels: int) -> np.ndarray:
@@ -127,15 +185,24 @@ def _read_image(path: Path, size: int, channels: int) -> np.ndarray:
     return arr.transpose(2, 0, 1) if arr.ndim == 3 else arr[None]
 
 
-def _image_folder(root: Path, size: int, channels: int) -> LoadedData:
+def _image_folder(root: Path, size: int, channels: int, like: LoadedData | None) -> LoadedData:
     if channels not in (1, 3):
         raise ConfigError(f"channels must be 1 or 3 for image folders, got {channels}")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if not classes:
+    found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not found:
         raise ConfigError(f"{root} has no class subfolders: an image folder holds one subfolder of images per "
                           "class")
+    classes = found
+    if like is not None and like.classes:
+        # a validation folder lacking a class must not shift the labels of the classes after it
+        unknown = sorted(set(found) - set(like.classes))
+        if unknown:
+            raise ConfigError(f"{root} has classes the training data does not have: {', '.join(unknown[:5])}")
+        classes = list(like.classes)
     xs, ys = [], []
     for label, name in enumerate(classes):
+        if not (root / name).is_dir():
+            continue
         files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
         for p in files:
             xs.append(_read_image(p, size, channels))
@@ -143,11 +210,12 @@ def _image_folder(root: Path, size: int, channels: int) -> LoadedData:
     if not xs:
         raise ConfigError(f"no images found under {root} (looked for {', '.join(IMAGE_SUFFIXES)}, .npy)")
     x = torch.as_tensor(np.stack(xs))
-    mean, std = x.mean(dim=(0, 2, 3), keepdim=True), x.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
-    x = (x - mean) / std  # per-channel standardisation over the folder
+    # per-channel standardisation with the folder's statistics (a validation folder: the training folder's)
+    x, mean, std = _standardize(x, like.preprocessing if like is not None else None, (0, 2, 3))
     log.info("image folder %s: %d images of %d classes", root, len(xs), len(classes))
+    pre = {"kind": "image", "size": size, "channels": channels, "scale": 1 / 255, "mean": mean, "std": std}
     return LoadedData(TensorDataset(x, torch.tensor(ys)), None, len(classes), channels, "classification",
-                      tuple(classes))
+                      tuple(classes), None, pre)
 
 
 def _hf_disk(root: Path, task: str) -> LoadedData:
@@ -169,17 +237,35 @@ def _hf_disk(root: Path, task: str) -> LoadedData:
         raise ConfigError(f"{root}: need an input column (pixel_values, input_ids, features, x) and a label column "
                           f"(label, labels, target, y); found {', '.join(cols)}")
 
-    def to_tensors(d: Any) -> tuple[torch.Tensor, np.ndarray]:
-        d = d.with_format("numpy")
-        return torch.as_tensor(np.asarray(d[inp]).astype(np.float32)), np.asarray(d[label])
+    names = getattr(train.features.get(label), "names", None)  # a ClassLabel column names its classes
+    classes = tuple(names) if names else ()
 
-    x, y = to_tensors(train)
-    t, task, k = _targets(y, task)
+    def to_tensors(d: Any) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+        d = d.with_format("numpy")
+        raw = np.asarray(d[inp])
+        if inp == "input_ids":  # token ids index an embedding: they stay integers, with their mask
+            mask = np.asarray(d["attention_mask"]) if "attention_mask" in cols else np.ones_like(raw)
+            return torch.as_tensor(raw.astype(np.int64)), torch.as_tensor(mask.astype(np.int64)), \
+                np.asarray(d[label])
+        return torch.as_tensor(raw.astype(np.float32)), None, np.asarray(d[label])
+
+    def dataset(x: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor) -> Dataset:
+        if mask is None:
+            return TensorDataset(x, t)
+        from .text import TokenDataset
+
+        return TokenDataset(x, mask, t)
+
+    x, mask, y = to_tensors(train)
+    t, task, k, _ = _targets(y, task, classes)
     val_ds = None
     if val is not None:
-        vx, vy = to_tensors(val)
-        val_ds = TensorDataset(vx, _targets(vy, task)[0])
-    return LoadedData(TensorDataset(x, t), val_ds, k, int(x.shape[1]) if x.dim() == 4 else None, task)
+        vx, vmask, vy = to_tensors(val)
+        val_ds = dataset(vx, vmask, _targets(vy, task, classes)[0])
+    kind = "text" if mask is not None else ("image" if x.dim() == 4 else "other")
+    return LoadedData(dataset(x, mask, t), val_ds, k, int(x.shape[1]) if x.dim() == 4 else None, task, classes,
+                      int(x.shape[1]) if x.dim() == 2 and mask is None else None,
+                      {"kind": kind, "columns": [inp, label]})
 
 
 def _factory(spec: str, kwargs: Mapping[str, Any], task: str) -> LoadedData:
@@ -200,7 +286,9 @@ def _factory(spec: str, kwargs: Mapping[str, Any], task: str) -> LoadedData:
         k = len(classes) if classes is not None else max(int(train[i][1]) for i in range(len(train))) + 1
         task = "classification"
     chans = int(first_x.shape[0]) if isinstance(first_x, torch.Tensor) and first_x.dim() == 3 else None
-    return LoadedData(train, val, k, chans, task, tuple(map(str, classes or ())))
+    feats = int(first_x.shape[0]) if isinstance(first_x, torch.Tensor) and first_x.dim() == 1 else None
+    return LoadedData(train, val, k, chans, task, tuple(map(str, classes or ())), feats,
+                      {"kind": "other", "factory": spec})
 
 
 def _mnist(size: int, seed: int) -> LoadedData:
@@ -214,14 +302,31 @@ def _mnist(size: int, seed: int) -> LoadedData:
             x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
         return x
 
+    pre = {"kind": "image", "size": size, "channels": 1, "scale": 1.0, "mean": [digits.mean], "std": [digits.std]}
     return LoadedData(TensorDataset(tensors(digits.train_images), digits.train_labels),
                       TensorDataset(tensors(digits.test_images), digits.test_labels), len(digits.classes), 1,
-                      "classification", tuple(map(str, digits.classes)))
+                      "classification", tuple(map(str, digits.classes)), None, pre)
 
 
 def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size: int = 32, channels: int = 3,
-              target_column: int = -1, task: str = "auto", seed: int = 0) -> LoadedData:
+              target_column: int | str = -1, task: str = "auto", seed: int = 0, text_model: str | None = None,
+              max_length: int = 128, standardize: bool = True, like: LoadedData | None = None) -> LoadedData:
     """Load the data a spec names (see the module doc).
+
+    Args:
+        spec: the data spec.
+        kwargs: keyword arguments of a dataset factory.
+        image_size: image folders and mnist: images are resized to this many pixels a side.
+        channels: image folders: 3 (RGB) or 1 (grey).
+        target_column: CSV / .npy: the target's column, by index or (CSV with a header) by name.
+        task: ``classification``, ``regression`` or ``auto``.
+        seed: seed of mnist's split.
+        text_model: the Hugging Face model a CSV's text column is tokenized for (None: the table must be
+            numbers).
+        max_length: text: at most this many tokens per text.
+        standardize: CSV tables: standardise each feature column (image folders always are, per channel).
+        like: the training set's data, when loading a validation set: its classes, statistics and sequence
+            length are used, so the two sets are prepared alike.
 
     Raises:
         ConfigError: the path does not exist, the format is unknown or malformed, or an optional package
@@ -233,13 +338,13 @@ def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size:
     if path.is_dir():
         if any((path / m).exists() for m in _HF_MARKERS):
             return _hf_disk(path, task)
-        return _image_folder(path, image_size, channels)
+        return _image_folder(path, image_size, channels, like)
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix == ".csv":
-            return _csv(path, target_column, task)
+            return _csv(path, target_column, task, text_model, max_length, standardize, like)
         if suffix == ".npy":
-            return _table(np.load(path), target_column, task, str(path))
+            return _table(np.load(path), int(target_column), task, str(path))
         if suffix == ".npz":
             return _npz(path, task)
         raise ConfigError(f"data file {path}: unknown format {suffix!r} (use .csv, .npy, .npz, an image folder, a "

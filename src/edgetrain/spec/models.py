@@ -1,10 +1,12 @@
 """Model specs of the command line: a factory import path, an in-project model, or an offline Hugging Face model.
 
-* ``"pkg.module:build"``: ``build(**kwargs)`` (or the ``nn.Module`` named there); ``num_classes`` and
-  ``in_channels`` are passed when the factory takes them and the caller knows them from the data.
+* ``"pkg.module:build"``: ``build(**kwargs)`` (or the ``nn.Module`` named there); ``num_classes``,
+  ``in_channels`` (images) and ``in_features`` (tables) are passed when the factory takes them and the
+  caller knows them from the data.
 * ``"mobilenet_v2"``, ``"resnet18"``, ``"transformer"``: :func:`edgetrain.models.get_model`.
 * ``"hf:NAME"`` (a hub name in the local cache, or a local directory): a sequence classifier from
-  ``transformers`` loaded with ``local_files_only=True``; its forward returns the logits.
+  ``transformers`` loaded with ``local_files_only=True``; its forward takes ``input_ids`` and an optional
+  ``attention_mask`` and returns the logits.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ class _LogitsOnly(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
 def _hf_model(name: str, kwargs: dict[str, Any], num_classes: int | None) -> nn.Module:
@@ -91,11 +93,18 @@ def _hf_model(name: str, kwargs: dict[str, Any], num_classes: int | None) -> nn.
     except OSError as e:
         raise ConfigError(f"Hugging Face model {name!r} is not available offline (not in the local cache nor a "
                           f"directory): {' '.join(str(e).split())[:200]}") from None
+    cfg = model.config
+    if getattr(cfg, "pad_token_id", None) is None and isinstance(getattr(cfg, "eos_token_id", None), int):
+        # decoder models (GPT-2, ...) have no padding token; their classifier finds each text's last token
+        # by it, and edgetrain's text data pads with the same one (spec.text)
+        cfg.pad_token_id = cfg.eos_token_id
+    model.train()  # from_pretrained returns it in eval mode; it is built here to be trained (dropout on)
     return _LogitsOnly(model)
 
 
 def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_classes: int | None = None,
-                in_channels: int | None = None, image_size: int | None = None) -> nn.Module:
+                in_channels: int | None = None, image_size: int | None = None,
+                in_features: int | None = None) -> nn.Module:
     """Build the model a spec names (see the module doc).
 
     Args:
@@ -104,6 +113,7 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_class
         num_classes: outputs the data needs, passed when the factory takes ``num_classes``.
         in_channels: input channels of image data, passed when the factory takes ``in_channels``.
         image_size: side of image inputs (in-project ResNet-18 uses its small-input stem below 64).
+        in_features: feature columns of table data, passed when the factory takes ``in_features``.
 
     Raises:
         ConfigError: the spec names nothing importable, the factory rejects its arguments or does not
@@ -125,6 +135,7 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_class
 
         kwargs = _fill(_BUILDERS[spec], kwargs, known)
     elif ":" in spec:
+        known["in_features"] = in_features
         fn = resolve_import(spec, "model")
         if isinstance(fn, nn.Module):
             return fn

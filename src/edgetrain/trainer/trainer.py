@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .._state import modes_kept
+from ..batch import call_model
 from ..errors import ConfigError
 from ..plan import Plan
 from ._checkpoints import CheckpointDir, TrainerState
@@ -202,22 +204,20 @@ class Trainer:
         data = self.val_data if data is None else data
         if data is None:
             return {}
-        was_training = self.model.training
-        self.model.eval()
         sums = {"val_loss": 0.0, **{f"val_{k}": 0.0 for k in self.metrics}}
         total = 0
-        try:
+        # every module's own flag comes back (a frozen part left in eval mode stays so)
+        with modes_kept(self.model):
+            self.model.eval()
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 for batch in data:
                     x, y = as_pair(batch)
-                    out = self.model(x)
+                    out = call_model(self.model, x)
                     n = len(y) if hasattr(y, "__len__") else 1
                     sums["val_loss"] += float(self.loss_fn(out, y)) * n
                     for k, fn in self.metrics.items():
                         sums[f"val_{k}"] += float(fn(out, y)) * n
                     total += n
-        finally:
-            self.model.train(was_training)
         metrics = {k: v / max(total, 1) for k, v in sums.items()}
         self._call("on_eval_end", metrics)
         return metrics

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from ...batch import call_model
 from ...errors import InputError
 
 __all__ = ["batch_loss", "slice_batch", "batch_size", "Layer", "capture_layers", "time_layers",
@@ -56,14 +57,7 @@ def batch_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise InputError("a batch must be an (inputs, target) pair; wrap other layouts in a small "
                          "nn.Module and a loss_fn(output, target)")
-    inputs = batch[0]
-    if isinstance(inputs, Mapping):
-        out = model(**inputs)
-    elif isinstance(inputs, (tuple, list)):
-        out = model(*inputs)
-    else:
-        out = model(inputs)
-    return loss_fn(out, batch[1])
+    return loss_fn(call_model(model, batch[0]), batch[1])
 
 
 def slice_batch(batch: Any, n: int) -> Any:

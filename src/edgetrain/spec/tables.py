@@ -1,0 +1,182 @@
+"""CSV tables as a user keeps them: a header row (or none), number columns, a column of class names or
+numbers as the target, and at most one column of free text.
+
+A table is read whole (it is for data sets that fit on the device) and checked before anything trains:
+a missing or non-finite number, a column of words where numbers are needed, or a target that does not fit
+the task is a :class:`~edgetrain.errors.ConfigError` naming the column and the line, never a NaN loss or a
+traceback. Class names in the target column become class indices in sorted order (as an image folder's
+subfolders do); the names are kept so predictions can be read back.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+
+__all__ = ["Table", "read_csv", "MISSING"]
+
+#: Cells read as "no value" (compared lower-cased, stripped).
+MISSING = frozenset({"", "na", "n/a", "nan", "null", "none", "?", "-"})
+
+
+@dataclass(frozen=True)
+class Table:
+    """A CSV file's columns, split into features and the target.
+
+    Attributes:
+        features: float32 ``[rows, feature columns]`` (zero columns when the table has only text).
+        feature_names: the feature columns' names (the header's, else ``column 1``, ``column 2``, ...).
+        text: the text column's cells, or None when there is none.
+        text_name: the text column's name.
+        target: the target column as float64 numbers, or as strings where it holds names.
+        target_name: the target column's name.
+    """
+
+    features: np.ndarray
+    feature_names: tuple[str, ...]
+    text: list[str] | None
+    text_name: str | None
+    target: np.ndarray
+    target_name: str
+
+
+def _number(cell: str) -> float | None:
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def _is_number(cell: str) -> bool:
+    return _number(cell) is not None
+
+
+def _dialect(path: Path, sample: str) -> type[csv.Dialect] | csv.Dialect:
+    try:
+        return csv.Sniffer().sniff(sample, delimiters=",;\t|")
+    except csv.Error:
+        return csv.excel  # one column, or nothing the sniffer can tell: commas
+
+
+def _rows(path: Path) -> list[list[str]]:
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            sample = f.read(64 * 1024)
+            f.seek(0)
+            rows = [[c.strip() for c in row] for row in csv.reader(f, _dialect(path, sample))]
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the table as UTF-8 "
+                          "CSV") from None
+    return [r for r in rows if any(r)]  # blank lines (and a trailing one) are not rows
+
+
+def _has_header(rows: list[list[str]]) -> bool:
+    first, rest = rows[0], rows[1:]
+    if any(_is_number(c) for c in first) or not rest:
+        return False
+    # a column of numbers under a word: the word names it
+    for j, name in enumerate(first):
+        cells = [r[j] for r in rest[:200] if j < len(r) and r[j].lower() not in MISSING]
+        if name and cells and all(_is_number(c) for c in cells):
+            return True
+    return csv.Sniffer().has_header("\n".join(",".join(r) for r in rows[:50]))
+
+
+def _column_index(target: int | str, names: Sequence[str], path: Path) -> int:
+    if isinstance(target, str) and not target.lstrip("-").isdigit():
+        if target not in names:
+            raise ConfigError(f"{path}: no column named {target!r}; the columns are {', '.join(names)}")
+        return list(names).index(target)
+    j = int(target)
+    if not -len(names) <= j < len(names):
+        raise ConfigError(f"{path}: target_column {j} is out of range for {len(names)} columns")
+    return j % len(names)
+
+
+def _examples(cells: Sequence[str]) -> str:
+    seen: list[str] = []
+    for c in cells:
+        if c not in seen:
+            seen.append(c)
+        if len(seen) == 3:
+            break
+    return ", ".join(repr(c if len(c) <= 30 else c[:27] + "...") for c in seen)
+
+
+def read_csv(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
+    """Read a CSV table and split it into features, an optional text column and the target.
+
+    Args:
+        path: the file (UTF-8; commas, semicolons, tabs or bars between cells; a header row is detected).
+        target_column: the target's column, by index (negative from the end) or by header name.
+        allow_text: a column of free text is allowed (the model reads text); otherwise a column of words is
+            an error that says how to encode it.
+
+    Raises:
+        ConfigError: an empty table, rows of different lengths, a missing or non-finite number, a column
+            of words where numbers are needed (or more than one text column), an unknown target column.
+    """
+    rows = _rows(path)
+    if not rows:
+        raise ConfigError(f"{path}: the table is empty")
+    header = _has_header(rows)
+    width = len(rows[0])
+    names = tuple(c or f"column {j + 1}" for j, c in enumerate(rows[0])) if header else \
+        tuple(f"column {j + 1}" for j in range(width))
+    body = rows[1:] if header else rows
+    first_line = 2 if header else 1
+    if not body:
+        raise ConfigError(f"{path}: the table has a header but no rows")
+    for i, r in enumerate(body):
+        if len(r) != width:
+            raise ConfigError(f"{path}: line {first_line + i} has {len(r)} cells, the first has {width}; "
+                              "quote cells that contain the delimiter")
+    if width < 2:
+        raise ConfigError(f"{path}: a table needs feature columns and a target column; this one has {width}")
+    tcol = _column_index(target_column, names, path)
+    columns = list(zip(*body))
+    numeric = [all(_is_number(c) or c.lower() in MISSING for c in col) and
+               any(c.lower() not in MISSING for c in col) for col in columns]
+    words = [j for j in range(width) if j != tcol and not numeric[j]]
+    text_col = None
+    if words:
+        if not allow_text or len(words) > 1 or any(numeric[j] for j in range(width) if j != tcol):
+            desc = "; ".join(f"column {names[j]!r} holds words ({_examples(columns[j])})" for j in words)
+            hint = ("a model reads one text column alone: drop the other feature columns" if allow_text else
+                    "encode it as numbers (one 0/1 column per category) or drop it; a column of free text trains "
+                    "with a Hugging Face text model (model: hf:NAME)")
+            raise ConfigError(f"{path}: {desc}: {hint}")
+        text_col = words[0]
+    for j in range(width):
+        if j == text_col or (j == tcol and not numeric[j]):
+            continue
+        bad = [(i, c) for i, c in enumerate(columns[j]) if c.lower() in MISSING or not math.isfinite(float(c))]
+        if bad:
+            i, c = bad[0]
+            raise ConfigError(f"{path}: column {names[j]!r} has {len(bad)} missing or non-finite value(s) (the "
+                              f"first, {c!r}, on line {first_line + i}): fill them in or drop those rows")
+    if text_col is not None:
+        empty = [i for i, c in enumerate(columns[text_col]) if not c]
+        if empty:
+            raise ConfigError(f"{path}: column {names[text_col]!r} is empty on {len(empty)} line(s) (the first "
+                              f"on line {first_line + empty[0]}): drop those rows")
+    if not numeric[tcol]:
+        missing = [i for i, c in enumerate(columns[tcol]) if c.lower() in MISSING]
+        if missing:
+            raise ConfigError(f"{path}: the target column {names[tcol]!r} is missing on {len(missing)} line(s) "
+                              f"(the first on line {first_line + missing[0]}): drop those rows")
+        target = np.asarray(columns[tcol], dtype=object).astype(str)
+    else:
+        target = np.asarray([float(c) for c in columns[tcol]], dtype=np.float64)
+    feats = [j for j in range(width) if j not in (tcol, text_col)]
+    x = np.asarray([[float(columns[j][i]) for j in feats] for i in range(len(body))], dtype=np.float32)
+    x = x.reshape(len(body), len(feats))
+    return Table(x, tuple(names[j] for j in feats), list(columns[text_col]) if text_col is not None else None,
+                 names[text_col] if text_col is not None else None, target, names[tcol])
