@@ -100,6 +100,45 @@ def test_evaluation_metrics_callbacks_csv_and_early_stopping(tmp_path):
         assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 10))
 
 
+class _KeywordNet(nn.Module):
+    """forward(tokens, mask=None): batches hand it a dict; its frozen embedding is kept in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Sequential(nn.Embedding(50, 16), nn.Dropout(0.5))
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, tokens, mask=None):
+        h = self.embed(tokens)
+        m = torch.ones_like(tokens) if mask is None else mask
+        return self.head((h * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True))
+
+
+def test_evaluation_calls_the_model_as_the_step_does_and_keeps_each_modules_mode():
+    """Batches whose inputs are a dict are evaluated as they are trained (keyword arguments), and a part the
+    user froze in eval mode is still in eval mode after an evaluation."""
+    torch.manual_seed(0)
+    model = _KeywordNet()
+    model.embed.requires_grad_(False).eval()
+    g = torch.Generator().manual_seed(3)
+
+    def batch():
+        tokens = torch.randint(0, 50, (8, 6), generator=g)
+        mask = (torch.rand(8, 6, generator=g) > 0.3).long()
+        mask[:, 0] = 1
+        return {"tokens": tokens, "mask": mask}, torch.randint(0, 3, (8,), generator=g)
+
+    train, val = [batch() for _ in range(3)], [batch() for _ in range(2)]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    trainer = edgetrain.Trainer(model, opt, nn.CrossEntropyLoss(), train, val, progress=False)
+    history = trainer.fit(2)
+    assert not model.embed.training and not model.embed[1].training and model.head.training
+    model.eval()
+    with torch.no_grad():
+        expect = sum(float(nn.functional.cross_entropy(model(**x), y)) * 8 for x, y in val) / 16
+    assert history[-1]["val_loss"] == pytest.approx(expect)
+
+
 def test_budget_change_goes_through_the_step_budget_source():
     torch.manual_seed(0)
     model = mlp(n_blocks=2)

@@ -269,6 +269,38 @@ def test_user_setups_train_exactly(setup, options):
     assert all(torch.equal(frozen[k], v) for k, v in model.state_dict().items()), "verify changed the model"
 
 
+class _Wrapped(torch.nn.Module):
+    """A user's wrapper: keyword inputs in, the logits tensor out."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+@pytest.mark.parametrize("options", [{"solver": "recompute_all"}, {"micro_batch_size": 4}],
+                         ids=["recompute", "micro4"])
+def test_a_wrapper_handing_over_an_attention_mask_is_cut_at_the_layers(options):
+    """The wrapper traces, but the encoder builds its mask with data-dependent code and stays one opaque
+    module in the trace (2 stages: nothing to recompute but the whole encoder); its layers are the stages."""
+    pytest.importorskip("transformers")
+    from torch.nn import functional as F
+
+    inner = ZOO["bert"].build()
+    model = _Wrapped(inner)
+    x, y = _padded(8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, F.cross_entropy, (x, y), planning=edgetrain.PlanConfig(**options))
+        chain = edgetrain.prepare(model, opt, F.cross_entropy, (x, y)).chain
+    assert report.passed, str(report)
+    layers = inner.config.num_hidden_layers
+    assert chain.method == "modules" and len(chain) == layers and report.stages == layers
+
+
 def test_a_frozen_prefix_is_profiled_as_the_step_runs_it():
     """Stages under a frozen backbone get no gradient in a step: nothing saved for backward, no backward run.
     Profiled as if their inputs required gradients, they were charged activations and backward time the step

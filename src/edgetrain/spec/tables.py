@@ -79,8 +79,10 @@ def _rows(path: Path) -> list[list[str]]:
 
 def _has_header(rows: list[list[str]]) -> bool:
     first, rest = rows[0], rows[1:]
-    if any(_is_number(c) for c in first) or not rest:
+    if any(_is_number(c) for c in first):
         return False
+    if not rest:
+        return True  # one row of words names columns; there is no data under them
     # a column of numbers under a word: the word names it
     for j, name in enumerate(first):
         cells = [r[j] for r in rest[:200] if j < len(r) and r[j].lower() not in MISSING]

