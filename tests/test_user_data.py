@@ -182,3 +182,36 @@ def test_train_a_hugging_face_model_on_a_text_table(project, capsys, tiny_text_m
     assert "val_accuracy" in out
     card = json.loads((project / "sent.json").read_text())
     assert card["classes"] == ["negative", "positive"] and card["input"]["tokenizer"] == str(tiny_text_model)
+
+
+def test_train_a_hugging_face_vision_model_on_an_image_folder(project, capsys):
+    """A ViT saved with an image processor and a 5-class head: its head is replaced for the folder's 3
+    classes, the images are standardised with the processor's mean and std, and a size other than the
+    model's is refused before anything trains."""
+    transformers = pytest.importorskip("transformers")
+    from PIL import Image
+
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, num_labels=5)
+    transformers.ViTForImageClassification(cfg).save_pretrained(project / "vit")
+    transformers.ViTImageProcessor(image_mean=[0.5, 0.5, 0.5], image_std=[0.25, 0.25, 0.25]).save_pretrained(
+        project / "vit")
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(["blue", "green", "red"][::-1]):
+        (project / "imgs" / name).mkdir(parents=True)
+        for i in range(6):
+            a = (rng.random((20, 24, 3)) * 80).astype(np.uint8)
+            a[..., c] += 150
+            Image.fromarray(a).save(project / "imgs" / name / f"{i}.png")
+    args = ["train", "model=hf:vit", "data=imgs", "batch_size=6", "epochs=1", "optimizer=adamw", "lr=0.003",
+            "save=vit.pt", "progress=false", "memory_budget=200MiB"]
+    assert main(args) == 2  # the default 32 is not the model's size
+    assert "takes images of 16x16 pixels: set image_size: 16" in capsys.readouterr().err
+    assert main(args + ["image_size=16"]) == 0
+    assert "within budget" in capsys.readouterr().out
+    state = torch.load(project / "vit.pt", weights_only=True)
+    assert state["model.classifier.weight"].shape == (3, 32)
+    card = json.loads((project / "vit.json").read_text())
+    assert card["input"]["mean"] == [0.5, 0.5, 0.5] and card["input"]["std"] == [0.25, 0.25, 0.25]
+    assert card["classes"] == ["blue", "green", "red"]

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, random_split
 
 from ..config import options
+from ..errors import ConfigError
 from ..spec import build_model, load_data
 from .train_config import TrainConfig
 
@@ -63,11 +64,14 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    text_model = cfg.model[3:] if cfg.model.startswith("hf:") else None
+    text_model, image_input = _hf_inputs(cfg)
     data_options = dict(kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
                         target_column=cfg.target_column, seed=cfg.seed, text_model=text_model,
-                        max_length=cfg.max_length, standardize=cfg.standardize)
+                        max_length=cfg.max_length, standardize=cfg.standardize, image_stats=image_input or None)
     data = load_data(cfg.data, task=cfg.task, **data_options)
+    if image_input.get("channels") not in (None, data.in_channels):
+        raise ConfigError(f"model {cfg.model} takes images of {image_input['channels']} channels, and the data's "
+                          f"have {data.in_channels}: set channels: {image_input['channels']}")
     train, val = data.train, data.val
     if cfg.val_data is not None:  # prepared as the training data was: its classes, statistics, text length
         val = load_data(cfg.val_data, task=data.task, like=data, **data_options).train
@@ -125,6 +129,23 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     return 0 if peak <= budget else 1
 
 
+def _hf_inputs(cfg: TrainConfig) -> tuple[str | None, dict[str, Any]]:
+    """For an ``hf:`` model: the model to tokenize text for (a text model), or what its images must be like
+    (a vision model: size, channels, its processor's mean and std)."""
+    if not cfg.model.startswith("hf:"):
+        return None, {}
+    from ..spec.models import hf_image_input, hf_reads_images
+
+    name = cfg.model[3:]
+    if not hf_reads_images(name):
+        return name, {}
+    wants = hf_image_input(name)
+    if wants.get("size") not in (None, cfg.image_size):
+        raise ConfigError(f"model {cfg.model} takes images of {wants['size']}x{wants['size']} pixels: set "
+                          f"image_size: {wants['size']}")
+    return None, wants
+
+
 def write_card(weights: Path, cfg: TrainConfig, data: Any) -> Path:
     """Write ``weights`` with suffix ``.json`` beside the weights, atomically: what a program that uses the
     trained model needs besides them (the model spec and its arguments, the task, the class names and how
@@ -158,7 +179,7 @@ def _version() -> str:
 def spec_model_and_batch(model: str, kwargs: dict[str, Any], input_shape: tuple[int, ...],
                          batch_size: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """A model from any model spec and a random batch for it (plan, profile, report, bench)."""
-    from ..spec.models import is_in_project
+    from ..spec.models import hf_reads_images, is_in_project
 
     if is_in_project(model):
         from ..measure import Job, build_model_and_batch
@@ -170,7 +191,7 @@ def spec_model_and_batch(model: str, kwargs: dict[str, Any], input_shape: tuple[
     in_channels = input_shape[0] if len(input_shape) == 3 else None
     net = build_model(model, kwargs, num_classes=classes, in_channels=in_channels,
                       image_size=input_shape[-1] if len(input_shape) == 3 else None)
-    if model.startswith("hf:"):
+    if model.startswith("hf:") and not hf_reads_images(model[3:]):
         vocab = int(getattr(getattr(net, "model", None), "config", None).vocab_size)  # type: ignore[union-attr]
         x = torch.randint(0, vocab, (batch_size, *input_shape))
     else:

@@ -185,7 +185,8 @@ def _read_image(path: Path, size: int, channels: int) -> np.ndarray:
     return arr.transpose(2, 0, 1) if arr.ndim == 3 else arr[None]
 
 
-def _image_folder(root: Path, size: int, channels: int, like: LoadedData | None) -> LoadedData:
+def _image_folder(root: Path, size: int, channels: int, like: LoadedData | None,
+                  stats: Mapping[str, Any] | None) -> LoadedData:
     if channels not in (1, 3):
         raise ConfigError(f"channels must be 1 or 3 for image folders, got {channels}")
     found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
@@ -210,8 +211,9 @@ def _image_folder(root: Path, size: int, channels: int, like: LoadedData | None)
     if not xs:
         raise ConfigError(f"no images found under {root} (looked for {', '.join(IMAGE_SUFFIXES)}, .npy)")
     x = torch.as_tensor(np.stack(xs))
-    # per-channel standardisation with the folder's statistics (a validation folder: the training folder's)
-    x, mean, std = _standardize(x, like.preprocessing if like is not None else None, (0, 2, 3))
+    # per-channel standardisation with the folder's statistics (a validation folder: the training folder's;
+    # a pretrained model's: those it was trained with)
+    x, mean, std = _standardize(x, like.preprocessing if like is not None else stats, (0, 2, 3))
     log.info("image folder %s: %d images of %d classes", root, len(xs), len(classes))
     pre = {"kind": "image", "size": size, "channels": channels, "scale": 1 / 255, "mean": mean, "std": std}
     return LoadedData(TensorDataset(x, torch.tensor(ys)), None, len(classes), channels, "classification",
@@ -310,7 +312,8 @@ def _mnist(size: int, seed: int) -> LoadedData:
 
 def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size: int = 32, channels: int = 3,
               target_column: int | str = -1, task: str = "auto", seed: int = 0, text_model: str | None = None,
-              max_length: int = 128, standardize: bool = True, like: LoadedData | None = None) -> LoadedData:
+              max_length: int = 128, standardize: bool = True, like: LoadedData | None = None,
+              image_stats: Mapping[str, Any] | None = None) -> LoadedData:
     """Load the data a spec names (see the module doc).
 
     Args:
@@ -327,6 +330,8 @@ def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size:
         standardize: CSV tables: standardise each feature column (image folders always are, per channel).
         like: the training set's data, when loading a validation set: its classes, statistics and sequence
             length are used, so the two sets are prepared alike.
+        image_stats: image folders: the per-channel ``mean`` and ``std`` (of pixels scaled to [0, 1]) to
+            standardise with instead of the folder's own (a pretrained model's image processor's).
 
     Raises:
         ConfigError: the path does not exist, the format is unknown or malformed, or an optional package
@@ -338,7 +343,7 @@ def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size:
     if path.is_dir():
         if any((path / m).exists() for m in _HF_MARKERS):
             return _hf_disk(path, task)
-        return _image_folder(path, image_size, channels, like)
+        return _image_folder(path, image_size, channels, like, image_stats)
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix == ".csv":

@@ -4,9 +4,11 @@
   ``in_channels`` (images) and ``in_features`` (tables) are passed when the factory takes them and the
   caller knows them from the data.
 * ``"mobilenet_v2"``, ``"resnet18"``, ``"transformer"``: :func:`edgetrain.models.get_model`.
-* ``"hf:NAME"`` (a hub name in the local cache, or a local directory): a sequence classifier from
-  ``transformers`` loaded with ``local_files_only=True``; its forward takes ``input_ids`` and an optional
-  ``attention_mask`` and returns the logits.
+* ``"hf:NAME"`` (a hub name in the local cache, or a local directory): a classifier from ``transformers``
+  loaded with ``local_files_only=True`` (a head of another number of classes is replaced): for a text
+  model a sequence classifier whose forward takes ``input_ids`` and an optional ``attention_mask``, for a
+  vision model (a config with channels and no vocabulary) an image classifier taking ``pixel_values``;
+  either returns the logits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 
 from ..errors import ConfigError
 
-__all__ = ["build_model", "resolve_import", "is_in_project"]
+__all__ = ["build_model", "resolve_import", "is_in_project", "hf_reads_images", "hf_image_input"]
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +83,85 @@ class _LogitsOnly(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
-def _hf_model(name: str, kwargs: dict[str, Any], num_classes: int | None) -> nn.Module:
+class _PixelLogits(nn.Module):
+    """A Hugging Face image classifier whose forward takes a batch of images and returns the logits tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values).logits
+
+
+def hf_reads_images(name: str) -> bool:
+    """Whether Hugging Face model ``name`` (offline) reads images (a vision config: channels, no vocabulary).
+
+    Raises:
+        ConfigError: transformers is missing or the model's config is not available offline.
+    """
     try:
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoConfig
     except ImportError:
         raise ConfigError(f"model 'hf:{name}' needs transformers: pip install 'edgetrain[text]'") from None
+    try:
+        cfg = AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"Hugging Face model {name!r} is not available offline (not in the local cache nor a "
+                          f"directory): {' '.join(str(e).split())[:200]}") from None
+    return hasattr(cfg, "num_channels") and not hasattr(cfg, "vocab_size")
+
+
+def hf_image_input(name: str) -> dict[str, Any]:
+    """What a Hugging Face image model expects of its images: ``size`` and ``channels`` (its config's
+    ``image_size`` and ``num_channels``, where it has them) and ``mean`` / ``std`` (its image processor's,
+    where one is saved with it)."""
+    from transformers import AutoConfig
+
+    out: dict[str, Any] = {}
+    cfg = AutoConfig.from_pretrained(name, local_files_only=True)
+    size, channels = getattr(cfg, "image_size", None), getattr(cfg, "num_channels", None)
+    if isinstance(size, int):
+        out["size"] = size
+    if isinstance(channels, int):
+        out["channels"] = channels
+    try:
+        from transformers import AutoImageProcessor
+
+        proc = AutoImageProcessor.from_pretrained(name, local_files_only=True)
+    except Exception:  # no processor saved with the model (or no vision extras): the data's own statistics
+        return out
+    mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
+    if mean is not None and std is not None:
+        out.update(mean=[float(v) for v in mean], std=[float(v) for v in std])
+    return out
+
+
+def _hf_model(name: str, kwargs: dict[str, Any], num_classes: int | None) -> nn.Module:
+    try:
+        from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+    except ImportError:
+        raise ConfigError(f"model 'hf:{name}' needs transformers: pip install 'edgetrain[text]'") from None
+    images = hf_reads_images(name)
     if num_classes is not None:
         kwargs.setdefault("num_labels", num_classes)
+        kwargs.setdefault("ignore_mismatched_sizes", True)  # a pretrained head of other classes is replaced
+    auto = AutoModelForImageClassification if images else AutoModelForSequenceClassification
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(name, local_files_only=True, **kwargs)
+        model = auto.from_pretrained(name, local_files_only=True, **kwargs)
     except OSError as e:
         raise ConfigError(f"Hugging Face model {name!r} is not available offline (not in the local cache nor a "
                           f"directory): {' '.join(str(e).split())[:200]}") from None
+    except ValueError as e:  # a config of a model with no classifier of this kind
+        raise ConfigError(f"Hugging Face model {name!r} has no {'image' if images else 'sequence'} classifier "
+                          f"({' '.join(str(e).split())[:200]})") from None
     cfg = model.config
     if getattr(cfg, "pad_token_id", None) is None and isinstance(getattr(cfg, "eos_token_id", None), int):
         # decoder models (GPT-2, ...) have no padding token; their classifier finds each text's last token
         # by it, and edgetrain's text data pads with the same one (spec.text)
         cfg.pad_token_id = cfg.eos_token_id
     model.train()  # from_pretrained returns it in eval mode; it is built here to be trained (dropout on)
-    return _LogitsOnly(model)
+    return _PixelLogits(model) if images else _LogitsOnly(model)
 
 
 def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_classes: int | None = None,
