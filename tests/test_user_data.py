@@ -215,3 +215,25 @@ def test_train_a_hugging_face_vision_model_on_an_image_folder(project, capsys):
     card = json.loads((project / "vit.json").read_text())
     assert card["input"]["mean"] == [0.5, 0.5, 0.5] and card["input"]["std"] == [0.25, 0.25, 0.25]
     assert card["classes"] == ["blue", "green", "red"]
+
+
+def test_json_lines_and_arrays_read_as_tables(tmp_path, tiny_text_model):
+    """One object per line (blank lines allowed) or an array of objects: keys are columns, null is missing,
+    the target is "label" where there is one; a text key trains a text model."""
+    (tmp_path / "t.jsonl").write_text('{"text": "a good film", "label": "pos"}\n\n'
+                                      '{"text": "a bad film, sadly", "label": "neg"}\n')
+    d = load_data(str(tmp_path / "t.jsonl"), text_model=str(tiny_text_model))
+    assert d.classes == ("neg", "pos") and [int(d.train[i][1]) for i in range(2)] == [1, 0]
+    (tmp_path / "a.json").write_text(json.dumps([{"x": 1.0, "y": 2, "price": 3.5}, {"x": 2.0, "y": 0, "price": 1.0},
+                                                 {"x": 0.5, "y": 1, "price": 2.0}]))
+    r = load_data(str(tmp_path / "a.json"), task="regression", standardize=False)
+    assert r.in_features == 2 and torch.equal(r.train[0][0], torch.tensor([1.0, 2.0])) and r.num_classes == 1
+    (tmp_path / "m.jsonl").write_text('{"x": 1, "label": 0}\n\n{"x": null, "label": 1}\n')
+    with pytest.raises(ConfigError, match=r"column 'x' has 1 missing .* on line 3"):
+        load_data(str(tmp_path / "m.jsonl"))
+    (tmp_path / "l.jsonl").write_text('{"x": [1, 2], "label": 0}\n')
+    with pytest.raises(ConfigError, match="line 1 holds a list where a number or a text is expected"):
+        load_data(str(tmp_path / "l.jsonl"))
+    (tmp_path / "k.jsonl").write_text('{"x": 1, "label": 0}\n{"z": 1, "label": 0}\n')
+    with pytest.raises(ConfigError, match="line 2 has the keys z, label; the first has x, label"):
+        load_data(str(tmp_path / "k.jsonl"))

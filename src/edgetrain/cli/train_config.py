@@ -33,16 +33,17 @@ class TrainConfig:
                       "available offline)")
     model_kwargs: dict = _opt({}, "keyword arguments of the model factory (num_classes and in_channels are "
                               "filled in from the data when the factory takes them)")
-    data: str = _opt("mnist", "training data: an image folder (one subfolder per class), a .csv / .npy / .npz "
-                     "file, a Hugging Face dataset saved to disk, an import path 'pkg.module:make' to a dataset "
-                     "factory, or 'mnist' (the digits in the data extra)")
+    data: str = _opt("mnist", "training data: an image folder (one subfolder per class), a table (.csv, .tsv, "
+                     ".jsonl, .json; a column of text for model hf:NAME), a .npy / .npz file, a Hugging Face "
+                     "dataset saved to disk, an import path 'pkg.module:make' to a dataset factory, or 'mnist' "
+                     "(the digits in the data extra)")
     data_kwargs: dict = _opt({}, "keyword arguments of a dataset factory")
     val_data: str | None = _opt(None, "validation data, same forms as data (default: val_fraction of data)")
     val_fraction: float = _opt(0.0, "share of the training data held out for evaluation when val_data is unset")
     image_size: int = _opt(32, "image folders and mnist: images are resized to this many pixels a side")
     channels: int = _opt(3, "image folders: 3 (RGB) or 1 (grey)")
-    target_column: int | str = _opt(-1, "CSV / .npy: the column holding the target, by index (-1: the last) or, "
-                                    "in a CSV with a header, by name")
+    target_column: int | str = _opt(-1, "tables / .npy: the column holding the target, by index (-1: the last; "
+                                    "JSON records: label, where there is one) or, with a header, by name")
     max_length: int = _opt(128, "text CSV with model hf:NAME: at most this many tokens per text (every text is "
                            "padded to the longest, so every batch has the planned shape)")
     standardize: bool = _opt(True, "CSV tables: standardise each feature column with the training rows' mean and "

@@ -117,9 +117,12 @@ def _table(arr: np.ndarray, target_column: int, task: str, source: str) -> Loade
 
 def _csv(path: Path, target_column: int | str, task: str, text_model: str | None, max_length: int,
          standardize: bool, like: LoadedData | None) -> LoadedData:
-    from .tables import read_csv
+    from .tables import read_csv, read_json_records
 
-    table = read_csv(path, target_column, allow_text=text_model is not None)
+    if path.suffix.lower() in (".jsonl", ".json"):
+        table = read_json_records(path, target_column, allow_text=text_model is not None)
+    else:
+        table = read_csv(path, target_column, allow_text=text_model is not None)
     prior = like.preprocessing if like is not None else None
     t, task, k, classes = _targets(table.target, task, like.classes if like is not None else (),
                                    f"the target column {table.target_name!r}")
@@ -220,7 +223,8 @@ def _image_folder(root: Path, size: int, channels: int, like: LoadedData | None,
                       tuple(classes), None, pre)
 
 
-def _hf_disk(root: Path, task: str) -> LoadedData:
+def _hf_disk(root: Path, task: str, text_model: str | None, max_length: int, like: LoadedData | None
+             ) -> LoadedData:
     try:
         from datasets import DatasetDict, load_from_disk
     except ImportError:
@@ -234,10 +238,13 @@ def _hf_disk(root: Path, task: str) -> LoadedData:
         train = ds
     cols = train.column_names
     label = next((c for c in ("label", "labels", "target", "y") if c in cols), None)
-    inp = next((c for c in ("pixel_values", "input_ids", "features", "x", "image") if c in cols), None)
+    inp = next((c for c in ("pixel_values", "input_ids", "features", "x", "text", "sentence") if c in cols), None)
     if label is None or inp is None:
-        raise ConfigError(f"{root}: need an input column (pixel_values, input_ids, features, x) and a label column "
-                          f"(label, labels, target, y); found {', '.join(cols)}")
+        raise ConfigError(f"{root}: need an input column (pixel_values, input_ids, features, x, or text / sentence "
+                          f"for a Hugging Face text model) and a label column (label, labels, target, y); found "
+                          f"{', '.join(cols)}")
+    if inp in ("text", "sentence"):
+        return _hf_disk_text(root, train, val, inp, label, task, text_model, max_length, like)
 
     names = getattr(train.features.get(label), "names", None)  # a ClassLabel column names its classes
     classes = tuple(names) if names else ()
@@ -268,6 +275,29 @@ def _hf_disk(root: Path, task: str) -> LoadedData:
     return LoadedData(dataset(x, mask, t), val_ds, k, int(x.shape[1]) if x.dim() == 4 else None, task, classes,
                       int(x.shape[1]) if x.dim() == 2 and mask is None else None,
                       {"kind": kind, "columns": [inp, label]})
+
+
+def _hf_disk_text(root: Path, train: Any, val: Any, inp: str, label: str, task: str, text_model: str | None,
+                  max_length: int, like: LoadedData | None) -> LoadedData:
+    """A saved dataset of raw text: tokenized as a CSV's text column is (:mod:`edgetrain.spec.text`)."""
+    if text_model is None:
+        raise ConfigError(f"{root}: the column {inp!r} holds text: train it with a Hugging Face text model "
+                          "(model: hf:NAME), whose tokenizer turns it into token ids")
+    from .text import TokenDataset, load_tokenizer, tokenize
+
+    names = getattr(train.features.get(label), "names", None)
+    classes = tuple(names) if names else (like.classes if like is not None else ())
+    tok = load_tokenizer(text_model)
+    prior = like.preprocessing.get("length") if like is not None else None
+    ids, mask = tokenize(tok, [str(t) for t in train[inp]], max_length, length=prior)
+    t, task, k, classes = _targets(np.asarray(train[label]), task, classes, f"the column {label!r}")
+    val_ds = None
+    if val is not None:
+        vids, vmask = tokenize(tok, [str(t) for t in val[inp]], max_length, length=int(ids.shape[1]))
+        val_ds = TokenDataset(vids, vmask, _targets(np.asarray(val[label]), task, classes, f"the column {label!r}")[0])
+    pre = {"kind": "text", "text_column": inp, "tokenizer": text_model, "max_length": max_length,
+           "length": int(ids.shape[1]), "target": label}
+    return LoadedData(TokenDataset(ids, mask, t), val_ds, k, None, task, classes, None, pre)
 
 
 def _factory(spec: str, kwargs: Mapping[str, Any], task: str) -> LoadedData:
@@ -342,18 +372,18 @@ def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size:
     path = Path(spec)
     if path.is_dir():
         if any((path / m).exists() for m in _HF_MARKERS):
-            return _hf_disk(path, task)
+            return _hf_disk(path, task, text_model, max_length, like)
         return _image_folder(path, image_size, channels, like, image_stats)
     if path.is_file():
         suffix = path.suffix.lower()
-        if suffix == ".csv":
+        if suffix in (".csv", ".tsv", ".jsonl", ".json"):
             return _csv(path, target_column, task, text_model, max_length, standardize, like)
         if suffix == ".npy":
             return _table(np.load(path), int(target_column), task, str(path))
         if suffix == ".npz":
             return _npz(path, task)
-        raise ConfigError(f"data file {path}: unknown format {suffix!r} (use .csv, .npy, .npz, an image folder, a "
-                          "dataset saved with save_to_disk, or a factory 'pkg.module:make')")
+        raise ConfigError(f"data file {path}: unknown format {suffix!r} (use .csv, .tsv, .jsonl, .json, .npy, .npz, "
+                          "an image folder, a dataset saved with save_to_disk, or a factory 'pkg.module:make')")
     if ":" in spec and not path.exists() and not spec.startswith(("/", ".")):
         return _factory(spec, kwargs or {}, task)
     raise ConfigError(f"data {spec!r} does not exist (give a folder, a .csv/.npy/.npz file, 'mnist' or an import "

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["Table", "read_csv", "MISSING"]
+__all__ = ["Table", "read_csv", "read_json_records", "split_columns", "MISSING"]
 
 #: Cells read as "no value" (compared lower-cased, stripped).
 MISSING = frozenset({"", "na", "n/a", "nan", "null", "none", "?", "-"})
@@ -140,8 +140,69 @@ def read_csv(path: Path, target_column: int | str = -1, *, allow_text: bool = Fa
         if len(r) != width:
             raise ConfigError(f"{path}: line {first_line + i} has {len(r)} cells, the first has {width}; "
                               "quote cells that contain the delimiter")
+    return split_columns(path, names, body, first_line, target_column, allow_text)
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, (int, float, str)):
+        return str(v).strip()
+    raise TypeError(type(v).__name__)
+
+
+def read_json_records(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
+    """Read a JSON Lines file (one object per line) or a JSON array of objects, as :func:`read_csv` reads a
+    table: the objects' keys are the columns (in the first object's order), ``null`` is a missing value,
+    and the target is the key ``target_column`` names, else ``label`` where there is one, else the last.
+
+    Raises:
+        ConfigError: not JSON objects, objects with other keys than the first, a value that is a list or an
+            object, and what :func:`read_csv` refuses.
+    """
+    import json
+
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        if text.lstrip().startswith("["):
+            records, lines = json.loads(text), None
+        else:
+            numbered = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
+            records, lines = [json.loads(ln) for _, ln in numbered], [i for i, _ in numbered]
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not JSON Lines nor a JSON array ({e})") from None
+    if not records or not all(isinstance(r, dict) for r in records):
+        raise ConfigError(f"{path}: expected one JSON object per line (or an array of objects), each a row")
+    names = tuple(records[0])
+    if target_column == -1 and "label" in names:
+        target_column = "label"
+    body = []
+    for i, r in enumerate(records):
+        where = f"line {lines[i]}" if lines else f"object {i + 1}"
+        if tuple(r) != names and set(r) != set(names):
+            raise ConfigError(f"{path}: {where} has the keys {', '.join(r)}; the first has {', '.join(names)}")
+        try:
+            body.append([_cell(r[k]) for k in names])
+        except TypeError as e:
+            raise ConfigError(f"{path}: {where} holds a {e} where a number or a text is expected") from None
+    return split_columns(path, names, body, 1, target_column, allow_text, line_of=lines)
+
+
+def split_columns(path: Path, names: Sequence[str], body: list[list[str]], first_line: int,
+                  target_column: int | str, allow_text: bool, line_of: Sequence[int] | None = None) -> Table:
+    """Split rows of cells into features, an optional text column and the target (see :func:`read_csv`).
+
+    ``first_line`` is the file line of ``body[0]`` (``line_of`` gives each row's where rows skip lines)."""
+    names = tuple(names)
+    width = len(names)
     if width < 2:
         raise ConfigError(f"{path}: a table needs feature columns and a target column; this one has {width}")
+
+    def line(i: int) -> int:
+        return line_of[i] if line_of is not None else first_line + i
+
     tcol = _column_index(target_column, names, path)
     columns = list(zip(*body))
     numeric = [all(_is_number(c) or c.lower() in MISSING for c in col) and
@@ -163,17 +224,17 @@ def read_csv(path: Path, target_column: int | str = -1, *, allow_text: bool = Fa
         if bad:
             i, c = bad[0]
             raise ConfigError(f"{path}: column {names[j]!r} has {len(bad)} missing or non-finite value(s) (the "
-                              f"first, {c!r}, on line {first_line + i}): fill them in or drop those rows")
+                              f"first, {c!r}, on line {line(i)}): fill them in or drop those rows")
     if text_col is not None:
         empty = [i for i, c in enumerate(columns[text_col]) if not c]
         if empty:
             raise ConfigError(f"{path}: column {names[text_col]!r} is empty on {len(empty)} line(s) (the first "
-                              f"on line {first_line + empty[0]}): drop those rows")
+                              f"on line {line(empty[0])}): drop those rows")
     if not numeric[tcol]:
         missing = [i for i, c in enumerate(columns[tcol]) if c.lower() in MISSING]
         if missing:
             raise ConfigError(f"{path}: the target column {names[tcol]!r} is missing on {len(missing)} line(s) "
-                              f"(the first on line {first_line + missing[0]}): drop those rows")
+                              f"(the first on line {line(missing[0])}): drop those rows")
         target = np.asarray(columns[tcol], dtype=object).astype(str)
     else:
         target = np.asarray([float(c) for c in columns[tcol]], dtype=np.float64)
