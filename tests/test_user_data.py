@@ -237,3 +237,27 @@ def test_json_lines_and_arrays_read_as_tables(tmp_path, tiny_text_model):
     (tmp_path / "k.jsonl").write_text('{"x": 1, "label": 0}\n{"z": 1, "label": 0}\n')
     with pytest.raises(ConfigError, match="line 2 has the keys z, label; the first has x, label"):
         load_data(str(tmp_path / "k.jsonl"))
+
+
+def test_a_folder_larger_than_the_image_cache_is_read_from_disk_alike(tmp_path):
+    """Past image_cache the images are read per sample: the same samples, standardised with the same numbers,
+    without holding the decoded folder in memory."""
+    from PIL import Image
+
+    from edgetrain.spec.images import ImageFiles
+
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for i in range(5):
+            Image.fromarray((rng.random((9, 7, 3)) * 255).astype(np.uint8)).save(tmp_path / "imgs" / name / f"{i}.png")
+    cached = load_data(str(tmp_path / "imgs"), image_size=8)
+    lazy = load_data(str(tmp_path / "imgs"), image_size=8, image_cache_bytes=1024)
+    assert isinstance(lazy.train, ImageFiles) and not isinstance(cached.train, ImageFiles)
+    assert lazy.preprocessing["mean"] == pytest.approx(cached.preprocessing["mean"])
+    for i in (0, 7):
+        assert torch.allclose(lazy.train[i][0], cached.train[i][0], atol=1e-5)
+        assert int(lazy.train[i][1]) == int(cached.train[i][1])
+    xs = torch.stack([cached.train[i][0] for i in range(len(cached.train))])
+    assert torch.allclose(xs.mean((0, 2, 3)), torch.zeros(3), atol=1e-5)
+    assert torch.allclose(xs.std((0, 2, 3)), torch.ones(3), atol=1e-4)

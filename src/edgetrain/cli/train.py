@@ -67,7 +67,8 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     text_model, image_input = _hf_inputs(cfg)
     data_options = dict(kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
                         target_column=cfg.target_column, seed=cfg.seed, text_model=text_model,
-                        max_length=cfg.max_length, standardize=cfg.standardize, image_stats=image_input or None)
+                        max_length=cfg.max_length, standardize=cfg.standardize, image_stats=image_input or None,
+                        image_cache_bytes=parse_bytes(cfg.image_cache))
     data = load_data(cfg.data, task=cfg.task, **data_options)
     if image_input.get("channels") not in (None, data.in_channels):
         raise ConfigError(f"model {cfg.model} takes images of {image_input['channels']} channels, and the data's "

@@ -42,6 +42,8 @@ class TrainConfig:
     val_fraction: float = _opt(0.0, "share of the training data held out for evaluation when val_data is unset")
     image_size: int = _opt(32, "image folders and mnist: images are resized to this many pixels a side")
     channels: int = _opt(3, "image folders: 3 (RGB) or 1 (grey)")
+    image_cache: str = _opt("256MiB", "image folders: keep the decoded images in memory up to this size; a larger "
+                            "folder is read from disk as batches are drawn (num_workers read in parallel)")
     target_column: int | str = _opt(-1, "tables / .npy: the column holding the target, by index (-1: the last; "
                                     "JSON records: label, where there is one) or, with a header, by name")
     max_length: int = _opt(128, "text CSV with model hf:NAME: at most this many tokens per text (every text is "
@@ -100,9 +102,13 @@ class TrainConfig:
             raise ConfigError(f"epochs and batch_size must be >= 1; got {self.epochs} and {self.batch_size}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in [0, 1); got {self.val_fraction}")
-        if self.memory_budget is not None:
-            from ..units import parse_bytes
+        from ..units import parse_bytes
 
+        try:
+            parse_bytes(self.image_cache)
+        except ValueError as e:
+            raise ConfigError(f"image_cache: {e}") from None
+        if self.memory_budget is not None:
             try:
                 parse_bytes(self.memory_budget)
             except ValueError as e:

@@ -17,12 +17,12 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import ConfigError
+from .images import DEFAULT_CACHE_BYTES, IMAGE_SUFFIXES
 
 __all__ = ["LoadedData", "load_data", "IMAGE_SUFFIXES"]
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 _HF_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
@@ -165,62 +165,15 @@ def _npz(path: Path, task: str) -> LoadedData:
                       int(xt.shape[1]) if xt.dim() == 2 else None, {"kind": "other"})
 
 
-def _read_image(path: Path, size: int, channels: int) -> np.ndarray:
-    if path.suffix.lower() == ".npy":
-        img = np.load(path).astype(np.float32)
-        img = img[None] if img.ndim == 2 else img
-        if img.shape[0] != channels:
-            raise ConfigError(f"{path}: array image has {img.shape[0]} channels, channels is {channels}")
-        t = torch.nn.functional.interpolate(torch.as_tensor(img)[None], size=(size, size), mode="bilinear",
-                                            align_corners=False)[0]
-        return t.numpy()
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ConfigError("reading image files needs Pillow: pip install 'edgetrain[images]' (or store each "
-                          "image as a .npy array [C, H, W])") from None
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB" if channels == 3 else "L").resize((size, size), Image.BILINEAR)
-            arr = np.asarray(im, dtype=np.float32) / 255.0
-    except OSError as e:
-        raise ConfigError(f"cannot read image {path}: {e}") from None
-    return arr.transpose(2, 0, 1) if arr.ndim == 3 else arr[None]
-
-
 def _image_folder(root: Path, size: int, channels: int, like: LoadedData | None,
-                  stats: Mapping[str, Any] | None) -> LoadedData:
-    if channels not in (1, 3):
-        raise ConfigError(f"channels must be 1 or 3 for image folders, got {channels}")
-    found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if not found:
-        raise ConfigError(f"{root} has no class subfolders: an image folder holds one subfolder of images per "
-                          "class")
-    classes = found
-    if like is not None and like.classes:
-        # a validation folder lacking a class must not shift the labels of the classes after it
-        unknown = sorted(set(found) - set(like.classes))
-        if unknown:
-            raise ConfigError(f"{root} has classes the training data does not have: {', '.join(unknown[:5])}")
-        classes = list(like.classes)
-    xs, ys = [], []
-    for label, name in enumerate(classes):
-        if not (root / name).is_dir():
-            continue
-        files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
-        for p in files:
-            xs.append(_read_image(p, size, channels))
-            ys.append(label)
-    if not xs:
-        raise ConfigError(f"no images found under {root} (looked for {', '.join(IMAGE_SUFFIXES)}, .npy)")
-    x = torch.as_tensor(np.stack(xs))
-    # per-channel standardisation with the folder's statistics (a validation folder: the training folder's;
-    # a pretrained model's: those it was trained with)
-    x, mean, std = _standardize(x, like.preprocessing if like is not None else stats, (0, 2, 3))
-    log.info("image folder %s: %d images of %d classes", root, len(xs), len(classes))
-    pre = {"kind": "image", "size": size, "channels": channels, "scale": 1 / 255, "mean": mean, "std": std}
-    return LoadedData(TensorDataset(x, torch.tensor(ys)), None, len(classes), channels, "classification",
-                      tuple(classes), None, pre)
+                  stats: Mapping[str, Any] | None, cache_bytes: int) -> LoadedData:
+    from .images import image_folder
+
+    # a validation folder takes the training folder's classes (a folder lacking one must not shift the labels
+    # of those after it) and statistics; a pretrained model's image statistics come as ``stats``
+    ds, classes, pre = image_folder(root, size, channels, like.classes if like is not None else None,
+                                    like.preprocessing if like is not None else stats, cache_bytes)
+    return LoadedData(ds, None, len(classes), channels, "classification", classes, None, pre)
 
 
 def _hf_disk(root: Path, task: str, text_model: str | None, max_length: int, like: LoadedData | None
@@ -343,7 +296,8 @@ def _mnist(size: int, seed: int) -> LoadedData:
 def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size: int = 32, channels: int = 3,
               target_column: int | str = -1, task: str = "auto", seed: int = 0, text_model: str | None = None,
               max_length: int = 128, standardize: bool = True, like: LoadedData | None = None,
-              image_stats: Mapping[str, Any] | None = None) -> LoadedData:
+              image_stats: Mapping[str, Any] | None = None, image_cache_bytes: int = DEFAULT_CACHE_BYTES
+              ) -> LoadedData:
     """Load the data a spec names (see the module doc).
 
     Args:
@@ -362,6 +316,8 @@ def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size:
             length are used, so the two sets are prepared alike.
         image_stats: image folders: the per-channel ``mean`` and ``std`` (of pixels scaled to [0, 1]) to
             standardise with instead of the folder's own (a pretrained model's image processor's).
+        image_cache_bytes: image folders: keep the decoded images in memory up to this size; a larger folder
+            is read from disk as samples are drawn.
 
     Raises:
         ConfigError: the path does not exist, the format is unknown or malformed, or an optional package
@@ -373,7 +329,7 @@ def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size:
     if path.is_dir():
         if any((path / m).exists() for m in _HF_MARKERS):
             return _hf_disk(path, task, text_model, max_length, like)
-        return _image_folder(path, image_size, channels, like, image_stats)
+        return _image_folder(path, image_size, channels, like, image_stats, image_cache_bytes)
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix in (".csv", ".tsv", ".jsonl", ".json"):
