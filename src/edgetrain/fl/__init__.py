@@ -5,7 +5,8 @@ exactly, inside its own device's memory budget.
   device profile, speed-up target and gradient filter from the node's ``Context``; one plan per node, kept
   across rounds.
 - :class:`MaskedFedAvg`: FedAvg that averages each tensor over the clients that trained it.
-- :func:`simulate`: the bundled MNIST task on Flower's simulation engine (``edgetrain fl simulate``).
+- :func:`simulate`: a federation on Flower's simulation engine (``edgetrain fl simulate``): the bundled MNIST
+  task, or your model and data from the specs ``edgetrain train`` takes (:mod:`edgetrain.fl.spec_task`).
 
 ``import edgetrain`` never imports this package (nor Flower); importing it without Flower installed raises
 an ImportError that says what to install.

@@ -21,7 +21,7 @@ from .settings import ClientSettings
 from .strategy import MaskedFedAvg
 from .task import client_batches, evaluate_accuracy, load_task, small_cnn
 
-__all__ = ["RunReport", "mnist_client_app", "mnist_server_app", "task_data_fn"]
+__all__ = ["RunReport", "mnist_client_app", "mnist_server_app", "server_app", "task_data_fn"]
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,23 @@ def mnist_client_app(settings: Any = ClientSettings(), width: float = 1.0, parti
 
 def mnist_server_app(num_rounds: int = 3, report: RunReport | None = None, seed: int = 0, width: float = 1.0,
                      min_nodes: int = 2, strategy: MaskedFedAvg | None = None) -> ServerApp:
-    """A ServerApp running :class:`MaskedFedAvg` for ``num_rounds`` (run config ``num-server-rounds``),
-    evaluating the global model centrally after each round into ``report`` (and, with run config
+    """:func:`server_app` for the small CNN, evaluated on the 1,000 held-out digits."""
+
+    def evaluate(model: torch.nn.Module, context: Context) -> tuple[float, float]:
+        data = load_task(1, "iid", 0.5, int(context.run_config.get("seed", seed)))
+        return evaluate_accuracy(model, data.test_x, data.test_y)
+
+    return server_app(lambda: small_cnn(width), evaluate, num_rounds, report, seed=seed, min_nodes=min_nodes,
+                      strategy=strategy)
+
+
+def server_app(model_fn: Callable[[], torch.nn.Module],
+               evaluate: Callable[[torch.nn.Module, Context], tuple[float, float]], num_rounds: int = 3,
+               report: RunReport | None = None, seed: int = 0, min_nodes: int = 2,
+               strategy: MaskedFedAvg | None = None) -> ServerApp:
+    """A ServerApp running :class:`MaskedFedAvg` for ``num_rounds`` (run config ``num-server-rounds``) from
+    the model ``model_fn`` builds (seeded with ``seed``), evaluating the global model centrally after each
+    round with ``evaluate(model, context) -> (accuracy, loss)`` into ``report`` (and, with run config
     ``report-path``, writing the report there as JSON)."""
     app = ServerApp()
     report = report if report is not None else RunReport()
@@ -82,14 +97,13 @@ def mnist_server_app(num_rounds: int = 3, report: RunReport | None = None, seed:
 
         rounds = int(context.run_config.get("num-server-rounds", num_rounds))
         torch.manual_seed(seed)
-        model = small_cnn(width)
-        data = load_task(1, "iid", 0.5, int(context.run_config.get("seed", seed)))
+        model = model_fn()
         strat = strategy or MaskedFedAvg(fraction_evaluate=0.0, min_train_nodes=min_nodes,
                                          min_available_nodes=min_nodes)
 
         def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
             model.load_state_dict(arrays.to_torch_state_dict())
-            acc, loss = evaluate_accuracy(model, data.test_x, data.test_y)
+            acc, loss = evaluate(model, context)
             report.accuracy[server_round], report.loss[server_round] = acc, loss
             return MetricRecord({"accuracy": acc, "loss": loss})
 

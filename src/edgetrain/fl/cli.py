@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import sys
 from typing import Sequence
 
 __all__ = ["main", "build_parser"]
@@ -12,7 +14,19 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgetrain fl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("simulate", help="the bundled MNIST digits on Flower's simulation engine (Ray), offline")
+    s = sub.add_parser("simulate", help="federated training on Flower's simulation engine (Ray), offline: the "
+                       "bundled MNIST digits, or your model and data (--model, --data)")
+    s.add_argument("--model", default=None, help="your model: the spec `edgetrain train` takes (pkg.module:build, "
+                   "hf:NAME, an in-project model); needs --data")
+    s.add_argument("--data", default=None, help="your data: the spec `edgetrain train` takes (an image folder, a "
+                   "table, a saved Hugging Face dataset, pkg.module:make), split across the clients")
+    s.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments of the model factory")
+    s.add_argument("--image-size", type=int, default=32, help="image folders: side in pixels")
+    s.add_argument("--channels", type=int, default=3, help="image folders: 3 (RGB) or 1 (grey)")
+    s.add_argument("--target-column", default="-1", help="tables: the target column, by index or name")
+    s.add_argument("--max-length", type=int, default=128, help="text: tokens per text at most")
+    s.add_argument("--val-fraction", type=float, default=0.2,
+                   help="share of your data the server evaluates on (where the data has no validation split)")
     s.add_argument("--clients", type=int, default=8)
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument("--partition", choices=("iid", "dirichlet"), default="iid")
@@ -22,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=0.05)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tiers", default=None,
-                   help="device tiers as PROFILE=BUDGET,... (default: rpi4=24MiB,phone-2024=28MiB,"
-                        "jetson-nano=34MiB,jetson-tx2=96MiB)")
+                   help="device tiers as PROFILE=BUDGET,... (BUDGET none: unbounded; default: rpi4=24MiB,"
+                        "phone-2024=28MiB,jetson-nano=34MiB,jetson-tx2=96MiB, budgets for the bundled CNN: give "
+                        "your own model's)")
     s.add_argument("--mode", choices=("edgetrain", "heterofl"), default="edgetrain")
     s.add_argument("--num-cpus", type=int, default=2)
     s.add_argument("--report", default=None, help="also write the report as JSON here")
@@ -39,9 +54,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     tiers = DEFAULT_TIERS
     if args.tiers:
         tiers = tuple(tuple(t.split("=", 1)) for t in args.tiers.split(","))  # type: ignore[misc]
+    task = None
+    if (args.model is None) != (args.data is None):
+        print("edgetrain fl simulate: error: --model and --data go together (your model and your data)", file=sys.stderr)
+        return 2
+    if args.model is not None:
+        from ..cli.args import parse_kwargs
+        from ..errors import EdgetrainError
+        from .spec_task import SpecTask, load_spec_task
+
+        target = int(args.target_column) if args.target_column.lstrip("-").isdigit() else args.target_column
+        try:
+            task = SpecTask(args.model, args.data, json.dumps(parse_kwargs(args.model_kwargs)), args.image_size,
+                            args.channels, target, args.max_length, args.val_fraction, args.seed)
+            load_spec_task(task)
+        except EdgetrainError as e:
+            print(f"edgetrain fl simulate: error: {e}", file=sys.stderr)
+            return 2
     cfg = SimulationConfig(clients=args.clients, rounds=args.rounds, partition=args.partition, alpha=args.alpha,
                            seed=args.seed, tiers=tiers, local_epochs=args.local_epochs, batch_size=args.batch_size,
-                           lr=args.lr, mode=args.mode, num_cpus=args.num_cpus)
+                           lr=args.lr, mode=args.mode, num_cpus=args.num_cpus, task=task)
     report = run(cfg)
     print(format_report(report, cfg))
     if args.report:

@@ -1,8 +1,10 @@
-"""The bundled MNIST task on Flower's simulation engine (Ray backend), offline: ``edgetrain fl simulate``.
+"""A federation on Flower's simulation engine (Ray backend), offline: ``edgetrain fl simulate``.
 
-Clients are drawn round-robin from device tiers (a bundled device profile and a memory budget each); each
-trains the full small CNN through edgetrain inside its tier's budget, or, with ``mode="heterofl"``, the
-widest width-sliced sub-model whose plain-PyTorch peak fits it (:mod:`edgetrain.fl.baseline_heterofl`).
+The task is the bundled MNIST digits with a small CNN, or your model and data (``SimulationConfig.task``, a
+:class:`~edgetrain.fl.spec_task.SpecTask`). Clients are drawn round-robin from device tiers (a bundled device
+profile and a memory budget each); each trains the full model through edgetrain inside its tier's budget,
+or, with ``mode="heterofl"`` (the bundled task only), the widest width-sliced sub-model whose plain-PyTorch
+peak fits it (:mod:`edgetrain.fl.baseline_heterofl`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 
 from flwr.app import Context
 
-from .apps import RunReport, mnist_client_app, mnist_server_app, task_data_fn
+from .apps import RunReport, mnist_client_app, mnist_server_app, server_app, task_data_fn
 from .settings import ClientSettings
+from .spec_task import SpecTask
 
 __all__ = ["DEFAULT_TIERS", "SimulationConfig", "run", "tier_settings"]
 
@@ -49,6 +52,7 @@ class SimulationConfig:
         mode: ``"edgetrain"`` or ``"heterofl"`` (the width-sliced baseline).
         num_cpus: CPUs Ray may use (one client per CPU at a time).
         heterofl_widths: per tier, the sub-model width (``mode="heterofl"``; None: measured).
+        task: your model and data (None: the bundled digits and small CNN).
     """
 
     clients: int = 8
@@ -63,12 +67,15 @@ class SimulationConfig:
     mode: str = "edgetrain"
     num_cpus: int = 2
     heterofl_widths: tuple[float | None, ...] | None = None
+    task: SpecTask | None = None
 
 
 def tier_settings(cfg: SimulationConfig, partition_id: int) -> ClientSettings:
     """The settings of node ``partition_id``: its tier's device profile and budget, the run's training."""
     profile, budget = cfg.tiers[partition_id % len(cfg.tiers)]
-    return ClientSettings(memory_budget=budget, device_profile=profile, local_epochs=cfg.local_epochs,
+    return ClientSettings(memory_budget=None if str(budget).lower() in ("none", "") else budget,
+                          device_profile=None if str(profile).lower() in ("none", "") else profile,
+                          local_epochs=cfg.local_epochs,
                           batch_size=cfg.batch_size, lr=cfg.lr)
 
 
@@ -80,11 +87,14 @@ def run(cfg: SimulationConfig) -> RunReport:
     """
     for k, v in OFFLINE_ENV.items():
         os.environ.setdefault(k, v)
-    from flwr.simulation import run_simulation
 
     def settings(context: Context) -> ClientSettings:
         return tier_settings(cfg, int(context.node_config.get("partition-id", 0)))
 
+    if cfg.task is not None:
+        if cfg.mode != "edgetrain":
+            raise ValueError("mode 'heterofl' slices the bundled CNN's width; with your own model use 'edgetrain'")
+        return _run(cfg, *_spec_apps(cfg, cfg.task))
     if cfg.mode == "edgetrain":
         client = mnist_client_app(settings, partition=cfg.partition, alpha=cfg.alpha, seed=cfg.seed)
     elif cfg.mode == "heterofl":
@@ -103,7 +113,29 @@ def run(cfg: SimulationConfig) -> RunReport:
     else:
         raise ValueError(f"unknown mode {cfg.mode!r}; use 'edgetrain' or 'heterofl'")
     report = RunReport()
-    server = mnist_server_app(cfg.rounds, report, seed=cfg.seed, min_nodes=cfg.clients)
+    return _run(cfg, client, mnist_server_app(cfg.rounds, report, seed=cfg.seed, min_nodes=cfg.clients), report)
+
+
+def _spec_apps(cfg: SimulationConfig, task: SpecTask) -> tuple[Any, Any, RunReport]:
+    from .client import client_app
+    from .spec_task import evaluate_spec, load_spec_task, spec_data_fn, spec_loss_fn, spec_model_fn
+
+    load_spec_task(task)  # a bad data spec fails here, once, before Ray starts
+
+    def settings(context: Context) -> ClientSettings:
+        return tier_settings(cfg, int(context.node_config.get("partition-id", 0)))
+
+    report = RunReport()
+    client = client_app(spec_model_fn(task), spec_data_fn(task, cfg.partition, cfg.alpha), settings=settings,
+                        loss_fn=spec_loss_fn(task))
+    server = server_app(spec_model_fn(task), lambda model, context: evaluate_spec(task, model), cfg.rounds, report,
+                        seed=task.seed, min_nodes=cfg.clients)
+    return client, server, report
+
+
+def _run(cfg: SimulationConfig, client: Any, server: Any, report: RunReport) -> RunReport:
+    from flwr.simulation import run_simulation
+
     backend: dict[str, Any] = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                "init_args": {"num_cpus": cfg.num_cpus, "include_dashboard": False}}
     t0 = time.perf_counter()
@@ -112,22 +144,29 @@ def run(cfg: SimulationConfig) -> RunReport:
     return report
 
 
+def _global(report: RunReport, n: int) -> str:
+    acc, loss = report.accuracy.get(n, float("nan")), report.loss.get(n, float("nan"))
+    return f"global loss {loss:.4f}" if acc != acc else f"global accuracy {acc:.4f}, loss {loss:.4f}"
+
+
 def format_report(report: RunReport, cfg: SimulationConfig) -> str:
     """Per round the global accuracy, and per client its peak memory against its budget."""
-    lines = [f"{cfg.mode}, {cfg.clients} clients, {cfg.partition}"
+    what = f"{cfg.task.model} on {cfg.task.data}, " if cfg.task is not None else ""
+    lines = [f"{what}{cfg.mode}, {cfg.clients} clients, {cfg.partition}"
              + (f" (alpha {cfg.alpha})" if cfg.partition == "dirichlet" else "")
              + f", {cfg.rounds} rounds x {cfg.local_epochs} local epoch(s), batch {cfg.batch_size}",
-             f"round 0: global accuracy {report.accuracy.get(0, float('nan')):.4f}"]
+             f"round 0: {_global(report, 0)}"]
     for r in report.rounds:
         n = r["round"]
-        lines.append(f"round {n}: global accuracy {report.accuracy.get(n, float('nan')):.4f}")
+        lines.append(f"round {n}: {_global(report, n)}")
         for c in sorted(r["clients"], key=lambda c: c["partition-id"]):
             mib = 1 << 20
             ok = "ok" if c["within-budget"] else "OVER"
             extra = f" width {c['width']:.2f}" if "width" in c else \
                 f" micro-batch {int(c['micro-batch-size'])}, plan {'cached' if c['plan-cached'] else 'new'}"
-            lines.append(f"  client {int(c['partition-id'])}: peak {c['peak-bytes'] / mib:6.1f} MiB / budget "
-                         f"{c['budget-bytes'] / mib:6.1f} MiB {ok},{extra}, {c['step-time-s'] * 1e3:.0f} ms/step")
+            budget = f"budget {c['budget-bytes'] / mib:6.1f} MiB {ok}" if c["budget-bytes"] else "no budget"
+            lines.append(f"  client {int(c['partition-id'])}: peak {c['peak-bytes'] / mib:6.1f} MiB / {budget},"
+                         f"{extra}, {c['step-time-s'] * 1e3:.0f} ms/step")
         for f in r["failures"]:
             lines.append(f"  failed: {f}")
     lines.append(f"wall time {report.wall_s:.1f} s")
