@@ -7,7 +7,6 @@ import textwrap
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("flwr")
 

@@ -56,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tiers = tuple(tuple(t.split("=", 1)) for t in args.tiers.split(","))  # type: ignore[misc]
     task = None
     if (args.model is None) != (args.data is None):
-        print("edgetrain fl simulate: error: --model and --data go together (your model and your data)", file=sys.stderr)
+        print("edgetrain fl simulate: error: --model and --data go together (your model and your data)",
+              file=sys.stderr)
         return 2
     if args.model is not None:
         from ..cli.args import parse_kwargs
