@@ -110,6 +110,19 @@ def test_train_a_factory_on_a_table_then_read_its_card(project, capsys):
     snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "build_model(card" in b)
     exec(snippet, {"print": lambda names: capsys_names.extend(names)})
     assert capsys_names == ["virginica", "setosa"]
+    # `edgetrain predict` prepares new rows the same way from the card: by column name, in any order, with
+    # the target column (if still there) left out
+    (project / "new.csv").write_text("species,sepal width,sepal length\n?,200.0,6.0\n?,-3.0,0.1\n")
+    assert main(["predict", "my_model.pt", "new.csv"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0] == "input,prediction,probability"
+    assert [r.split(",")[1] for r in rows[1:]] == ["virginica", "setosa"]
+    assert main(["predict", "my_model.pt", "new.csv", "--out", "p.csv"]) == 0
+    assert (project / "p.csv").read_text().splitlines() == rows
+    (project / "bad.csv").write_text("sepal length,petal width\n1,2\n")
+    assert main(["predict", "my_model.pt", "bad.csv", "--out", "q.csv"]) == 2
+    err = capsys.readouterr().err
+    assert "lacks the column(s) the model was trained on: sepal width" in err and not (project / "q.csv").exists()
 
 
 def test_a_validation_set_is_prepared_with_the_training_sets_classes(tmp_path):
@@ -182,6 +195,11 @@ def test_train_a_hugging_face_model_on_a_text_table(project, capsys, tiny_text_m
     assert "val_accuracy" in out
     card = json.loads((project / "sent.json").read_text())
     assert card["classes"] == ["negative", "positive"] and card["input"]["tokenizer"] == str(tiny_text_model)
+    (project / "new.txt").write_text("The film was great, truly great.\n\nThe film was dull.\n")
+    assert main(["predict", "sent.pt", "new.txt"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["input", "line 1", "line 2"]
+    assert all(r.split(",")[1] in ("negative", "positive") for r in rows[1:])
 
 
 def test_train_a_hugging_face_vision_model_on_an_image_folder(project, capsys):
@@ -215,6 +233,29 @@ def test_train_a_hugging_face_vision_model_on_an_image_folder(project, capsys):
     card = json.loads((project / "vit.json").read_text())
     assert card["input"]["mean"] == [0.5, 0.5, 0.5] and card["input"]["std"] == [0.25, 0.25, 0.25]
     assert card["classes"] == ["blue", "green", "red"]
+    assert main(["predict", "vit.pt", "imgs/red"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert len(rows) == 7 and rows[1].startswith("imgs/red/0.png,")
+
+
+def test_predict_a_regression_and_refuse_inputs_the_model_does_not_read(project, capsys):
+    rng = np.random.default_rng(0)
+    lines = ["a,b,price"] + [f"{a:.4f},{b:.4f},{3 * a - b:.4f}" for a, b in rng.normal(size=(64, 2))]
+    (project / "reg.csv").write_text("\n".join(lines) + "\n")
+    args = ["train", "model=h19_tables:mlp", "data=reg.csv", "batch_size=16", "epochs=1", "save=reg.pt",
+            "progress=false"]
+    assert main(args) == 0
+    capsys.readouterr()
+    (project / "new.csv").write_text("a,b\n1.0,0.0\n")
+    assert main(["predict", "reg.pt", "new.csv"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0] == "input,output 1" and rows[1].startswith("row 1,")
+    (project / "t.txt").write_text("hello\n")
+    assert main(["predict", "reg.pt", "t.txt"]) == 2
+    assert "this model reads table rows" in capsys.readouterr().err
+    (project / "loose.pt").write_bytes((project / "reg.pt").read_bytes())
+    assert main(["predict", "loose.pt", "new.csv"]) == 2
+    assert "predict needs the .json `edgetrain train` writes" in capsys.readouterr().err
 
 
 def test_json_lines_and_arrays_read_as_tables(tmp_path, tiny_text_model):

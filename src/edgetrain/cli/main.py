@@ -328,6 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=3, help="timed optimizer steps per planner")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="with --script: arguments of bench/bench_budget.py")
     b.set_defaults(func=cmd_bench)
+    pd = sub.add_parser("predict", help="run a model `edgetrain train` saved on new images, table rows or texts, "
+                        "prepared as its training data was (from the card beside the weights); CSV out",
+                        formatter_class=_DEFAULTS)
+    pd.add_argument("weights", help="the weights file train's save: wrote (its .json card beside it)")
+    pd.add_argument("input", help="an image or a folder of images; a .csv / .tsv / .jsonl / .json table with the "
+                    "training columns; a .txt of one text per line")
+    pd.add_argument("--card", default=None, help="the card, where it is not beside the weights")
+    pd.add_argument("--out", default=None, help="write the predictions here (default: standard output)")
+    pd.set_defaults(func=lambda a: __import__("edgetrain.cli.predict", fromlist=["cmd_predict"]).cmd_predict(a))
     f = sub.add_parser("fl", help="federated learning with Flower (edgetrain[flower]): `edgetrain fl simulate`")
     f.add_argument("rest", nargs=argparse.REMAINDER)
     f.set_defaults(func=lambda a: __import__("edgetrain.fl.cli", fromlist=["main"]).main(a.rest))

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["Table", "read_csv", "read_json_records", "split_columns", "MISSING"]
+__all__ = ["Cells", "Table", "read_cells", "read_csv", "read_json_records", "input_columns", "split_columns", "MISSING"]
 
 #: Cells read as "no value" (compared lower-cased, stripped).
 MISSING = frozenset({"", "na", "n/a", "nan", "null", "none", "?", "-"})
@@ -112,19 +112,35 @@ def _examples(cells: Sequence[str]) -> str:
     return ", ".join(repr(c if len(c) <= 30 else c[:27] + "...") for c in seen)
 
 
-def read_csv(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
-    """Read a CSV table and split it into features, an optional text column and the target.
+@dataclass(frozen=True)
+class Cells:
+    """A table file's cells before any column is given a role.
 
-    Args:
-        path: the file (UTF-8; commas, semicolons, tabs or bars between cells; a header row is detected).
-        target_column: the target's column, by index (negative from the end) or by header name.
-        allow_text: a column of free text is allowed (the model reads text); otherwise a column of words is
-            an error that says how to encode it.
+    Attributes:
+        names: the column names (a header's, a JSON record's keys, else ``column 1``, ...).
+        body: the rows, each a list of stripped cell strings (a missing value is ``""``).
+        header: whether the names came from the file (a header row or JSON keys).
+        first_line: the file line of ``body[0]``.
+        line_of: each row's file line, where rows skip lines (None: consecutive from ``first_line``).
+    """
+
+    names: tuple[str, ...]
+    body: list[list[str]]
+    header: bool
+    first_line: int = 1
+    line_of: list[int] | None = None
+
+
+def read_cells(path: Path) -> Cells:
+    """The cells of a CSV / TSV file (UTF-8; commas, semicolons, tabs or bars; a header row detected) or of
+    JSON records (one object per line, or an array of objects: the keys are the columns, ``null`` missing).
 
     Raises:
-        ConfigError: an empty table, rows of different lengths, a missing or non-finite number, a column
-            of words where numbers are needed (or more than one text column), an unknown target column.
+        ConfigError: an empty table, rows of different lengths, JSON that is not records, a value that is a
+            list or an object.
     """
+    if path.suffix.lower() in (".jsonl", ".json"):
+        return _json_cells(path)
     rows = _rows(path)
     if not rows:
         raise ConfigError(f"{path}: the table is empty")
@@ -140,7 +156,24 @@ def read_csv(path: Path, target_column: int | str = -1, *, allow_text: bool = Fa
         if len(r) != width:
             raise ConfigError(f"{path}: line {first_line + i} has {len(r)} cells, the first has {width}; "
                               "quote cells that contain the delimiter")
-    return split_columns(path, names, body, first_line, target_column, allow_text)
+    return Cells(names, body, header, first_line)
+
+
+def read_csv(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
+    """Read a CSV table and split it into features, an optional text column and the target.
+
+    Args:
+        path: the file (see :func:`read_cells`).
+        target_column: the target's column, by index (negative from the end) or by header name.
+        allow_text: a column of free text is allowed (the model reads text); otherwise a column of words is
+            an error that says how to encode it.
+
+    Raises:
+        ConfigError: what :func:`read_cells` refuses, a missing or non-finite number, a column of words where
+            numbers are needed (or more than one text column), an unknown target column.
+    """
+    c = read_cells(path)
+    return split_columns(path, c.names, c.body, c.first_line, target_column, allow_text, line_of=c.line_of)
 
 
 def _cell(v: object) -> str:
@@ -153,15 +186,7 @@ def _cell(v: object) -> str:
     raise TypeError(type(v).__name__)
 
 
-def read_json_records(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
-    """Read a JSON Lines file (one object per line) or a JSON array of objects, as :func:`read_csv` reads a
-    table: the objects' keys are the columns (in the first object's order), ``null`` is a missing value,
-    and the target is the key ``target_column`` names, else ``label`` where there is one, else the last.
-
-    Raises:
-        ConfigError: not JSON objects, objects with other keys than the first, a value that is a list or an
-            object, and what :func:`read_csv` refuses.
-    """
+def _json_cells(path: Path) -> Cells:
     import json
 
     text = path.read_text(encoding="utf-8-sig")
@@ -176,8 +201,6 @@ def read_json_records(path: Path, target_column: int | str = -1, *, allow_text: 
     if not records or not all(isinstance(r, dict) for r in records):
         raise ConfigError(f"{path}: expected one JSON object per line (or an array of objects), each a row")
     names = tuple(records[0])
-    if target_column == -1 and "label" in names:
-        target_column = "label"
     body = []
     for i, r in enumerate(records):
         where = f"line {lines[i]}" if lines else f"object {i + 1}"
@@ -187,7 +210,41 @@ def read_json_records(path: Path, target_column: int | str = -1, *, allow_text: 
             body.append([_cell(r[k]) for k in names])
         except TypeError as e:
             raise ConfigError(f"{path}: {where} holds a {e} where a number or a text is expected") from None
-    return split_columns(path, names, body, 1, target_column, allow_text, line_of=lines)
+    return Cells(names, body, True, 1, lines)
+
+
+def read_json_records(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
+    """Read JSON records (see :func:`read_cells`) as :func:`read_csv` reads a table; the target is the key
+    ``target_column`` names, else ``label`` where there is one, else the last.
+
+    Raises:
+        ConfigError: what :func:`read_csv` refuses.
+    """
+    c = _json_cells(path)
+    if target_column == -1 and "label" in c.names:
+        target_column = "label"
+    return split_columns(path, c.names, c.body, 1, target_column, allow_text, line_of=c.line_of)
+
+
+def input_columns(path: Path, wanted: Sequence[str], *, text: bool = False) -> Table:
+    """The columns ``wanted`` of a table file, by name, as a model's inputs (no target; other columns, such
+    as a target the file still has, are left out); checked as :func:`read_csv` checks features.
+
+    Raises:
+        ConfigError: a wanted column is missing (or the file has no header to name them), and what
+            :func:`read_csv` refuses of those columns.
+    """
+    c = read_cells(path)
+    missing = [w for w in wanted if w not in c.names]
+    if missing:
+        raise ConfigError(f"{path} lacks the column(s) the model was trained on: {', '.join(missing)} (its columns "
+                          f"are {', '.join(c.names)}{'' if c.header else '; give it a header row'})")
+    idx = [c.names.index(w) for w in wanted]
+    body = [[r[j] for j in idx] + ["0"] for r in c.body]  # a placeholder target: split_columns wants one
+    table = split_columns(path, [*wanted, "(no target)"], body, c.first_line, -1, text, line_of=c.line_of)
+    if text and table.text is None:  # a text column that happens to hold numbers is still text
+        return Table(table.features[:, :0], (), [r[0] for r in body], wanted[0], table.target, table.target_name)
+    return table
 
 
 def split_columns(path: Path, names: Sequence[str], body: list[list[str]], first_line: int,

@@ -1,0 +1,182 @@
+"""``edgetrain predict WEIGHTS INPUT``: run a model ``edgetrain train`` saved on new inputs, prepared as its
+training data was.
+
+The card ``edgetrain train`` writes beside the weights (same name, ``.json``) says how to build the model and
+how its inputs were prepared; the inputs are prepared the same way here: images resized, scaled and
+standardised with the training folder's numbers; a table's feature columns picked by name and standardised
+with the training rows' numbers (a target column, if the table still has one, is left out); texts tokenized
+with the model's tokenizer. Predictions are written as CSV: per input, the predicted class and its
+probability (classification) or the predicted values (regression).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..batch import call_model
+from ..errors import ConfigError
+
+__all__ = ["load_card", "predict", "cmd_predict"]
+
+
+def load_card(weights: Path, card: Path | None = None) -> dict[str, Any]:
+    """The card of ``weights`` (``card``, else the ``.json`` beside them).
+
+    Raises:
+        ConfigError: no card, or not one ``edgetrain train`` wrote.
+    """
+    path = card or (weights.with_suffix(".json") if weights.suffix != ".json" else
+                    weights.with_name(weights.name + ".json"))
+    if not path.is_file():
+        raise ConfigError(f"no card {path} beside {weights}: predict needs the .json `edgetrain train` writes with "
+                          "save: (or give it with --card)")
+    try:
+        out = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path} is not JSON ({e})") from None
+    if not isinstance(out, dict) or not {"model", "input", "task"} <= set(out):
+        raise ConfigError(f"{path} is not a card `edgetrain train` wrote (it lacks model, input or task)")
+    return out
+
+
+def build_trained(weights: Path, card: dict[str, Any]) -> nn.Module:
+    """The model the card names, with the saved weights, in eval mode."""
+    from ..spec import build_model
+
+    pre = card["input"]
+    if str(card["model"]).startswith("hf:"):  # its pretrained weights are replaced below: no load report
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    model = build_model(card["model"], card.get("model_kwargs") or {}, num_classes=card.get("outputs"),
+                        in_channels=card.get("in_channels"), image_size=pre.get("size"),
+                        in_features=card.get("in_features"))
+    try:
+        state = torch.load(weights, weights_only=True, map_location="cpu")
+        model.load_state_dict(state)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise ConfigError(f"{weights} does not load into {card['model']}: {' '.join(str(e).split())[:300]}") from None
+    return model.eval()
+
+
+def _images(source: Path, pre: dict[str, Any]) -> Iterator[tuple[list[str], torch.Tensor]]:
+    from ..spec.images import IMAGE_SUFFIXES, read_image
+
+    files = [source] if source.is_file() else sorted(
+        p for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
+    if not files:
+        raise ConfigError(f"no images under {source}")
+    mean = torch.tensor(pre["mean"]).reshape(-1, 1, 1)
+    std = torch.tensor(pre["std"]).reshape(-1, 1, 1)
+    for start in range(0, len(files), 64):
+        part = files[start:start + 64]
+        x = torch.stack([torch.from_numpy(read_image(p, pre["size"], pre["channels"])) for p in part])
+        yield [str(p) for p in part], (x - mean) / std
+
+
+def _rows(source: Path, pre: dict[str, Any], text: bool) -> tuple[list[str], Any]:
+    """A table's rows as the model's inputs: ``(row labels, features or texts)``; a ``.txt`` file is one text
+    per line."""
+    from ..spec.tables import input_columns
+
+    if source.suffix.lower() == ".txt":
+        if not text:
+            raise ConfigError(f"{source}: a .txt file is texts, one per line; this model reads table rows: give a "
+                              ".csv, .tsv, .jsonl or .json file with its columns")
+        texts = [ln.strip() for ln in source.read_text(encoding="utf-8-sig").splitlines() if ln.strip()]
+        if not texts:
+            raise ConfigError(f"{source} holds no text")
+        return [f"line {i + 1}" for i in range(len(texts))], texts
+    if source.is_dir():
+        raise ConfigError(f"{source} is a folder: this model reads {'texts' if text else 'table rows'}; give a "
+                          f"{'.txt, ' if text else ''}.csv, .tsv, .jsonl or .json file")
+    table = input_columns(source, [pre["text_column"]] if text else list(pre["features"]), text=text)
+    if text:
+        assert table.text is not None
+        return [f"row {i + 1}" for i in range(len(table.text))], table.text
+    return [f"row {i + 1}" for i in range(len(table.features))], torch.as_tensor(table.features)
+
+
+def _batches(source: Path, card: dict[str, Any]) -> Iterator[tuple[list[str], Any]]:
+    pre = card["input"]
+    kind = pre.get("kind")
+    if kind == "image":
+        yield from _images(source, pre)
+        return
+    if kind == "text":
+        from ..spec.text import load_tokenizer, tokenize
+
+        if "tokenizer" not in pre:
+            raise ConfigError("this model was trained on token ids a saved dataset held (no tokenizer is named in "
+                              "its card): tokenize new texts as that dataset was and run the model from Python")
+        labels, texts = _rows(source, pre, text=True)
+        tok = load_tokenizer(pre["tokenizer"])
+        for start in range(0, len(texts), 64):
+            ids, mask = tokenize(tok, texts[start:start + 64], int(pre["max_length"]))
+            yield labels[start:start + 64], {"input_ids": ids, "attention_mask": mask}
+        return
+    if kind == "table":
+        labels, x = _rows(source, pre, text=False)
+        if "mean" in pre:
+            x = (x - torch.tensor(pre["mean"])) / torch.tensor(pre["std"])
+        for start in range(0, len(labels), 256):
+            yield labels[start:start + 256], x[start:start + 256]
+        return
+    raise ConfigError(f"predict reads images, tables and texts; this model was trained on {kind!r} data (from "
+                      f"{pre.get('factory') or pre.get('columns') or 'arrays'}): run it from Python")
+
+
+def predict(weights: Path, source: Path, card: dict[str, Any]) -> Iterator[list[str]]:
+    """CSV rows of predictions, the header first."""
+    model = build_trained(weights, card)
+    classes: Sequence[str] = card.get("classes") or []
+    classification = card["task"] == "classification"
+    batches = _batches(source, card)
+    first = next(batches)  # inputs the model cannot read are refused before any output
+    yield ["input", "prediction", "probability"] if classification else \
+        ["input"] + [f"output {i + 1}" for i in range(int(card.get("outputs") or 1))]
+    with torch.no_grad():
+        for labels, x in itertools.chain([first], batches):
+            out = call_model(model, x)
+            if classification:
+                prob, idx = torch.softmax(out.float(), dim=1).max(dim=1)
+                for name, i, p in zip(labels, idx.tolist(), prob.tolist()):
+                    yield [name, classes[i] if i < len(classes) else str(i), f"{p:.4f}"]
+            else:
+                for name, row in zip(labels, out.reshape(len(labels), -1).tolist()):
+                    yield [name] + [f"{v:.6g}" for v in row]
+
+
+def cmd_predict(args: Any) -> int:
+    weights = Path(args.weights)
+    if not weights.is_file():
+        raise ConfigError(f"no weights file {weights}")
+    source = Path(args.input)
+    if not source.exists():
+        raise ConfigError(f"no input {source}")
+    card = load_card(weights, Path(args.card) if args.card else None)
+    if not args.out:
+        writer = csv.writer(sys.stdout)
+        for row in predict(weights, source, card):
+            writer.writerow(row)
+        return 0
+    path = Path(args.out)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", newline="") as f:  # a failure half way leaves no partial file behind
+            writer = csv.writer(f)
+            n = sum(1 for row in predict(weights, source, card) if writer.writerow(row) is not None) - 1
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"{n} predictions written to {path}", file=sys.stderr)
+    return 0
