@@ -302,3 +302,13 @@ def test_a_folder_larger_than_the_image_cache_is_read_from_disk_alike(tmp_path):
     xs = torch.stack([cached.train[i][0] for i in range(len(cached.train))])
     assert torch.allclose(xs.mean((0, 2, 3)), torch.zeros(3), atol=1e-5)
     assert torch.allclose(xs.std((0, 2, 3)), torch.ones(3), atol=1e-4)
+
+
+def test_whole_number_targets_that_are_quantities_are_not_taken_for_classes(tmp_path):
+    (tmp_path / "prices.csv").write_text("rooms,price\n" + "".join(f"{r},{100000 + 5000 * r}\n" for r in range(8)))
+    with pytest.raises(ConfigError, match="up to 135000: as class indices that is 135001 classes. Set task: "
+                                          "regression"):
+        load_data(str(tmp_path / "prices.csv"))
+    assert load_data(str(tmp_path / "prices.csv"), task="regression").num_classes == 1
+    (tmp_path / "temps.csv").write_text("day,temp\n1,-3\n2,4\n3,0\n")
+    assert load_data(str(tmp_path / "temps.csv")).task == "regression"  # negative whole numbers: quantities

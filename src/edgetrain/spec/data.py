@@ -23,6 +23,8 @@ __all__ = ["LoadedData", "load_data", "IMAGE_SUFFIXES"]
 
 log = logging.getLogger(__name__)
 
+#: whole-number targets with more classes than this are not taken for class indices without task: classification
+MAX_AUTO_CLASSES = 1000
 _HF_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
@@ -76,7 +78,11 @@ def _targets(y: np.ndarray, task: str, classes: Sequence[str] = (), what: str = 
         return torch.tensor([index[v] for v in y.tolist()], dtype=torch.int64), "classification", len(names), names
     whole = np.issubdtype(y.dtype, np.integer) or bool(np.all(np.isfinite(y)) and np.all(np.mod(y, 1) == 0))
     if task == "auto":
-        task = "classification" if whole and y.ndim == 1 else "regression"
+        task = "classification" if whole and y.ndim == 1 and (not y.size or y.min() >= 0) else "regression"
+        if task == "classification" and y.size and int(y.max()) + 1 > MAX_AUTO_CLASSES:
+            raise ConfigError(f"{what} are whole numbers up to {int(y.max())}: as class indices that is "
+                              f"{int(y.max()) + 1} classes. Set task: regression if they are quantities, or task: "
+                              "classification if they are class indices")
     if task == "classification":
         if not whole or y.ndim != 1 or (y.size and y.min() < 0):
             raise ConfigError(f"classification targets must be one column of whole numbers >= 0 or of class names "
