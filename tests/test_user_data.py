@@ -312,3 +312,12 @@ def test_whole_number_targets_that_are_quantities_are_not_taken_for_classes(tmp_
     assert load_data(str(tmp_path / "prices.csv"), task="regression").num_classes == 1
     (tmp_path / "temps.csv").write_text("day,temp\n1,-3\n2,4\n3,0\n")
     assert load_data(str(tmp_path / "temps.csv")).task == "regression"  # negative whole numbers: quantities
+
+
+def test_hugging_face_models_are_built_to_train(tiny_text_model):
+    """from_pretrained hands back a model in eval mode; built to be trained, every module is in training mode
+    (dropout on), as the wrapper around it is."""
+    from edgetrain.spec import build_model
+
+    model = build_model(f"hf:{tiny_text_model}", num_classes=2)
+    assert all(m.training for m in model.modules())
