@@ -61,9 +61,11 @@ def test_a_table_with_a_header_class_names_and_a_named_target(tmp_path, sep):
 
 
 def test_a_table_without_a_header_reads_every_row(tmp_path):
-    (tmp_path / "t.csv").write_text("0.5,1.5,0\n1.0,2.0,1\n-1.0,0.0,2\n")
+    (tmp_path / "t.csv").write_text("0.5,1.5,0\n1.0,1.5,1\n-1.0,1.5,2\n")
     d = load_data(str(tmp_path / "t.csv"))
     assert len(d.train) == 3 and d.num_classes == 3 and d.preprocessing["features"] == ["column 1", "column 2"]
+    # a constant column is centred, not divided by a vanishing std (a new value would be blown up by 1e6)
+    assert d.preprocessing["std"][1] == 1.0 and float(d.train[0][0][1]) == 0.0
 
 
 @pytest.mark.parametrize("text, message", [

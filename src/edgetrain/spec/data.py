@@ -105,7 +105,8 @@ def _standardize(x: torch.Tensor, like: Mapping[str, Any] | None, dims: tuple[in
         std = torch.tensor(like["std"], dtype=x.dtype).reshape(shape)
     else:
         mean = x.mean(dim=dims, keepdim=True)
-        std = x.std(dim=dims, keepdim=True).nan_to_num(1.0).clamp_min(1e-6)
+        std = x.std(dim=dims, keepdim=True).nan_to_num(1.0)
+        std = torch.where(std < 1e-6, torch.ones_like(std), std)  # a constant column is only centred
     return (x - mean) / std, mean.flatten().tolist(), std.flatten().tolist()
 
 

@@ -133,7 +133,8 @@ def image_folder(root: Path, size: int, channels: int, classes: Sequence[str] | 
         n = len(files) * size * size
         m = total / n
         var = np.maximum(squares - n * m * m, 0.0) / max(n - 1, 1)
-        mean, std = m.tolist(), np.maximum(np.sqrt(var), 1e-6).tolist()
+        sd = np.sqrt(var)
+        mean, std = m.tolist(), np.where(sd < 1e-6, 1.0, sd).tolist()  # a constant channel is only centred
     pre = {"kind": "image", "size": size, "channels": channels, "scale": 1 / 255, "mean": mean, "std": std}
     log.info("image folder %s: %d images of %d classes (%s)", root, len(files), len(names),
              "in memory" if cache else "read from disk per sample")
