@@ -72,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except EdgetrainError as e:
             print(f"edgetrain fl simulate: error: {e}", file=sys.stderr)
             return 2
+    if task is not None and not args.tiers:
+        print("edgetrain fl simulate: the default tiers' budgets (24-96 MiB) are the bundled CNN's; give your "
+              "model's with --tiers PROFILE=BUDGET,... (none: unbounded)", file=sys.stderr)
     cfg = SimulationConfig(clients=args.clients, rounds=args.rounds, partition=args.partition, alpha=args.alpha,
                            seed=args.seed, tiers=tiers, local_epochs=args.local_epochs, batch_size=args.batch_size,
                            lr=args.lr, mode=args.mode, num_cpus=args.num_cpus, task=task)
