@@ -65,6 +65,27 @@ def test_strategy_aggregates_replies_with_their_trained_records_and_logs_failure
     assert [c["partition-id"] for c in strat.history[0]["clients"]] == [1, 2]
 
 
+def test_a_batchnorm_models_arrays_aggregate_into_an_array_record():
+    """BatchNorm's num_batches_tracked is a 0-d integer tensor: its average must stay an array Flower takes
+    (a NumPy scalar made every round of a BatchNorm model fail on the server after the clients trained)."""
+    import torch
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    from edgetrain.fl.strategy import aggregate_masked
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2))
+    model(torch.randn(4, 1, 5, 5))  # a training forward: running statistics and the counter move
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    contents = [RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in state.items()}),
+                            "metrics": MetricRecord({"num-examples": n}),
+                            "trained": ConfigRecord({k: True for k in state})}) for n in (10, 30)]
+    out = aggregate_masked(contents, None, "num-examples", "arrays")
+    assert out["1.num_batches_tracked"].numpy().shape == () and int(out["1.num_batches_tracked"].numpy()) == 1
+    loaded = out.to_torch_state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
 def test_iid_and_dirichlet_partitions_cover_every_sample_once():
     from edgetrain.fl.partition import dirichlet_partition, iid_partition, label_histogram
 

@@ -54,7 +54,9 @@ def masked_average(global_arrays: dict[str, np.ndarray], replies: list[tuple[dic
         avg = np.where(den > 0, num / np.maximum(den, 1e-300), g.astype(np.float64))
         if np.issubdtype(g.dtype, np.integer):
             avg = np.rint(avg)
-        out[key] = avg.astype(g.dtype)
+        # np.rint of a 0-d array is a NumPy scalar, which Flower's Array refuses (BatchNorm's
+        # num_batches_tracked is one): keep every value an ndarray of the global value's shape
+        out[key] = np.asarray(avg).astype(g.dtype).reshape(g.shape)
     return out
 
 
