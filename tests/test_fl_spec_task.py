@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("flwr")
 
+import torch  # noqa: E402
+
 from tests._fl import context, train_message  # noqa: E402
 
 FACTORY = textwrap.dedent("""
@@ -89,3 +91,48 @@ def test_the_command_line_refuses_half_a_task_and_bad_data(capsys):
     assert "--model and --data go together" in capsys.readouterr().err
     assert main(["simulate", "--model", "x:y", "--data", "no-such-folder"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+class _KeywordBlocks(torch.nn.Module):
+    """forward(tokens, mask): keyword inputs, and a branch on the data that fx cannot trace (module-tree
+    stages, which carry no FLOP counts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+                                           for _ in range(3)])
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, tokens, mask):
+        h = self.emb(tokens)
+        if mask.sum() > 0:
+            h = h * mask.unsqueeze(-1)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.mean(1))
+
+
+def test_a_node_trains_a_keyword_input_model_on_a_device_profile():
+    """Dict batches reach the plan cache's key, and a chain without FLOP counts gets its energy predicted
+    (each failed inside the node: "'dict' object has no attribute 'shape'", "a CostChain needs at least one
+    stage")."""
+    from flwr.app import ArrayRecord
+
+    from edgetrain.fl.client import ClientData, client_app
+    from edgetrain.fl.settings import ClientSettings
+
+    g = torch.Generator().manual_seed(0)
+    batches = [({"tokens": torch.randint(0, 50, (8, 6), generator=g), "mask": torch.ones(8, 6)},
+                torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+
+    def model_fn():
+        torch.manual_seed(0)
+        return _KeywordBlocks()
+
+    app = client_app(model_fn, lambda context, s: ClientData(train=lambda epoch: iter(batches), num_train=24),
+                     settings=ClientSettings(batch_size=8, device_profile="rpi4"))
+    reply = app(train_message(ArrayRecord(model_fn().state_dict())), context({"memory-budget": "64MiB"}))
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    m = reply.content["metrics"]
+    assert m["within-budget"] == 1 and m["num-examples"] == 24 and m["predicted-step-time-s"] > 0

@@ -28,9 +28,11 @@ def predicted_step_energy_j(plan: Plan, costs: CostChain, profile_name: str | No
         try:
             prof = load_profile(profile_name)
             # stages without a FLOP count (pooling, activations) keep their host times: memory-bound and small
-            counted = CostChain(tuple(s for s in costs.stages if s.flops.fixed > 0 or s.flops.per_sample > 0), 1,
-                                costs.input_bytes, 0, costs.loss_s, costs.step_fixed_s)
-            rates = {s.name: s for s in scale_chain(counted, None, prof).stages} if counted.stages else {}
+            with_flops = tuple(s for s in costs.stages if s.flops.fixed > 0 or s.flops.per_sample > 0)
+            rates = {}
+            if with_flops:  # a chain of blocks a FLOP counter could not see into has none (a CostChain needs one)
+                counted = CostChain(with_flops, 1, costs.input_bytes, 0, costs.loss_s, costs.step_fixed_s)
+                rates = {s.name: s for s in scale_chain(counted, None, prof).stages}
             chain = replace(costs, stages=tuple(rates.get(s.name, s) for s in costs.stages))
             t = simulate(chain, plan.micro_batch_size, plan.policies, plan.groups, plan.nested_groups).step_time_s
             return t, t * prof.active_power_w

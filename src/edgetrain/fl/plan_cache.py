@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -28,12 +28,23 @@ log = logging.getLogger(__name__)
 STATE_KEY = "edgetrain-plans"
 
 
-def plan_key(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor], **options: Any) -> str:
+def _layout(x: Any) -> str:
+    """Shapes and dtypes of a batch's tensors, with the keys and nesting of dict and tuple inputs."""
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)}:{x.dtype}"
+    if isinstance(x, Mapping):
+        return "{" + ",".join(f"{k}={_layout(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (tuple, list)):
+        return "(" + ",".join(_layout(v) for v in x) + ")"
+    return repr(type(x).__name__)
+
+
+def plan_key(model: nn.Module, example: tuple[Any, Any], **options: Any) -> str:
     """A hash of the model's structure and tensor shapes, the example's shapes and dtypes, and ``options``
     (budget, device profile, speed-up, gradient filter: whatever changes the plan)."""
     parts = [repr(model)]
     parts += [f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in model.state_dict().items()]
-    parts += [f"{tuple(t.shape)}:{t.dtype}" for t in example]
+    parts.append(_layout(example))
     parts.append(json.dumps(options, sort_keys=True, default=str))
     parts.append(torch.__version__)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
