@@ -130,9 +130,20 @@ def test_a_node_trains_a_keyword_input_model_on_a_device_profile():
         torch.manual_seed(0)
         return _KeywordBlocks()
 
-    app = client_app(model_fn, lambda context, s: ClientData(train=lambda epoch: iter(batches), num_train=24),
+    test = ({"tokens": torch.cat([b[0]["tokens"] for b in batches]), "mask": torch.ones(24, 6)},
+            torch.cat([b[1] for b in batches]))
+    app = client_app(model_fn, lambda context, s: ClientData(train=lambda epoch: iter(batches), num_train=24,
+                                                             test=test),
                      settings=ClientSettings(batch_size=8, device_profile="rpi4"))
     reply = app(train_message(ArrayRecord(model_fn().state_dict())), context({"memory-budget": "64MiB"}))
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     m = reply.content["metrics"]
     assert m["within-budget"] == 1 and m["num-examples"] == 24 and m["predicted-step-time-s"] > 0
+    # the evaluate handler calls the model on keyword inputs as the step does
+    evaluated = app(train_message(reply.content["arrays"], message_type="evaluate"), context({}))
+    trained = model_fn()
+    trained.load_state_dict(reply.content["arrays"].to_torch_state_dict())
+    with torch.no_grad():
+        expect = float(torch.nn.functional.cross_entropy(trained.eval()(**test[0]), test[1]))
+    assert evaluated.content["metrics"]["num-examples"] == 24
+    assert abs(evaluated.content["metrics"]["eval-loss"] - expect) < 1e-6

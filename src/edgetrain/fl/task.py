@@ -111,17 +111,20 @@ def client_batches(data: TaskData, client: int, batch_size: int, epoch: int, see
         yield data.train_x[sel], data.train_y[sel]
 
 
-def evaluate_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 250,
+def evaluate_accuracy(model: nn.Module, x: Any, y: torch.Tensor, batch_size: int = 250,
                       ) -> tuple[float, float]:
-    """``(accuracy, mean cross-entropy)`` of ``model`` on ``(x, y)``, without gradients."""
-    was = model.training
-    model.eval()
+    """``(accuracy, mean cross-entropy)`` of ``model`` on ``(x, y)``, without gradients, in eval mode (each
+    module's own mode comes back after). ``x`` is a tensor, or a dict / tuple of tensors (keyword or
+    positional inputs), batched on dim 0."""
+    from .._state import modes_kept
+    from ..batch import call_model, slice_batch
+
     correct, loss = 0, 0.0
-    with torch.no_grad():
-        for s in range(0, x.size(0), batch_size):
-            out = model(x[s:s + batch_size])
+    n = int(y.size(0))
+    with modes_kept(model), torch.no_grad():
+        model.eval()
+        for s in range(0, n, batch_size):
+            out = call_model(model, slice_batch(x, s, s + batch_size))
             loss += float(nn.functional.cross_entropy(out, y[s:s + batch_size], reduction="sum"))
             correct += int((out.argmax(1) == y[s:s + batch_size]).sum())
-    model.train(was)
-    n = max(1, x.size(0))
-    return correct / n, loss / n
+    return correct / max(1, n), loss / max(1, n)
