@@ -238,6 +238,10 @@ def test_train_a_hugging_face_vision_model_on_an_image_folder(project, capsys):
     assert main(["predict", "vit.pt", "imgs/red"]) == 0
     rows = capsys.readouterr().out.strip().splitlines()
     assert len(rows) == 7 and rows[1].startswith("imgs/red/0.png,")
+    # the model commands take its image shape, or say which it is
+    assert main(["plan", "--model", "hf:vit", "--budget", "100MiB"]) == 2
+    assert "takes images of shape 3,16,16: pass --input-shape 3,16,16" in capsys.readouterr().err
+    assert main(["plan", "--model", "hf:vit", "--input-shape", "3,16,16", "--budget", "100MiB"]) == 0
 
 
 def test_predict_a_regression_and_refuse_inputs_the_model_does_not_read(project, capsys):

@@ -188,6 +188,15 @@ def spec_model_and_batch(model: str, kwargs: dict[str, Any], input_shape: tuple[
         return build_model_and_batch(Job(model, input_shape, batch_size, model_kwargs=kwargs))
     torch.manual_seed(0)
     kwargs = dict(kwargs)
+    if model.startswith("hf:") and hf_reads_images(model[3:]):
+        from ..spec.models import hf_image_input
+
+        wants = hf_image_input(model[3:])
+        shape = (wants.get("channels", input_shape[0]), wants.get("size", input_shape[-1]),
+                 wants.get("size", input_shape[-1]))
+        if tuple(input_shape) != shape:
+            raise ConfigError(f"model {model} takes images of shape {','.join(map(str, shape))}: pass "
+                              f"--input-shape {','.join(map(str, shape))}")
     classes = int(kwargs.pop("num_classes", 10) if model.startswith("hf:") else kwargs.get("num_classes", 10))
     in_channels = input_shape[0] if len(input_shape) == 3 else None
     net = build_model(model, kwargs, num_classes=classes, in_channels=in_channels,
