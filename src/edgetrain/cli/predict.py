@@ -34,8 +34,9 @@ def load_card(weights: Path, card: Path | None = None) -> dict[str, Any]:
     Raises:
         ConfigError: no card, or not one ``edgetrain train`` wrote.
     """
-    path = card or (weights.with_suffix(".json") if weights.suffix != ".json" else
-                    weights.with_name(weights.name + ".json"))
+    from .train import card_path
+
+    path = card or card_path(weights)
     if not path.is_file():
         raise ConfigError(f"no card {path} beside {weights}: predict needs the .json `edgetrain train` writes with "
                           "save: (or give it with --card)")

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..spec import build_model, load_data
 from .train_config import TrainConfig
 
-__all__ = ["run_train", "spec_model_and_batch", "write_card"]
+__all__ = ["run_train", "spec_model_and_batch", "write_card", "card_path"]
 
 log = logging.getLogger("edgetrain.cli")
 
@@ -164,11 +164,16 @@ def write_card(weights: Path, cfg: TrainConfig, data: Any) -> Path:
         "input": dict(data.preprocessing),
         "edgetrain": _version(),
     }
-    path = weights.with_suffix(".json") if weights.suffix != ".json" else weights.with_name(weights.name + ".json")
+    path = card_path(weights)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(card, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def card_path(weights: Path) -> Path:
+    """Where the card of ``weights`` lies: beside them, suffix ``.json``."""
+    return weights.with_suffix(".json") if weights.suffix != ".json" else weights.with_name(weights.name + ".json")
 
 
 def _version() -> str:

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from flwr.app import Context
 
@@ -94,7 +94,7 @@ def run(cfg: SimulationConfig) -> RunReport:
     if cfg.task is not None:
         if cfg.mode != "edgetrain":
             raise ValueError("mode 'heterofl' slices the bundled CNN's width; with your own model use 'edgetrain'")
-        return _run(cfg, *_spec_apps(cfg, cfg.task))
+        return _run(cfg, *_spec_apps(cfg, cfg.task, settings))
     if cfg.mode == "edgetrain":
         client = mnist_client_app(settings, partition=cfg.partition, alpha=cfg.alpha, seed=cfg.seed)
     elif cfg.mode == "heterofl":
@@ -116,15 +116,12 @@ def run(cfg: SimulationConfig) -> RunReport:
     return _run(cfg, client, mnist_server_app(cfg.rounds, report, seed=cfg.seed, min_nodes=cfg.clients), report)
 
 
-def _spec_apps(cfg: SimulationConfig, task: SpecTask) -> tuple[Any, Any, RunReport]:
+def _spec_apps(cfg: SimulationConfig, task: SpecTask, settings: Callable[[Context], ClientSettings]
+               ) -> tuple[Any, Any, RunReport]:
     from .client import client_app
     from .spec_task import evaluate_spec, load_spec_task, spec_data_fn, spec_loss_fn, spec_model_fn
 
     load_spec_task(task)  # a bad data spec fails here, once, before Ray starts
-
-    def settings(context: Context) -> ClientSettings:
-        return tier_settings(cfg, int(context.node_config.get("partition-id", 0)))
-
     report = RunReport()
     client = client_app(spec_model_fn(task), spec_data_fn(task, cfg.partition, cfg.alpha), settings=settings,
                         loss_fn=spec_loss_fn(task))

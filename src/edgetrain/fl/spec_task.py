@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -58,7 +59,7 @@ class SpecTask:
     max_length: int = 128
     val_fraction: float = 0.2
     seed: int = 0
-    cwd: str = field(default_factory=lambda: __import__("os").getcwd())
+    cwd: str = field(default_factory=os.getcwd)
 
 
 @dataclass(frozen=True)
@@ -157,10 +158,7 @@ def spec_data_fn(task: SpecTask, scheme: str = "iid", alpha: float = 0.5
         loaded = load_spec_task(task)
         pid = int(context.node_config.get("partition-id", 0))
         n = int(context.node_config.get("num-partitions", 1))
-        regression = loaded.info.task == "regression"
-        labels = np.zeros(len(loaded.labels), np.int64) if regression else loaded.labels.astype(np.int64)
-        shards = _shards(labels, n, "iid" if regression else scheme, alpha, task.seed)
-        shard = shards[pid]
+        shard = _shards(task, n, scheme, alpha)[pid]
         if len(shard) < s.batch_size:
             raise ConfigError(f"node {pid}'s shard has {len(shard)} samples, fewer than one batch of "
                               f"{s.batch_size}: use a smaller batch size or fewer clients")
@@ -171,12 +169,12 @@ def spec_data_fn(task: SpecTask, scheme: str = "iid", alpha: float = 0.5
 
 
 @functools.lru_cache(maxsize=8)
-def _shards_cached(labels: bytes, n: int, scheme: str, alpha: float, seed: int) -> tuple[np.ndarray, ...]:
-    return tuple(partition(np.frombuffer(labels, np.int64), n, scheme, alpha=alpha, seed=seed))
-
-
-def _shards(labels: np.ndarray, n: int, scheme: str, alpha: float, seed: int) -> tuple[np.ndarray, ...]:
-    return _shards_cached(labels.tobytes(), n, scheme, alpha, seed)
+def _shards(task: SpecTask, n: int, scheme: str, alpha: float) -> tuple[np.ndarray, ...]:
+    """The ``n`` shards of the task's training part (drawn once per process; a regression is split IID)."""
+    loaded = load_spec_task(task)
+    if loaded.info.task == "regression":
+        return tuple(partition(np.zeros(len(loaded.labels), np.int64), n, "iid", alpha=alpha, seed=task.seed))
+    return tuple(partition(loaded.labels.astype(np.int64), n, scheme, alpha=alpha, seed=task.seed))
 
 
 def evaluate_spec(task: SpecTask, model: nn.Module, batch_size: int = 64) -> tuple[float, float]:

@@ -95,19 +95,15 @@ def _targets(y: np.ndarray, task: str, classes: Sequence[str] = (), what: str = 
     return t, task, int(t.shape[1]), ()
 
 
-def _standardize(x: torch.Tensor, like: Mapping[str, Any] | None, dims: tuple[int, ...]
-                 ) -> tuple[torch.Tensor, list[float], list[float]]:
-    """``x`` standardised per feature (per channel) with its own mean and std, or with ``like``'s."""
+def _standardize(x: torch.Tensor, like: Mapping[str, Any] | None) -> tuple[torch.Tensor, list[float], list[float]]:
+    """A table's feature columns standardised with their own mean and std, or with ``like``'s."""
     if like and "mean" in like:
-        shape = [1] * x.dim()
-        shape[1] = -1
-        mean = torch.tensor(like["mean"], dtype=x.dtype).reshape(shape)
-        std = torch.tensor(like["std"], dtype=x.dtype).reshape(shape)
+        mean, std = torch.tensor(like["mean"], dtype=x.dtype), torch.tensor(like["std"], dtype=x.dtype)
     else:
-        mean = x.mean(dim=dims, keepdim=True)
-        std = x.std(dim=dims, keepdim=True).nan_to_num(1.0)
+        mean = x.mean(dim=0)
+        std = x.std(dim=0).nan_to_num(1.0)
         std = torch.where(std < 1e-6, torch.ones_like(std), std)  # a constant column is only centred
-    return (x - mean) / std, mean.flatten().tolist(), std.flatten().tolist()
+    return (x - mean) / std, mean.tolist(), std.tolist()
 
 
 def _table(arr: np.ndarray, target_column: int, task: str, source: str) -> LoadedData:
@@ -124,12 +120,9 @@ def _table(arr: np.ndarray, target_column: int, task: str, source: str) -> Loade
 
 def _csv(path: Path, target_column: int | str, task: str, text_model: str | None, max_length: int,
          standardize: bool, like: LoadedData | None) -> LoadedData:
-    from .tables import read_csv, read_json_records
+    from .tables import read_table
 
-    if path.suffix.lower() in (".jsonl", ".json"):
-        table = read_json_records(path, target_column, allow_text=text_model is not None)
-    else:
-        table = read_csv(path, target_column, allow_text=text_model is not None)
+    table = read_table(path, target_column, allow_text=text_model is not None)
     prior = like.preprocessing if like is not None else None
     t, task, k, classes = _targets(table.target, task, like.classes if like is not None else (),
                                    f"the target column {table.target_name!r}")
@@ -150,7 +143,7 @@ def _csv(path: Path, target_column: int | str, task: str, text_model: str | None
     x = torch.as_tensor(table.features)
     pre = {"kind": "table", "features": list(table.feature_names), **common}
     if standardize:
-        x, mean, std = _standardize(x, prior, (0,))
+        x, mean, std = _standardize(x, prior)
         pre.update(mean=mean, std=std)
     return LoadedData(TensorDataset(x, t), None, k, None, task, classes, x.shape[1], pre)
 
@@ -203,11 +196,10 @@ def _hf_disk(root: Path, task: str, text_model: str | None, max_length: int, lik
         raise ConfigError(f"{root}: need an input column (pixel_values, input_ids, features, x, or text / sentence "
                           f"for a Hugging Face text model) and a label column (label, labels, target, y); found "
                           f"{', '.join(cols)}")
-    if inp in ("text", "sentence"):
-        return _hf_disk_text(root, train, val, inp, label, task, text_model, max_length, like)
-
     names = getattr(train.features.get(label), "names", None)  # a ClassLabel column names its classes
-    classes = tuple(names) if names else ()
+    classes = tuple(names) if names else (like.classes if like is not None else ())
+    if inp in ("text", "sentence"):
+        return _hf_disk_text(root, train, val, inp, label, task, classes, text_model, max_length, like)
 
     def to_tensors(d: Any) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
         d = d.with_format("numpy")
@@ -237,16 +229,14 @@ def _hf_disk(root: Path, task: str, text_model: str | None, max_length: int, lik
                       {"kind": kind, "columns": [inp, label]})
 
 
-def _hf_disk_text(root: Path, train: Any, val: Any, inp: str, label: str, task: str, text_model: str | None,
-                  max_length: int, like: LoadedData | None) -> LoadedData:
+def _hf_disk_text(root: Path, train: Any, val: Any, inp: str, label: str, task: str, classes: tuple[str, ...],
+                  text_model: str | None, max_length: int, like: LoadedData | None) -> LoadedData:
     """A saved dataset of raw text: tokenized as a CSV's text column is (:mod:`edgetrain.spec.text`)."""
     if text_model is None:
         raise ConfigError(f"{root}: the column {inp!r} holds text: train it with a Hugging Face text model "
                           "(model: hf:NAME), whose tokenizer turns it into token ids")
     from .text import TokenDataset, load_tokenizer, tokenize
 
-    names = getattr(train.features.get(label), "names", None)
-    classes = tuple(names) if names else (like.classes if like is not None else ())
     tok = load_tokenizer(text_model)
     prior = like.preprocessing.get("length") if like is not None else None
     ids, mask = tokenize(tok, [str(t) for t in train[inp]], max_length, length=prior)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -94,21 +95,31 @@ class _PixelLogits(nn.Module):
         return self.model(pixel_values=pixel_values).logits
 
 
-def hf_reads_images(name: str) -> bool:
-    """Whether Hugging Face model ``name`` (offline) reads images (a vision config: channels, no vocabulary).
+@functools.lru_cache(maxsize=8)
+def _hf_config(name: str) -> Any:
+    """Hugging Face model ``name``'s config, offline (read once per process: the CLI asks it several things).
 
     Raises:
-        ConfigError: transformers is missing or the model's config is not available offline.
+        ConfigError: transformers is missing or the config is not available offline.
     """
     try:
         from transformers import AutoConfig
     except ImportError:
         raise ConfigError(f"model 'hf:{name}' needs transformers: pip install 'edgetrain[text]'") from None
     try:
-        cfg = AutoConfig.from_pretrained(name, local_files_only=True)
+        return AutoConfig.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"Hugging Face model {name!r} is not available offline (not in the local cache nor a "
                           f"directory): {' '.join(str(e).split())[:200]}") from None
+
+
+def hf_reads_images(name: str) -> bool:
+    """Whether Hugging Face model ``name`` (offline) reads images (a vision config: channels, no vocabulary).
+
+    Raises:
+        ConfigError: transformers is missing or the model's config is not available offline.
+    """
+    cfg = _hf_config(name)
     return hasattr(cfg, "num_channels") and not hasattr(cfg, "vocab_size")
 
 
@@ -116,10 +127,8 @@ def hf_image_input(name: str) -> dict[str, Any]:
     """What a Hugging Face image model expects of its images: ``size`` and ``channels`` (its config's
     ``image_size`` and ``num_channels``, where it has them) and ``mean`` / ``std`` (its image processor's,
     where one is saved with it)."""
-    from transformers import AutoConfig
-
     out: dict[str, Any] = {}
-    cfg = AutoConfig.from_pretrained(name, local_files_only=True)
+    cfg = _hf_config(name)
     size, channels = getattr(cfg, "image_size", None), getattr(cfg, "num_channels", None)
     if isinstance(size, int):
         out["size"] = size

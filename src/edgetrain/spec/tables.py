@@ -1,5 +1,5 @@
-"""CSV tables as a user keeps them: a header row (or none), number columns, a column of class names or
-numbers as the target, and at most one column of free text.
+"""Tables as a user keeps them (CSV / TSV, JSON records): a header row (or none), number columns, a column
+of class names or numbers as the target, and at most one column of free text.
 
 A table is read whole (it is for data sets that fit on the device) and checked before anything trains:
 a missing or non-finite number, a column of words where numbers are needed, or a target that does not fit
@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["Cells", "Table", "read_cells", "read_csv", "read_json_records", "input_columns", "split_columns", "MISSING"]
+__all__ = ["Cells", "Table", "read_cells", "read_table", "input_columns", "split_columns", "MISSING"]
 
 #: Cells read as "no value" (compared lower-cased, stripped).
 MISSING = frozenset({"", "na", "n/a", "nan", "null", "none", "?", "-"})
@@ -47,15 +47,12 @@ class Table:
     target_name: str
 
 
-def _number(cell: str) -> float | None:
-    try:
-        return float(cell)
-    except ValueError:
-        return None
-
-
 def _is_number(cell: str) -> bool:
-    return _number(cell) is not None
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
 
 
 def _dialect(path: Path, sample: str) -> type[csv.Dialect] | csv.Dialect:
@@ -65,16 +62,22 @@ def _dialect(path: Path, sample: str) -> type[csv.Dialect] | csv.Dialect:
         return csv.excel  # one column, or nothing the sniffer can tell: commas
 
 
-def _rows(path: Path) -> list[list[str]]:
+def _rows(path: Path) -> tuple[list[list[str]], list[int]]:
+    """The non-blank rows of a CSV file, and the file line each ends on."""
+    rows, lines = [], []
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             sample = f.read(64 * 1024)
             f.seek(0)
-            rows = [[c.strip() for c in row] for row in csv.reader(f, _dialect(path, sample))]
+            reader = csv.reader(f, _dialect(path, sample))
+            for row in reader:
+                if any(c.strip() for c in row):  # blank lines (and a trailing one) are not rows
+                    rows.append([c.strip() for c in row])
+                    lines.append(reader.line_num)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the table as UTF-8 "
                           "CSV") from None
-    return [r for r in rows if any(r)]  # blank lines (and a trailing one) are not rows
+    return rows, lines
 
 
 def _has_header(rows: list[list[str]]) -> bool:
@@ -119,16 +122,16 @@ class Cells:
     Attributes:
         names: the column names (a header's, a JSON record's keys, else ``column 1``, ...).
         body: the rows, each a list of stripped cell strings (a missing value is ``""``).
+        lines: the file line of each row (for messages).
         header: whether the names came from the file (a header row or JSON keys).
-        first_line: the file line of ``body[0]``.
-        line_of: each row's file line, where rows skip lines (None: consecutive from ``first_line``).
+        records: whether the file holds JSON records (whose target defaults to ``label``).
     """
 
     names: tuple[str, ...]
     body: list[list[str]]
+    lines: list[int]
     header: bool
-    first_line: int = 1
-    line_of: list[int] | None = None
+    records: bool = False
 
 
 def read_cells(path: Path) -> Cells:
@@ -141,39 +144,21 @@ def read_cells(path: Path) -> Cells:
     """
     if path.suffix.lower() in (".jsonl", ".json"):
         return _json_cells(path)
-    rows = _rows(path)
+    rows, lines = _rows(path)
     if not rows:
         raise ConfigError(f"{path}: the table is empty")
     header = _has_header(rows)
     width = len(rows[0])
     names = tuple(c or f"column {j + 1}" for j, c in enumerate(rows[0])) if header else \
         tuple(f"column {j + 1}" for j in range(width))
-    body = rows[1:] if header else rows
-    first_line = 2 if header else 1
+    body, lines = (rows[1:], lines[1:]) if header else (rows, lines)
     if not body:
         raise ConfigError(f"{path}: the table has a header but no rows")
-    for i, r in enumerate(body):
+    for r, line in zip(body, lines):
         if len(r) != width:
-            raise ConfigError(f"{path}: line {first_line + i} has {len(r)} cells, the first has {width}; "
-                              "quote cells that contain the delimiter")
-    return Cells(names, body, header, first_line)
-
-
-def read_csv(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
-    """Read a CSV table and split it into features, an optional text column and the target.
-
-    Args:
-        path: the file (see :func:`read_cells`).
-        target_column: the target's column, by index (negative from the end) or by header name.
-        allow_text: a column of free text is allowed (the model reads text); otherwise a column of words is
-            an error that says how to encode it.
-
-    Raises:
-        ConfigError: what :func:`read_cells` refuses, a missing or non-finite number, a column of words where
-            numbers are needed (or more than one text column), an unknown target column.
-    """
-    c = read_cells(path)
-    return split_columns(path, c.names, c.body, c.first_line, target_column, allow_text, line_of=c.line_of)
+            raise ConfigError(f"{path}: line {line} has {len(r)} cells, the first has {width}; quote cells that "
+                              "contain the delimiter")
+    return Cells(names, body, lines, header)
 
 
 def _cell(v: object) -> str:
@@ -191,48 +176,56 @@ def _json_cells(path: Path) -> Cells:
 
     text = path.read_text(encoding="utf-8-sig")
     try:
-        if text.lstrip().startswith("["):
-            records, lines = json.loads(text), None
+        if text.lstrip().startswith("["):  # an array: a record's "line" is its place in it
+            records = json.loads(text)
+            lines = list(range(1, len(records) + 1)) if isinstance(records, list) else []
         else:
             numbered = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
             records, lines = [json.loads(ln) for _, ln in numbered], [i for i, _ in numbered]
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not JSON Lines nor a JSON array ({e})") from None
-    if not records or not all(isinstance(r, dict) for r in records):
+    if not records or not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise ConfigError(f"{path}: expected one JSON object per line (or an array of objects), each a row")
     names = tuple(records[0])
     body = []
-    for i, r in enumerate(records):
-        where = f"line {lines[i]}" if lines else f"object {i + 1}"
+    for r, line in zip(records, lines):
         if tuple(r) != names and set(r) != set(names):
-            raise ConfigError(f"{path}: {where} has the keys {', '.join(r)}; the first has {', '.join(names)}")
+            raise ConfigError(f"{path}: line {line} has the keys {', '.join(r)}; the first has {', '.join(names)}")
         try:
             body.append([_cell(r[k]) for k in names])
         except TypeError as e:
-            raise ConfigError(f"{path}: {where} holds a {e} where a number or a text is expected") from None
-    return Cells(names, body, True, 1, lines)
+            raise ConfigError(f"{path}: line {line} holds a {e} where a number or a text is expected") from None
+    return Cells(names, body, lines, True, records=True)
 
 
-def read_json_records(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
-    """Read JSON records (see :func:`read_cells`) as :func:`read_csv` reads a table; the target is the key
-    ``target_column`` names, else ``label`` where there is one, else the last.
+def read_table(path: Path, target_column: int | str = -1, *, allow_text: bool = False) -> Table:
+    """Read a table file (see :func:`read_cells`) and split it into features, an optional text column and the
+    target.
+
+    Args:
+        path: the file.
+        target_column: the target's column, by index (negative from the end) or by name; -1 in JSON records
+            means ``label`` where there is one, else the last key.
+        allow_text: a column of free text is allowed (the model reads text); otherwise a column of words is
+            an error that says how to encode it.
 
     Raises:
-        ConfigError: what :func:`read_csv` refuses.
+        ConfigError: what :func:`read_cells` refuses, a missing or non-finite number, a column of words where
+            numbers are needed (or more than one text column), an unknown target column.
     """
-    c = _json_cells(path)
-    if target_column == -1 and "label" in c.names:
+    cells = read_cells(path)
+    if cells.records and target_column == -1 and "label" in cells.names:
         target_column = "label"
-    return split_columns(path, c.names, c.body, 1, target_column, allow_text, line_of=c.line_of)
+    return split_columns(path, cells, target_column, allow_text)
 
 
 def input_columns(path: Path, wanted: Sequence[str], *, text: bool = False) -> Table:
     """The columns ``wanted`` of a table file, by name, as a model's inputs (no target; other columns, such
-    as a target the file still has, are left out); checked as :func:`read_csv` checks features.
+    as a target the file still has, are left out); checked as :func:`read_table` checks features.
 
     Raises:
         ConfigError: a wanted column is missing (or the file has no header to name them), and what
-            :func:`read_csv` refuses of those columns.
+            :func:`read_table` refuses of those columns.
     """
     c = read_cells(path)
     missing = [w for w in wanted if w not in c.names]
@@ -241,27 +234,30 @@ def input_columns(path: Path, wanted: Sequence[str], *, text: bool = False) -> T
                           f"are {', '.join(c.names)}{'' if c.header else '; give it a header row'})")
     idx = [c.names.index(w) for w in wanted]
     body = [[r[j] for j in idx] + ["0"] for r in c.body]  # a placeholder target: split_columns wants one
-    table = split_columns(path, [*wanted, "(no target)"], body, c.first_line, -1, text, line_of=c.line_of)
+    table = split_columns(path, Cells((*wanted, "(no target)"), body, c.lines, c.header), -1, text)
     if text and table.text is None:  # a text column that happens to hold numbers is still text
         return Table(table.features[:, :0], (), [r[0] for r in body], wanted[0], table.target, table.target_name)
     return table
 
 
-def split_columns(path: Path, names: Sequence[str], body: list[list[str]], first_line: int,
-                  target_column: int | str, allow_text: bool, line_of: Sequence[int] | None = None) -> Table:
-    """Split rows of cells into features, an optional text column and the target (see :func:`read_csv`).
+def _floats(path: Path, name: str, cells: Sequence[str], lines: Sequence[int]) -> list[float]:
+    """A column of numbers, refused (naming the first bad line) where one is missing or not finite."""
+    values = [float(c) if c.lower() not in MISSING else math.nan for c in cells]
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise ConfigError(f"{path}: column {name!r} has {len(bad)} missing or non-finite value(s) (the first, "
+                          f"{cells[bad[0]]!r}, on line {lines[bad[0]]}): fill them in or drop those rows")
+    return values
 
-    ``first_line`` is the file line of ``body[0]`` (``line_of`` gives each row's where rows skip lines)."""
-    names = tuple(names)
+
+def split_columns(path: Path, cells: Cells, target_column: int | str, allow_text: bool) -> Table:
+    """Split a table's cells into features, an optional text column and the target (see :func:`read_table`)."""
+    names, lines = cells.names, cells.lines
     width = len(names)
     if width < 2:
         raise ConfigError(f"{path}: a table needs feature columns and a target column; this one has {width}")
-
-    def line(i: int) -> int:
-        return line_of[i] if line_of is not None else first_line + i
-
     tcol = _column_index(target_column, names, path)
-    columns = list(zip(*body))
+    columns = list(zip(*cells.body))
     numeric = [all(_is_number(c) or c.lower() in MISSING for c in col) and
                any(c.lower() not in MISSING for c in col) for col in columns]
     words = [j for j in range(width) if j != tcol and not numeric[j]]
@@ -274,29 +270,22 @@ def split_columns(path: Path, names: Sequence[str], body: list[list[str]], first
                     "with a Hugging Face text model (model: hf:NAME)")
             raise ConfigError(f"{path}: {desc}: {hint}")
         text_col = words[0]
-    for j in range(width):
-        if j == text_col or (j == tcol and not numeric[j]):
-            continue
-        bad = [(i, c) for i, c in enumerate(columns[j]) if c.lower() in MISSING or not math.isfinite(float(c))]
-        if bad:
-            i, c = bad[0]
-            raise ConfigError(f"{path}: column {names[j]!r} has {len(bad)} missing or non-finite value(s) (the "
-                              f"first, {c!r}, on line {line(i)}): fill them in or drop those rows")
+    feats = [j for j in range(width) if j not in (tcol, text_col)]
+    values = {j: _floats(path, names[j], columns[j], lines) for j in feats}
+    if numeric[tcol]:
+        target = np.asarray(_floats(path, names[tcol], columns[tcol], lines), dtype=np.float64)
+    else:
+        missing = [i for i, c in enumerate(columns[tcol]) if c.lower() in MISSING]
+        if missing:
+            raise ConfigError(f"{path}: the target column {names[tcol]!r} is missing on {len(missing)} line(s) "
+                              f"(the first on line {lines[missing[0]]}): drop those rows")
+        target = np.asarray(columns[tcol], dtype=object).astype(str)
     if text_col is not None:
         empty = [i for i, c in enumerate(columns[text_col]) if not c]
         if empty:
             raise ConfigError(f"{path}: column {names[text_col]!r} is empty on {len(empty)} line(s) (the first "
-                              f"on line {line(empty[0])}): drop those rows")
-    if not numeric[tcol]:
-        missing = [i for i, c in enumerate(columns[tcol]) if c.lower() in MISSING]
-        if missing:
-            raise ConfigError(f"{path}: the target column {names[tcol]!r} is missing on {len(missing)} line(s) "
-                              f"(the first on line {line(missing[0])}): drop those rows")
-        target = np.asarray(columns[tcol], dtype=object).astype(str)
-    else:
-        target = np.asarray([float(c) for c in columns[tcol]], dtype=np.float64)
-    feats = [j for j in range(width) if j not in (tcol, text_col)]
-    x = np.asarray([[float(columns[j][i]) for j in feats] for i in range(len(body))], dtype=np.float32)
-    x = x.reshape(len(body), len(feats))
-    return Table(x, tuple(names[j] for j in feats), list(columns[text_col]) if text_col is not None else None,
+                              f"on line {lines[empty[0]]}): drop those rows")
+    x = np.asarray([values[j] for j in feats], dtype=np.float32).reshape(len(feats), len(cells.body)).T
+    return Table(np.ascontiguousarray(x), tuple(names[j] for j in feats),
+                 list(columns[text_col]) if text_col is not None else None,
                  names[text_col] if text_col is not None else None, target, names[tcol])

@@ -68,12 +68,12 @@ def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int,
     limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(limit, int) and 0 < limit < max_length:
         max_length = limit  # the model's position embeddings end there
-    enc = tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)
-    lengths = [len(ids) for ids in enc["input_ids"]]
-    cut = sum(1 for t in texts if len(tokenizer(t, truncation=False)["input_ids"]) > max_length) if \
-        max(lengths, default=0) >= max_length else 0
-    if cut:
+    enc = tokenizer(list(texts), truncation=False, padding=False)
+    cut = sum(1 for ids in enc["input_ids"] if len(ids) > max_length)
+    if cut:  # again, cut by the tokenizer (which keeps the closing special tokens)
         log.warning("%d of %d texts are longer than max_length=%d tokens and were cut", cut, len(texts), max_length)
+        enc = tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)
+    lengths = [len(ids) for ids in enc["input_ids"]]
     width = length if length is not None else max(lengths, default=1)
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     ids = torch.full((len(texts), width), pad, dtype=torch.int64)
