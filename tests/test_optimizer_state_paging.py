@@ -211,6 +211,68 @@ def _auto_pages_case(tmp_path: Path) -> None:
     step.close()
 
 
+def test_a_plan_paging_the_state_names_the_peak_its_update_reaches(tmp_path):
+    """The state comes back for the update, beside the gradients: that is the step's peak, and the plan must
+    say so (at a budget of 170 MiB it said 120 for a ResNet-18 whose steps peaked at 164: a run measuring
+    above the model's prediction left the prediction on the plan). In a fresh process, as a user's would be."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import test_optimizer_state_paging as t; t._paged_peak_case(t.Path({str(tmp_path)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _paged_peak_case(tmp_path: Path) -> None:
+    from edgetrain.models import resnet18
+    from edgetrain.profile import memory
+
+    torch.manual_seed(0)
+    model = resnet18(num_classes=1000)  # 45 MiB of momentum: the update, not the passes, sets the peak
+    opt = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 1000, (32,))
+    step = edgetrain.prepare(model, opt, F.cross_entropy, (x, y), memory_budget="260MiB",
+                             planning=PlanConfig(state_dir=str(tmp_path), use_cache=False, micro_batch_size=32,
+                                                 page_optimizer_state=True))
+    assert step.state_pager is not None
+    memory.reset_peak()
+    for _ in range(3):
+        step(x, y)
+    step.close()
+    if not memory.can_reset_peak():
+        return
+    measured, planned = memory.peak_rss_bytes() - memory.baseline_rss_bytes(), step.plan.peak_bytes
+    assert measured <= 260 * 2**20
+    assert measured <= planned + 2**20 and planned <= 1.25 * measured, (measured / 2**20, planned / 2**20)
+
+
+def test_a_validation_run_does_not_count_the_state_read_back_as_activations(tmp_path):
+    """Validation runs two real steps; the second step's passes began with the first update's high-water mark
+    (the state read back, the gradients) and counted it as activations: 16 MiB of momentum measured as 16 MiB
+    of activations a two-layer MLP does not have, which raised every paged plan's fixed bytes."""
+    from edgetrain.capture import bind_inputs, capture
+    from edgetrain.plan import Plan
+    from edgetrain.planning.runs import run_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                torch.nn.ReLU(), torch.nn.Linear(2048, 5))
+    opt = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+    x, y = torch.randn(4, 64), torch.randint(0, 5, (4,))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # the momentum exists
+    opt.zero_grad(set_to_none=True)
+    chain = capture(model, x)
+    n = len(chain)
+    plan = Plan(batch_size=4, micro_batch_size=4, policies=("keep",) * n, groups=tuple(range(n)), peak_bytes=0,
+                step_time_s=0.0, solver="no_saving")
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())  # the momentum is as large
+    m = run_steps(chain, plan, model, bind_inputs(model, x), y, F.cross_entropy, opt, grads, grads, steps=2,
+                  state_pager=lambda o: OptimizerStatePager(o, tmp_path))
+    # the passes hold the gradients they make and activations of 4 samples (a few KiB), not the momentum
+    assert m.peak - m.rss_before < grads * 1.4, ((m.peak - m.rss_before) / 2**20, grads / 2**20)
+    assert m.update_peak - m.rss_before >= grads * 1.8  # the update holds both
+    assert not list(tmp_path.iterdir())  # the run's page file is gone
+
+
 def test_a_fixed_micro_batch_size_is_never_traded_for_another(tmp_path):
     """Where no plan of the micro-batch size the user fixed fits, prepare refuses: it never falls back to
     a plan of another size (it once took the smallest size's keep-everything plan)."""

@@ -309,3 +309,77 @@ def test_the_named_minimum_discounts_what_the_planning_process_grew_by():
     retry = Planner(chain(HELD), named, 0, "dp", None, False, 1, 0)
     plan, _ = retry.plan_validated(exact_runner(HELD)[0], 0, 0)    # a fresh process: no growth
     assert plan.peak_bytes <= named
+
+
+def test_a_plan_reports_the_peak_its_run_measured_above_the_prediction():
+    """A run measuring more than the model predicted, inside the budget: the plan says what was measured (a
+    plan paging the optimizer state out said 120 MiB while its update, the state read back, peaked at 164)."""
+    inner, _ = exact_runner(HELD)
+    extra = 7 * MIB
+
+    def run(plan):
+        m = inner(plan)
+        return Measured(m.rss_before, m.peak + extra, m.rss_after)
+
+    planner = Planner(chain(HELD), BUDGET, 0, "dp", 8, False, 1, 0)
+    predicted = planner._solve(BUDGET).peak_bytes
+    plan, _ = planner.plan_validated(run, 0, 0)
+    assert plan.peak_bytes == predicted + extra
+    assert plan.metadata["model_peak_bytes"] >= predicted
+
+
+def _per_call(fixed: int) -> CostChain:
+    """:func:`chain` with a per-call cost, so that splitting the batch costs time as it does on a CPU."""
+    stages = tuple(StageCost(f"s{i}", fwd_s=Linear(0.002, 0.01), bwd_s=Linear(0.004, 0.02),
+                             saved_bytes=Linear(0, 4 * MIB), out_bytes=Linear(0, MIB)) for i in range(6))
+    return CostChain(stages, 8, Linear(0, MIB), fixed)
+
+
+def _gradients_made_in_backward(grads: int):
+    """A 'run' whose gradients (in the fixed bytes the model is given) are made during the backward: a
+    full-batch step peaks at the larger of its activations and its gradients, not at their sum; a step of
+    micro-batches holds every gradient from the first micro-batch's backward on, as the model says."""
+    runs = []
+
+    def run(plan):
+        runs.append(plan)
+        act = simulate(_per_call(0), plan.micro_batch_size, plan.policies, plan.groups,
+                       plan.nested_groups).activation_peak_bytes
+        above = max(act, grads) if plan.micro_batch_size == 8 else act + grads
+        return Measured(rss_before=HELD, peak=HELD + above, rss_after=HELD)
+
+    return run, runs
+
+
+def test_a_full_batch_plan_ruled_out_only_by_its_gradients_is_run_and_taken():
+    grads = 20 * MIB
+    keep_act = simulate(_per_call(0), 8, ("keep",) * 6).activation_peak_bytes
+    budget = HELD + keep_act + grads // 2  # the model (every gradient from the start) says keeping all misses
+    planner = Planner(_per_call(HELD + grads), budget, 0, "dp", None, False, 1, 0)
+    first = planner._solve(budget)
+    assert "recompute" in first.policies or first.micro_batch_size < 8
+    run, runs = _gradients_made_in_backward(grads)
+    plan, _ = planner.plan_validated(run, grads, grads)
+    assert plan.policies == ("keep",) * 6 and plan.micro_batch_size == 8
+    assert plan.peak_bytes == HELD + keep_act <= budget  # what its run measured
+    assert runs[-1].policies == plan.policies
+
+
+def test_a_full_batch_plan_whose_run_misses_leaves_the_plan_taken():
+    grads = 20 * MIB
+    keep_act = simulate(_per_call(0), 8, ("keep",) * 6).activation_peak_bytes
+    budget = HELD + keep_act + grads // 2
+    planner = Planner(_per_call(HELD + grads), budget, 0, "dp", None, False, 1, 0)
+    inner, runs = _gradients_made_in_backward(grads)
+
+    def run(plan):  # keeping everything measures what the model says after all
+        m = inner(plan)
+        whole = plan.micro_batch_size == 8 and all(p == "keep" for p in plan.policies)
+        return Measured(m.rss_before, m.peak + (grads if whole else 0), m.rss_after)
+
+    plan, _ = planner.plan_validated(run, grads, grads)
+    first = runs[0]
+    assert (plan.policies, plan.micro_batch_size) == (first.policies, first.micro_batch_size)
+    assert plan.peak_bytes <= budget
+    assert any(all(p == "keep" for p in r.policies) and r.micro_batch_size == 8 for r in runs)  # it was tried
+    assert planner.costs.fixed_bytes == HELD + grads  # and the model is back at the plan taken

@@ -45,9 +45,9 @@ class PlanConfig:
             (allocator noise, code and heap a process touches that its fork did not); at least 1 MiB when
             above 0.
         use_cache: reuse stage profiles measured earlier on this machine.
-        tune_allocator: with a budget, install edgetrain's CPU tensor pool (freed tensor memory is reused but
-            never held beyond the peak of live tensors; its cap follows the budget); fix glibc's mmap threshold
-            for the rest (process-wide, as ``import edgetrain`` does).
+        tune_allocator: install edgetrain's CPU tensor pool (freed tensor memory is reused but never held
+            beyond the peak of live tensors; with a budget its cap follows the budget); fix glibc's mmap
+            threshold for the rest (process-wide, as ``import edgetrain`` does).
         page_optimizer_state: with a budget, write the optimizer's large state tensors (momentum, Adam's
             moments) to a page file during the forward and backward passes and read them back for the
             update (exact: the bytes come back unchanged), so the activations get their memory.

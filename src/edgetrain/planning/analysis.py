@@ -282,11 +282,19 @@ class Analysis:
             return [True]
         times = {}
         for paged in (False, True):
+            planner = planner_for(paged)
             try:
-                times[paged] = planner_for(paged).plan(self.plan_budget).step_time_s + (
-                    self.state_io_s() if paged else 0.0)
+                times[paged] = planner.plan(self.plan_budget).step_time_s + (self.state_io_s() if paged else 0.0)
             except BudgetError:
                 times[paged] = float("inf")
+            if not paged and times[paged] == float("inf"):
+                # the model holds every gradient through the backward; a full-batch step makes them as it goes
+                # (Planner._gradients_later): resident state is tried first where that alone rules it out
+                planner.costs = replace(planner.costs, fixed_bytes=planner.costs.fixed_bytes - self.grads)
+                try:
+                    times[paged] = planner.plan(self.plan_budget).step_time_s
+                except BudgetError:
+                    pass
         # paging must win clearly: the transfers' cost is a estimate until steps measure it
         return [True, False] if times[True] < 0.98 * times[False] or times[False] == float("inf") else [False, True]
 

@@ -77,13 +77,15 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
             sp.page_out()
             pool.release()
         base = memory.baseline_rss_bytes()
-        memory.reset_peak()
         before = memory.rss_bytes()
         peak = update = 0
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=True)
             if sp is not None:
                 sp.page_out()
+            # from here: the previous update's high-water mark (a paged state read back, the gradients) is
+            # the update's, not the passes'
+            memory.reset_peak()
             _micro_batches(executor, plan, env_full, targets, loss_fn)
             peak = max(peak, memory.peak_rss_bytes())
             memory.reset_peak()  # the update's transients are the optimizer's, measured apart from activations
