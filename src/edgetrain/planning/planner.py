@@ -14,6 +14,10 @@ from ..units import format_bytes
 from .budgets import RETRY_SLACK, STALE_BYTES, Measured, plan_key, predicted_activations, recomputes
 from .smallest import SmallestPlanSearch
 
+#: keeping every stage at the full batch is run once where the model puts it at most this many times the
+#: plan budget (:meth:`Planner._gradients_later`)
+KEEP_ALL_TRY = 1.2
+
 __all__ = ["Measured", "Planner", "RETRY_SLACK"]
 
 log = logging.getLogger("edgetrain.api")
@@ -276,39 +280,53 @@ class Planner(SmallestPlanSearch):
 
     def _gradients_later(self, plan: Plan, plan_budget: int, run: Callable[[Plan], Measured], unallocated: int,
                          grads: int) -> Plan:
-        """A faster full-batch plan than ``plan`` that the cost model rules out only by its gradients, if its
-        run fits.
+        """A faster full-batch plan than ``plan`` that the cost model rules out but a run may fit, if its run fits.
 
-        The cost model holds every gradient from the start of the backward; a step that trains the batch in one
-        piece makes them stage by stage, as the activations are freed, so its peak can lie up to the gradients'
-        bytes below the model's (ResNet-18, batch 32 at 32x32: everything kept measured 174.7 MiB, the model
-        said 195.8, and a budget of 200 MiB took a plan recomputing part of 12 stages). The fastest plan of the
-        model without those bytes is run once; it is taken on its measurement only, as every plan is.
+        Two candidates, each run once and taken on its measurement only, as every plan is:
+
+        * the fastest plan of the model without the gradients' bytes: the model holds every gradient from the
+          start of the backward, and a step that trains the batch in one piece makes them stage by stage as
+          activations are freed, so its peak can lie up to their bytes below the model's (ResNet-18, batch 32
+          at 32x32: everything kept measured 174.7 MiB, the model said 195.8, and a budget of 200 MiB took a
+          plan recomputing part of 12 stages);
+        * keeping every stage, when the model puts it at most :data:`KEEP_ALL_TRY` times the plan budget:
+          validation corrects activations upwards only, and the profile can over-state what keeping
+          everything holds (the transformer of the bench: 67.5 MiB predicted, 49.5 measured, so a budget it
+          fitted with room took 4 recomputed stages; such a run exceeds the budget by little, in a fork).
         """
         b = self.costs.batch_size
-        if grads <= 0 or (self.micro_batch_size or b) < b:
+        if (self.micro_batch_size or b) < b:
             return plan
-        saved = self.costs, dict(self._fixed_at), self.floor
-        try:
-            self._with_fixed(-grads)
-            self._fixed_at = {k: v - grads for k, v in self._fixed_at.items()}
-            self.floor = None if self.floor is None else self.floor - grads
-            candidate = self._solve_sizes(plan_budget, [b])
-        except BudgetError:
-            return plan
-        finally:
-            self.costs, self._fixed_at, self.floor = saved
-        if candidate.step_time_s >= plan.step_time_s * 0.99 or plan_key(candidate) in self._runs:
-            return plan
-        candidate = candidate.replace(budget_bytes=self.budget)
-        model = self.costs, self.update_bytes, self.floor
-        model_peak, measured_peak = self._correct(candidate, run(candidate), unallocated, grads)
-        if measured_peak > plan_budget:
-            self.costs, self.update_bytes, self.floor = model  # the model of the plan taken
-            return plan
-        log.info("a full-batch plan predicted %.0f%% faster fits once its gradients are made during the backward "
-                 "(%s measured)", 100 * (1 - candidate.step_time_s / plan.step_time_s), format_bytes(measured_peak))
-        return self._measured(candidate, measured_peak, max(model_peak, candidate.peak_bytes))
+        candidates = []
+        if grads > 0:
+            saved = self.costs, dict(self._fixed_at), self.floor
+            try:
+                self._with_fixed(-grads)
+                self._fixed_at = {k: v - grads for k, v in self._fixed_at.items()}
+                self.floor = None if self.floor is None else self.floor - grads
+                candidates.append(self._solve_sizes(plan_budget, [b]))
+            except BudgetError:
+                pass
+            finally:
+                self.costs, self._fixed_at, self.floor = saved
+        if self.solver == "dp":
+            try:
+                candidates.append(self._solve_keep(b, int(KEEP_ALL_TRY * plan_budget)))
+            except BudgetError:
+                pass
+        for candidate in candidates:
+            if candidate.step_time_s >= plan.step_time_s * 0.99 or plan_key(candidate) in self._runs:
+                continue
+            candidate = candidate.replace(budget_bytes=self.budget)
+            model = self.costs, self.update_bytes, self.floor
+            model_peak, measured_peak = self._correct(candidate, run(candidate), unallocated, grads)
+            if measured_peak > plan_budget:
+                self.costs, self.update_bytes, self.floor = model  # the model of the plan taken
+                continue
+            log.info("a full-batch plan the cost model ruled out, predicted %.0f%% faster, fits when run (%s "
+                     "measured)", 100 * (1 - candidate.step_time_s / plan.step_time_s), format_bytes(measured_peak))
+            return self._measured(candidate, measured_peak, max(model_peak, candidate.peak_bytes))
+        return plan
 
     def _measured(self, plan: Plan, measured_peak: int, model_peak: int) -> Plan:
         """``plan`` with the peak its validation run measured, above or below the cost model's (a plan that
