@@ -1,5 +1,7 @@
 """The validation loop of prepare(): correct the cost model by a measured run, and use the room it frees."""
 
+import pytest
+
 from edgetrain.errors import BudgetError
 from edgetrain.graph import CostChain, Linear, StageCost, simulate
 from edgetrain.planning.planner import RETRY_SLACK, Measured, Planner
@@ -366,6 +368,44 @@ def test_a_full_batch_plan_ruled_out_only_by_its_gradients_is_run_and_taken():
     assert plan.policies == ("keep",) * 6 and plan.micro_batch_size == 8
     assert plan.peak_bytes == HELD + keep_act <= budget  # what its run measured
     assert runs[-1].policies == plan.policies
+
+
+def test_planning_without_the_gradients_leaves_the_planner_unchanged():
+    grads = 20 * MIB
+    keep_act = simulate(_per_call(0), 8, ("keep",) * 6).activation_peak_bytes
+    budget = HELD + keep_act + grads // 2
+    planner = Planner(_per_call(HELD + grads), budget, 0, "dp", None, False, 1, 0)
+    planner._fixed_at, planner.floor = {(8, False): HELD + grads + MIB}, HELD
+    before = planner.costs, dict(planner._fixed_at), planner.floor
+    later = planner.plan_gradients_later(budget, grads, [8])
+    assert later.policies == ("keep",) * 6 and later.micro_batch_size == 8  # the gradients' bytes were what missed
+    assert (planner.costs, planner._fixed_at, planner.floor) == before
+    with pytest.raises(BudgetError):
+        planner.plan_gradients_later(HELD + keep_act // 4, grads, [8])  # not even so: recomputing is needed
+
+
+def test_resident_state_is_tried_first_where_only_the_gradients_rule_it_out():
+    """Paging the optimizer state costs transfers every step; where the model rules resident state out only by
+    holding every gradient from the start of the backward, resident state is validated first."""
+    from types import SimpleNamespace
+
+    from edgetrain.planning.analysis import Analysis
+
+    grads, state = 20 * MIB, 40 * MIB
+    budget = HELD + grads + state + MIB  # resident: 1 MiB for activations, which no plan fits in the model
+
+    def planner_for(paged: bool) -> Planner:
+        shift = state if paged else 0
+        return Planner(_per_call(HELD + grads + state - shift), budget, 0, "dp", None, False, 1, shift)
+
+    with pytest.raises(BudgetError):
+        planner_for(False).plan(budget)
+    planner_for(True).plan(budget)  # paging fits in the model
+    analysis = SimpleNamespace(can_page_state=True, state_mode="auto", plan_budget=budget, grads=grads,
+                               state_io_s=lambda: 1.0)
+    assert Analysis._state_modes(analysis, planner_for) == [False, True]
+    analysis.grads = 0  # nothing the backward makes as it goes: paging first, as the model says
+    assert Analysis._state_modes(analysis, planner_for) == [True, False]
 
 
 def test_a_full_batch_plan_whose_run_misses_leaves_the_plan_taken():

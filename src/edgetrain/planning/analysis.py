@@ -290,9 +290,8 @@ class Analysis:
             if not paged and times[paged] == float("inf"):
                 # the model holds every gradient through the backward; a full-batch step makes them as it goes
                 # (Planner._gradients_later): resident state is tried first where that alone rules it out
-                planner.costs = replace(planner.costs, fixed_bytes=planner.costs.fixed_bytes - self.grads)
                 try:
-                    times[paged] = planner.plan(self.plan_budget).step_time_s
+                    times[paged] = planner.plan_gradients_later(self.plan_budget, self.grads).step_time_s
                 except BudgetError:
                     pass
         # paging must win clearly: the transfers' cost is a estimate until steps measure it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import replace
 from typing import Any, Callable
@@ -193,6 +194,21 @@ class Planner(SmallestPlanSearch):
                          **self.solver_kw).replace(budget_bytes=None)
         return self._solve(plan_budget)
 
+    def plan_gradients_later(self, plan_budget: int, grads: int, sizes: list[int] | None = None) -> Plan:
+        """The fastest plan (over ``sizes``, every size by default) of the cost model with ``grads`` bytes of
+        gradients out of the fixed bytes: what a step training the batch in one piece can fit, since it makes
+        its gradients stage by stage as activations are freed (:meth:`_gradients_later`). Planned on a copy;
+        this planner's cost model is unchanged. Only a run can take such a plan.
+
+        Raises:
+            BudgetError: nothing fits ``plan_budget`` even so.
+        """
+        shifted = copy.copy(self)
+        shifted.costs = replace(self.costs, fixed_bytes=self.costs.fixed_bytes - grads)
+        shifted._fixed_at = {k: v - grads for k, v in self._fixed_at.items()}
+        shifted.floor = None if self.floor is None else self.floor - grads
+        return shifted._solve_sizes(plan_budget, sizes) if sizes else shifted._solve(plan_budget)
+
     def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int,
                        grads: int) -> tuple[Plan, CostChain]:
         """The fastest plan whose validation run fits, validated from the state the steps will start in.
@@ -299,16 +315,10 @@ class Planner(SmallestPlanSearch):
             return plan
         candidates = []
         if grads > 0:
-            saved = self.costs, dict(self._fixed_at), self.floor
             try:
-                self._with_fixed(-grads)
-                self._fixed_at = {k: v - grads for k, v in self._fixed_at.items()}
-                self.floor = None if self.floor is None else self.floor - grads
-                candidates.append(self._solve_sizes(plan_budget, [b]))
+                candidates.append(self.plan_gradients_later(plan_budget, grads, [b]))
             except BudgetError:
                 pass
-            finally:
-                self.costs, self._fixed_at, self.floor = saved
         if self.solver == "dp":
             try:
                 candidates.append(self._solve_keep(b, int(KEEP_ALL_TRY * plan_budget)))
