@@ -208,8 +208,9 @@ class Analysis:
                            "would change them once per micro-batch")
         return tuple(reasons)
 
-    def analyse(self, chain: Any, costs: CostChain | None = None) -> Outcome:
-        """Profile (unless ``costs`` are given), plan and validate."""
+    def analyse(self, chain: Any, costs: CostChain | None = None, tried: Plan | None = None) -> Outcome:
+        """Profile (unless ``costs`` are given), plan and validate; ``tried``, a plan another process validated
+        from these costs, is run first (:meth:`Planner.plan_validated`)."""
         reasons = self.unsplittable(chain)
         micro = self.micro_batch_size
         if reasons:
@@ -220,14 +221,15 @@ class Analysis:
         if costs is None:
             costs = self.profile(chain, with_overhead=True)
         try:
-            return self._analyse(chain, costs, micro, reasons)
+            return self._analyse(chain, costs, micro, reasons, tried)
         except BudgetError as e:
             if not reasons:
                 raise
             raise BudgetError(f"{e} Micro-batching is off for this model: {'; '.join(reasons)}.",
                               budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes) from e
 
-    def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...]) -> Outcome:
+    def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...],
+                 tried: Plan | None = None) -> Outcome:
         def reprofile(b: int) -> CostChain:
             def work() -> tuple[CostChain, dict[str, Any]]:
                 known = set(self.profiles)
@@ -255,8 +257,10 @@ class Analysis:
         for paged in self._state_modes(planner_for):
             planner = planner_for(paged)
             try:
+                # a plan paging the state carries its transfers in its time and notes: planned afresh
+                first = tried if not paged and tried is not None and not _pages_state(tried) else None
                 plan, costs_v = planner.plan_validated(self.validator(chain, isolated=True, paged=paged),
-                                                       self.unallocated(paged), self.grads)
+                                                       self.unallocated(paged), self.grads, first=first)
             except BudgetError as e:
                 errors.append(e)  # the other way of holding the state may fit
                 continue
@@ -311,6 +315,10 @@ class Analysis:
                                 f"(predicted {io * 1e3:.0f} ms a step)",))
 
 
+def _pages_state(plan: Plan) -> bool:
+    return "optimizer_state_paged_bytes" in plan.metadata
+
+
 def block_solver_options(chain: Any, solver: str) -> dict[str, Any]:
     """Planner options a chain of module-tree blocks needs: blocks are recomputed one at a time (the model's
     own code between them cannot be re-run on its own), so only planners that can plan that way take it.
@@ -333,7 +341,8 @@ def block_solver_options(chain: Any, solver: str) -> dict[str, Any]:
 def _noted(plan: Plan, reasons: tuple[str, ...]) -> Plan:
     if not reasons:
         return plan
-    return plan.replace(notes=plan.notes + tuple(f"never micro-batched: {r}" for r in reasons))
+    notes = tuple(f"never micro-batched: {r}" for r in reasons)
+    return plan.replace(notes=tuple(n for n in plan.notes if n not in notes) + notes)  # a plan noted before
 
 
 #: below this much pageable optimizer state, paging it is not worth a page file

@@ -209,15 +209,20 @@ class Planner(SmallestPlanSearch):
         shifted.floor = None if self.floor is None else self.floor - grads
         return shifted._solve_sizes(plan_budget, sizes) if sizes else shifted._solve(plan_budget)
 
-    def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int,
-                       grads: int) -> tuple[Plan, CostChain]:
+    def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
+                       first: Plan | None = None) -> tuple[Plan, CostChain]:
         """The fastest plan whose validation run fits, validated from the state the steps will start in.
 
         A run measures a step begun from the process as it was then. Planning after it (other candidates,
         other runs) can leave the process larger, and the real step starts from there: when it has grown by
         more than :data:`STALE_BYTES` the plan is run again, and if it no longer fits, planned anew.
+
+        ``first``, a plan validated elsewhere from these costs (the analysing child's), is run before any:
+        taken if its run fits here, and bettered only by a plan the model puts faster whose run fits. The
+        costs carry what that child's runs measured above the profile, not below it (a keep-everything plan
+        the profile over-states), so planning from them alone can take a slower plan than the child's.
         """
-        plan = self._plan_validated(run, unallocated, grads)
+        plan = self._plan_validated(run, unallocated, grads, first)
         for _ in range(3):
             ran_at = self._ran_at.get(plan_key(plan))
             grown = 0 if ran_at is None else memory.rss_bytes() - memory.baseline_rss_bytes() - ran_at
@@ -232,7 +237,8 @@ class Planner(SmallestPlanSearch):
         self.costs = self._costs_at(plan.micro_batch_size, recomputes(plan))
         return plan, self.costs
 
-    def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int) -> Plan:
+    def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
+                        first: Plan | None = None) -> Plan:
         """Plan, run the plan once, correct the cost model by what was measured, and re-plan if needed.
 
         Args:
@@ -243,6 +249,11 @@ class Planner(SmallestPlanSearch):
         """
         assert self.budget is not None
         plan_budget = self.budget - self.margin
+        if first is not None and first.micro_batch_size in self.sizes():
+            model_peak, measured_peak = self._correct(first, run(first), unallocated, grads)
+            if measured_peak <= plan_budget:
+                plan = self._measured(first.replace(budget_bytes=self.budget), measured_peak, model_peak)
+                return self._improved(plan, plan_budget, run, unallocated, grads)
         measured_peak = 0
         for _ in range(8):  # every size measured moves the fixed bytes; a plan is taken only once it has run
             try:
@@ -346,8 +357,10 @@ class Planner(SmallestPlanSearch):
                 "that skipped blocks measures less)" if self.runs_vary else
                 f"peak from the validation run ({format_bytes(measured_peak)}); the cost model predicted "
                 f"{format_bytes(model_peak)}")
+        earlier = tuple(n for n in plan.notes if not n.startswith(("peak from the validation run",
+                                                                    "peak from the cost model corrected")))
         return plan.replace(peak_bytes=measured_peak, metadata={**plan.metadata, "model_peak_bytes": model_peak},
-                            notes=plan.notes + (note,))
+                            notes=earlier + (note,))
 
     def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> tuple[int, int]:
         """Set the fixed bytes to what the process really holds, plus any activation under-prediction.
