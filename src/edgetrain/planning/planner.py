@@ -224,6 +224,7 @@ class Planner(SmallestPlanSearch):
         """
         plan = self._plan_validated(run, unallocated, grads, first)
         for _ in range(3):
+            memory.release_heap()  # what planning left free is not the step's: prepare hands it back last
             ran_at = self._ran_at.get(plan_key(plan))
             grown = 0 if ran_at is None else memory.rss_bytes() - memory.baseline_rss_bytes() - ran_at
             if grown <= STALE_BYTES:
