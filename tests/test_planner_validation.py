@@ -462,15 +462,7 @@ def test_keeping_every_stage_is_run_when_the_model_overstates_it_by_little():
     keep_act = simulate(_per_call(0), 8, ("keep",) * 6).activation_peak_bytes
     budget = HELD + int(keep_act * 0.9)
     assert HELD + keep_act < KEEP_ALL_TRY * budget
-    runs = []
-
-    def run(plan):  # keeping everything holds 30% less than the profile says; the rest as predicted
-        runs.append(plan)
-        act = simulate(_per_call(0), plan.micro_batch_size, plan.policies, plan.groups,
-                       plan.nested_groups).activation_peak_bytes
-        whole = plan.micro_batch_size == 8 and all(p == "keep" for p in plan.policies)
-        return Measured(rss_before=HELD, peak=HELD + int(act * (0.7 if whole else 1.0)), rss_after=HELD)
-
+    run, runs = _keep_all_overstated_runner(0.7)  # keeping everything holds 30% less than the profile says
     planner = Planner(_per_call(HELD), budget, 0, "dp", None, False, 1, 0)
     plan, _ = planner.plan_validated(run, 0, 0)
     assert plan.policies == ("keep",) * 6 and plan.micro_batch_size == 8
