@@ -182,6 +182,10 @@ def budget_table(rep: ModelReport) -> Table:
                        "and checkpoint_sequential's gradient accumulation do (each micro-batch normalised with its "
                        "own statistics; running statistics still exact); 'edgetrain' keeps the full batch whenever "
                        "it fits, so its gradients equal one full-batch step.")
+    if any("update in backward" in e.config for e in rep.entries.values()):
+        t.notes.append("update in backward: the plan updates each parameter inside the backward as soon as its "
+                       "gradient is complete and frees it (PlanConfig(fused_update=\"auto\"), the default; the "
+                       "same update as one optimizer.step()).")
     return t
 
 

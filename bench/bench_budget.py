@@ -333,7 +333,8 @@ def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int, m
         rec = sum(p == "recompute" for p in r.plan.get("policies", ()))
         sel = sum(p.startswith("selective:") for p in r.plan.get("policies", ()))
         e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp" \
-            + (f", {sel} selective" if sel else "")
+            + (f", {sel} selective" if sel else "") \
+            + (", update in backward" if "optimizer_update_fused" in r.plan.get("metadata", {}) else "")
     elif r.error_type == "BudgetError":
         e.note = f"infeasible, min {mib(r.min_feasible_bytes)} MiB"
         if r.peak_bytes > budget:  # prepare() must stay inside the budget even when it gives up

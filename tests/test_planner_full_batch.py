@@ -81,9 +81,43 @@ def test_resident_state_is_tried_first_where_only_the_gradients_rule_it_out():
     planner_for(True).plan(budget)  # paging fits in the model
     analysis = SimpleNamespace(can_page_state=True, state_mode="auto", plan_budget=budget, grads=grads,
                                state_io_s=lambda: 1.0)
-    assert Analysis._state_modes(analysis, planner_for) == [False, True]
+    assert Analysis._paging_modes(analysis, planner_for) == [False, True]
     analysis.grads = 0  # nothing the backward makes as it goes: paging first, as the model says
-    assert Analysis._state_modes(analysis, planner_for) == [True, False]
+    assert Analysis._paging_modes(analysis, planner_for) == [True, False]
+
+
+def test_the_fused_update_is_ordered_by_its_predicted_time_among_the_ways_of_holding_the_state():
+    """``(page the state, fuse the update)`` modes: the fused one first where its fastest plan is clearly faster
+    (its calls and transfers added), after the others where it is slower, last where its model fits nothing
+    (a run may still fit), first and alone-first where it is asked for, absent where ruled out."""
+    from types import SimpleNamespace
+
+    from edgetrain.planning.analysis import Analysis
+
+    grads, state = 20 * MIB, 40 * MIB
+    keep_act = simulate(_per_call(0), 8, ("keep",) * 6).activation_peak_bytes
+
+    def planner_for(paged: bool, fused: bool = False) -> Planner:
+        shift = (state if paged else 0) + (grads if fused else 0)
+        return Planner(_per_call(HELD + grads + state - shift), budget, 0, "dp", 8 if fused else None, False, 1,
+                       0 if fused else shift)
+
+    analysis = SimpleNamespace(can_page_state=True, state_mode="auto", grads=grads, state_io_s=lambda: 0.0,
+                               fuse="auto", fused_s=0.0)
+    analysis._paging_modes = lambda pf: Analysis._paging_modes(analysis, pf)
+    budget = analysis.plan_budget = HELD + keep_act + MIB  # only fusing keeps everything
+    assert Analysis._state_modes(analysis, planner_for)[0] == (True, True)
+    budget = analysis.plan_budget = HELD + grads + state + 3 * keep_act  # everything kept whichever way
+    modes = Analysis._state_modes(analysis, planner_for)
+    assert modes[-1] == (True, True) and len(modes) == 3  # no faster: tried last
+    analysis.fused_s = 100.0  # its calls dwarf the step
+    assert Analysis._state_modes(analysis, planner_for)[-1] == (True, True)
+    budget = analysis.plan_budget = HELD  # nothing fits any way in the model: fusing is still tried, last
+    assert Analysis._state_modes(analysis, planner_for)[-1] == (True, True)
+    analysis.fuse = True
+    assert Analysis._state_modes(analysis, planner_for)[0] == (True, True)
+    analysis.fuse = False
+    assert all(not fused for _, fused in Analysis._state_modes(analysis, planner_for))
 
 
 def test_a_full_batch_plan_whose_run_misses_leaves_the_plan_taken():

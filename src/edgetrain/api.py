@@ -19,7 +19,8 @@ from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import InputError
 from .graph import CostChain, run_micro_batch_sizes
 from .plan import Plan
-from .planning.analysis import Analysis, Outcome, state_paging_fields
+from .planning.analysis import FUSED_KEY, Analysis, Outcome
+from .planning.holding import fusing_fields, state_paging_fields
 from .planning.budgets import safety_margin_bytes
 from .planning.guards import (check_materialized, check_optimizer, draws_random, example_copy, loss_norm_safely,
                               mark_micro_batched)
@@ -117,6 +118,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     opt_costs = optimizer_costs(optimizer)
     fixed = in_use + grad_bytes_missing(model) + opt_costs.state_bytes
     state = state_paging_fields(optimizer, opt_costs, cfg, budget, paging_cfg is not None)
+    state.update(fusing_fields(optimizer, opt_costs, cfg, budget, whole_batch=micro_batch_size is None or
+                               micro_batch_size >= batch,
+                               other="a paging (POET) plan" if paging_cfg is not None else
+                               "elastic selection (speedup=)" if speedup is not None else None))
     margin = 0 if budget is None else safety_margin_bytes(budget, safety_margin)
     env = bind_inputs(model, inputs)
     loss_norm = loss_norm_safely(model, env, loss_fn, targets, batch)
@@ -162,8 +167,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             raise InputError(f"the plan given splits the batch, which cannot train this model exactly: "
                              f"{'; '.join(reasons)}. Prepare without plan= to plan afresh.")
         paged = "optimizer_state_paged_bytes" in plan.metadata
+        fused = FUSED_KEY in plan.metadata
+        if fused and not analysis.fuse:
+            raise InputError("the plan given updates the parameters inside the backward (fused update), which this "
+                             "optimizer or these options rule out; prepare without plan= to plan afresh")
         outcome = Outcome(plan, costs, 0, [batch] if reasons else None, page_state=paged,
-                          update_bytes=opt_costs.update_bytes + (analysis.pageable_state if paged else 0))
+                          update_bytes=opt_costs.update_bytes + (analysis.pageable_state if paged else 0), fused=fused)
     else:
         chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
                                         profile=analysis.profile, summary=analysis.profile_summary,
@@ -178,10 +187,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     if chain is None and (pager is not None or needs_stages(plan)):
         chain = analysis.capture_chain()  # the step runs stages: capture before its hooks go on the model
     state_pager = analysis.state_pager(optimizer) if outcome.page_state else None
+    fused = None
+    if outcome.fused:
+        from .runtime.fused import FusedUpdate
+
+        fused = FusedUpdate(optimizer, state_pager)
     step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                      margin_share=0.0 if budget is None else safety_margin,
                      signature=batch_signature((inputs, targets)), solver=solver, pager=pager,
-                     loss_norm=loss_norm, capture=analysis.capture_chain, state_pager=state_pager)
+                     loss_norm=loss_norm, capture=analysis.capture_chain, state_pager=state_pager, fused=fused)
     step.budget.micro_sizes = outcome.sizes
     step.draws_random = random
     if budget is not None:

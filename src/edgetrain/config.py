@@ -54,6 +54,15 @@ class PlanConfig:
             ``"auto"``: when the planner predicts a faster step with it, the page file's writes and reads
             included, or only then a plan fits; True: always; False: never.
         state_dir: where that page file goes (None: ``<tmp>/edgetrain-pages``); put it on fast storage.
+        fused_update: with a budget, let a step that trains the batch in one piece update each parameter inside
+            the backward as soon as its gradient is complete, and free that gradient (exact: the optimizer's
+            own update; with a paged state, each parameter's state is read back and written out around its
+            update), so the gradients never take their full size beside the activations. Only for optimizers
+            that update each parameter on its own (``torch.optim`` SGD, Adam, AdamW, Adamax, NAdam, RAdam,
+            RMSprop, Adagrad, Adadelta) without step hooks; gradients do not exist after such a step.
+            ``"auto"``: when the planner predicts a faster step with it, or only then a plan fits; True:
+            whenever a plan fits that way (an error where the optimizer rules it out); False: never (code that
+            reads or clips gradients before the update, e.g. ``Trainer``'s ``grad_clip_norm``, needs this).
     """
 
     micro_batch_size: int | None = None
@@ -65,10 +74,13 @@ class PlanConfig:
     tune_allocator: bool = True
     page_optimizer_state: bool | Literal["auto"] = "auto"
     state_dir: str | None = None
+    fused_update: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if self.page_optimizer_state not in (True, False, "auto"):
             raise ValueError(f"page_optimizer_state must be True, False or 'auto', got {self.page_optimizer_state!r}")
+        if self.fused_update not in (True, False, "auto"):
+            raise ValueError(f"fused_update must be True, False or 'auto', got {self.fused_update!r}")
         m = self.micro_batch_size
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"micro_batch_size must be an integer >= 1 or None, got {m!r}")

@@ -58,6 +58,7 @@ class Job:
             the peak reported is over the steps after it (``warmup_peak_bytes``: the first step's;
             ``warmup_rss_bytes``: the resident bytes right after it, compiled code and state included).
         page_optimizer_state: for edgetrain, ``PlanConfig(page_optimizer_state=)``.
+        fused_update: for edgetrain, ``PlanConfig(fused_update=)``.
     """
 
     model: str
@@ -80,6 +81,7 @@ class Job:
     exact_batchnorm: bool = True
     activation_memory_budget: float | None = None
     page_optimizer_state: bool | str = "auto"
+    fused_update: bool | str = "auto"
 
 
 @dataclass
@@ -207,7 +209,8 @@ def _worker(job: Job) -> JobResult:
                                      **options(micro_batch_size=job.micro_batch_size, solver=job.solver,
                                                paging=job.paging, objective=job.objective,
                                                exact_batchnorm=job.exact_batchnorm,
-                                               page_optimizer_state=job.page_optimizer_state))
+                                               page_optimizer_state=job.page_optimizer_state,
+                                               fused_update=job.fused_update))
         except BudgetError as e:
             res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
             res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())

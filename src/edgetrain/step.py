@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -48,7 +49,7 @@ class TrainStep:
                  chain: Any, costs: CostChain, plan: Plan, *, budget_bytes: int | None, margin_bytes: int,
                  margin_share: float, signature: tuple[Any, ...], solver: str, pager: Any = None,
                  loss_norm: LossNorm | None = None, capture: Callable[[], Any] | None = None,
-                 state_pager: Any = None) -> None:
+                 state_pager: Any = None, fused: Any = None) -> None:
         self.model = model
         self.loss_norm = loss_norm or LossNorm("mean")
         self._model_key = model_key(model)
@@ -73,9 +74,14 @@ class TrainStep:
         self._pager = pager
         #: pages the optimizer state out during the passes (an OptimizerStatePager), or None
         self.state_pager = state_pager
+        #: updates each parameter inside the backward of a step that trains the batch in one piece (a
+        #: :class:`~edgetrain.runtime.fused.FusedUpdate`), or None: one optimizer.step() after the backward
+        self.fused = fused
+        self._fused_last = False  # whether the last step updated inside its backward
         self._traced_attributes: dict[str, Any] | None = None  # set by _make_executor for traced code
         self._retraced = False
         self._executor = self._make_executor(plan)
+        self._defer_shared()
         self.page_dir: str | None = None
         self.elastic: Any = None
         self.steps_done = 0
@@ -211,6 +217,12 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.state_pager is not None:
             self.state_pager.page_out()  # back in memory for the update, with the gradients, not the activations
+        fused = self.fused if self._plan.micro_batch_size >= n else None
+        if fused is not None and self.before_optimizer_step is not None:
+            raise InputError("this step updates each parameter inside the backward (its plan fuses the update), so "
+                             "there are no gradients to act on before the update: prepare it with "
+                             "PlanConfig(fused_update=False) to clip or read gradients")
+        self._fused_last = fused is not None
         accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
         self._bn.begin(accumulate)
         norm = self.loss_norm
@@ -234,8 +246,8 @@ class TrainStep:
                 weight = total_weight if size == n else norm.weight(part, size)
                 scale = norm.scale(weight, total_weight)
                 if weight or scale:  # a slice whose targets all weigh 0 adds nothing (its mean is 0/0)
-                    with backward_outside_autocast():  # PyTorch's mixed-precision recipe
-                        (loss if scale == 1.0 else loss * scale).backward()
+                    with backward_outside_autocast(), (fused.armed() if fused is not None else nullcontext()):
+                        (loss if scale == 1.0 else loss * scale).backward()  # autocast: PyTorch's recipe
                     losses.append((float(loss.detach()), weight))
                 del loss, env, part
                 start += size
@@ -248,18 +260,33 @@ class TrainStep:
         except BaseException as e:
             self._bn.abort()
             self.optimizer.zero_grad(set_to_none=True)
+            if fused is not None and fused.stepped:
+                e.add_note(f"edgetrain: the step stopped inside its backward after updating {fused.stepped} "
+                           "parameter(s) (the update is fused into the backward): the model is part way through "
+                           "this step; restore it from the last checkpoint before training on. If the error names "
+                           "a variable modified by an inplace operation, the model reads a parameter without its "
+                           "gradient after that gradient is complete: prepare with PlanConfig(fused_update=False)")
             if size == 1:
                 raise_for_one_sample(e, n, self._plan.micro_batch_size)
             raise
-        if self.state_pager is not None:
-            self.state_pager.page_in()  # (the optimizer's step hook would too; here the order is plain)
-        self.optimizer.step()
+        if fused is None:
+            if self.state_pager is not None:
+                self.state_pager.page_in()  # (the optimizer's step hook would too; here the order is plain)
+            self.optimizer.step()
         self._bn.finish()
         self.steps_done += 1
         if self.elastic is not None:
             self.elastic.record_step_time(time.perf_counter() - t_step, samples=n)
         self.budget.after_step(n, held)
         return losses[0][0] if len(losses) == 1 else norm.combine(losses, total_weight)
+
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The parameters the last step updated from a gradient (those it made a gradient for). After a step
+        that fused the update into the backward no gradient is left to look at; this works either way."""
+        if self._fused_last and self.fused is not None:
+            ids = self.fused.stepped_ids
+            return [p for p in self.model.parameters() if id(p) in ids]
+        return [p for p in self.model.parameters() if p.grad is not None]
 
     def set_plan(self, plan: Plan) -> None:
         """Execute ``plan`` from the next micro-batch on (it must be a plan of this step's chain)."""
@@ -271,6 +298,14 @@ class TrainStep:
             self._pager = Pager(self.page_dir, keep=list(self.model.parameters()))
         self._plan = plan  # before the executor: it is chosen for the plan in force
         self._executor = self._make_executor(plan)
+        self._defer_shared()
+
+    def _defer_shared(self) -> None:
+        """A fused update leaves the parameters that several stages read to the end (runtime.fused.deferred)."""
+        if self.fused is not None:
+            from .runtime.fused import deferred
+
+            self.fused.defer = deferred(self.chain)
 
     def budget_table(self) -> PlanTable:
         """The :class:`~edgetrain.adaptation.PlanTable` a budget change looks plans up in (built once)."""

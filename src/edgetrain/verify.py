@@ -166,11 +166,20 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
     state, host = rng_state(), host_rng_state()
     try:
         step = prepare(ours, opt_ours, loss_fn, example, memory_budget, **prepare_kw)
+        recorded: dict[int, torch.Tensor] | None = None
+        if step.fused is not None:  # its gradients are freed as it goes: copied here to be compared
+            recorded = step.fused.record = {}
         try:
             start, host_start = rng_state(), host_rng_state()  # NumPy's and Python's too: a forward may draw there
             loss_ours = step(inputs, targets)
         finally:
             step.close()
+            if step.fused is not None:
+                step.fused.record = None
+        if recorded:
+            for p in ours.parameters():
+                if id(p) in recorded:
+                    p.grad = recorded[id(p)]
         set_rng_state(start)
         set_host_rng_state(host_start)
         plan = step.plan
@@ -179,6 +188,9 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
         set_rng_state(state)
         set_host_rng_state(host)
     notes = []
+    if recorded:
+        notes.append("the plan fuses the optimizer update into the backward: each gradient compared as it was "
+                     "completed, before its parameter's update")
     skip: set[str] = set()
     if plan.micro_batch_size < plan.batch_size:
         for name, _ in batchnorm_modules(ours):

@@ -93,7 +93,8 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     loss_fn: nn.Module = nn.CrossEntropyLoss() if classification else nn.MSELoss()
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging,
-                                  page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir),
+                                  page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir,
+                                  fused_update=cfg.fused_update),
                        "name": cfg.model}
     trainer = Trainer(model, opt, loss_fn, loader, val_loader, memory_budget=budget, scheduler=sched,
                       metrics={"accuracy": _accuracy} if classification else None,

@@ -72,6 +72,10 @@ class TrainConfig:
                                             "or false")
     state_dir: str | None = _opt(None, "directory of that file (null: the system's temporary directory); "
                                  "put it on fast local storage")
+    fused_update: bool | str = _opt("auto", "with a memory_budget, update each parameter inside the backward as "
+                                    "soon as its gradient is complete and free that gradient (exact; whole-batch "
+                                    "steps, off with grad_clip_norm): auto (when the planner finds that faster, "
+                                    "or the only way to fit), true or false")
     grad_clip_norm: float | None = _opt(None, "clip the gradient norm to this before each step (null: no clipping)")
     early_stopping_patience: int | None = _opt(None, "stop after this many epochs without a better val_loss")
     checkpoint_dir: str | None = _opt(None, "directory of crash-safe checkpoints (null: none)")
@@ -96,8 +100,9 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if self.page_optimizer_state not in (True, False, "auto"):
-            raise ConfigError(f"page_optimizer_state must be auto, true or false; got {self.page_optimizer_state!r}")
+        for name in ("page_optimizer_state", "fused_update"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ConfigError(f"{name} must be auto, true or false; got {getattr(self, name)!r}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ConfigError(f"epochs and batch_size must be >= 1; got {self.epochs} and {self.batch_size}")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -206,7 +206,7 @@ def _train(msg: Message, context: Context, s: ClientSettings, model_fn: Callable
                 t = time.perf_counter()
                 losses.append(step(x, y))
                 times.append(time.perf_counter() - t)
-                trained.update(names[id(p)] for p in model.parameters() if p.grad is not None)
+                trained.update(names[id(p)] for p in step.trained_parameters())
     finally:
         step.close()
     mask = trained_mask(model, trained, buffers_before)

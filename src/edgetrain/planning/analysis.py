@@ -28,7 +28,7 @@ from ..plan import Plan
 from ..profile.stages import profile_chain
 from ..runtime import pool
 
-__all__ = ["Analysis", "ChainSummary", "Outcome", "block_solver_options", "state_paging_fields"]
+__all__ = ["Analysis", "ChainSummary", "FUSED_KEY", "Outcome", "block_solver_options"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -72,6 +72,7 @@ class Outcome:
     sizes: list[int]
     page_state: bool = False  # the optimizer state is paged out during the passes
     update_bytes: int = 0  # what the update adds to the fixed bytes (the paged state read back included)
+    fused: bool = False  # the optimizer steps each parameter inside the backward (runtime.fused)
 
 
 @dataclass(kw_only=True)
@@ -116,6 +117,12 @@ class Analysis:
     pageable_new: int = 0
     state_dir: str | None = None
     state_s_per_byte: float = 0.0
+    # the update fused into the backward (runtime.fused): whether it may be planned, what it holds at once
+    # (the largest parameter's gradient, state and update temporaries) and what it costs a step in calls
+    fuse: bool | str = False  # False, "auto" or True (PlanConfig.fused_update), False where ruled out
+    fused_bytes: int = 0
+    fused_s: float = 0.0
+    fused_held: int = 0  # gradients of parameters several stages read: held to the end (runtime.fused.deferred)
     #: profiles this analysis took, by cache key (:func:`~edgetrain.profile.stages.profile_chain`'s ``memo``)
     profiles: dict[str, Any] = field(default_factory=dict)
 
@@ -149,33 +156,43 @@ class Analysis:
                              "state kept between batches, a buffer sized for the batch). Pass such state as an "
                              "input batched on dim 0, or make the forward work for any number of samples") from e
 
-    def unallocated(self, paged: bool) -> int:
-        """Bytes real steps hold during the passes that validation runs do not: the gradients, and the
-        optimizer state the first update creates (unless it is paged out then)."""
-        return self.grads + self.state_bytes - (self.pageable_new if paged else 0)
+    def unallocated(self, paged: bool, fused: bool = False) -> int:
+        """Bytes real steps hold during the passes that validation runs do not: the gradients (none with the
+        update fused into the backward), and the optimizer state the first update creates (unless it is paged
+        out then)."""
+        return (0 if fused else self.grads) + self.state_bytes - (self.pageable_new if paged else 0)
+
+    def fused_shift(self) -> int:
+        """Bytes the fused update takes off the fixed bytes: every gradient but what one update holds."""
+        return max(0, self.grads - self.fused_bytes - self.fused_held)
 
     def state_pager(self, optimizer: Any) -> Any:
         from ..runtime.optstate import OptimizerStatePager
 
         return OptimizerStatePager(optimizer, self.state_dir)
 
-    def validator(self, chain: Any, isolated: bool = False, paged: bool = False) -> Callable[[Plan], Measured]:
+    def validator(self, chain: Any, isolated: bool = False, paged: bool = False,
+                  fused: bool = False) -> Callable[[Plan], Measured]:
         """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process
         (when it can: one intra-op thread, no pager), so that every run is measured as this process's first
         step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave.
-        ``paged``: the steps page the optimizer state out during the passes (the fork's steps do too)."""
+        ``paged``: the steps page the optimizer state out during the passes (the fork's steps do too);
+        ``fused``: they update each parameter inside the backward."""
         def run(p: Plan) -> Measured:
             measured = None
             if isolated and self.pager is None:
                 if self.optimizer is not None:  # the fork is thrown away: run real steps, update included
                     measured = measure_in_child(lambda: run_steps(
                         chain, p, self.model, self.env, self.targets, self.loss_fn, self.optimizer,
-                        self.unallocated(paged), self.grads, state_pager=self.state_pager if paged else None))
+                        self.unallocated(paged, fused), 0 if fused else self.grads,
+                        state_pager=self.state_pager if paged else None, fused=fused))
                 else:
                     measured = measure_in_child(
                         lambda: run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, None))
             if measured is None:
-                measured = run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager)
+                measured = run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager, fused)
+                if fused:  # the run dropped the gradients but updated nothing: one update's bytes on top
+                    measured = replace(measured, peak=measured.peak + self.fused_bytes)
             return replace(measured, process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
         return run
 
@@ -241,34 +258,53 @@ class Analysis:
             self.profiles.update(new)
             return got
 
-        def planner_for(paged: bool) -> Planner:
+        def planner_for(paged: bool, fused: bool = False) -> Planner:
             shift = self.pageable_state if paged else 0  # out during the passes, back for the update
+            if fused:  # no update after the passes; one parameter's gradient at a time, the whole batch at once
+                return Planner(replace(costs, fixed_bytes=costs.fixed_bytes - shift - self.fused_shift()),
+                               self.budget, self.margin, self.solver, self.batch, True, self.min_micro, 0,
+                               {**self.solver_kw, **block_solver_options(chain, self.solver)}, reprofile=reprofile,
+                               margin_share=self.margin_share, whole_batch_only=True, runs_vary=chain.skips_blocks)
             return Planner(replace(costs, fixed_bytes=costs.fixed_bytes - shift), self.budget, self.margin,
                            self.solver, micro, self.prefer_full_batch, self.min_micro, self.update_bytes + shift,
                            {**self.solver_kw, **block_solver_options(chain, self.solver)},
                            reprofile=reprofile, margin_share=self.margin_share, whole_batch_only=bool(reasons),
                            runs_vary=chain.skips_blocks)
 
+        if self.fuse:
+            from ..runtime.fused import shared_parameter_bytes
+
+            self.fused_held = shared_parameter_bytes(chain)
         if self.plan_budget is None:
             planner = planner_for(False)
             plan = planner.plan(None)
             return Outcome(_noted(plan, reasons), costs, 0, planner.sizes())
         errors: list[BudgetError] = []
-        for paged in self._state_modes(planner_for):
-            planner = planner_for(paged)
+        for paged, fused in self._state_modes(planner_for):
+            planner = planner_for(paged, fused)
             try:
-                # a plan paging the state carries its transfers in its time and notes: planned afresh
-                first = tried if not paged and tried is not None and not _pages_state(tried) else None
-                plan, costs_v = planner.plan_validated(self.validator(chain, isolated=True, paged=paged),
-                                                       self.unallocated(paged), self.grads, first=first)
+                # a plan paging the state or fusing the update carries it in its time and notes: planned afresh
+                plain_mode = not paged and not fused
+                first = tried if plain_mode and tried is not None and not _pages_state(tried) else None
+                plan, costs_v = planner.plan_validated(
+                    self.validator(chain, isolated=True, paged=paged, fused=fused), self.unallocated(paged, fused),
+                    0 if fused else self.grads, first=first)
             except BudgetError as e:
-                errors.append(e)  # the other way of holding the state may fit
+                errors.append(e)  # another way of holding the state may fit
                 continue
             if paged:
-                plan = self._paged_plan(plan)
+                plan = self._paged_plan(plan, per_parameter=fused)
             floor = planner.floor if planner.floor is not None else costs_v.fixed_bytes
-            return Outcome(_noted(plan, reasons), costs_v, max(0, costs_v.fixed_bytes - floor), planner.sizes(),
-                           page_state=paged, update_bytes=planner.update_bytes)
+            first_run = max(0, costs_v.fixed_bytes - floor)
+            update = planner.update_bytes
+            if fused:
+                plan = self._fused_plan(plan)
+                # a budget change re-plans on the model of a step that holds its gradients (it may split the
+                # batch, and then does): the fixed bytes get them back
+                costs_v = replace(costs_v, fixed_bytes=costs_v.fixed_bytes + self.fused_shift())
+                update = self.update_bytes + (self.pageable_state if paged else 0)
+            return Outcome(_noted(plan, reasons), costs_v, first_run, planner_for(paged).sizes(),
+                           page_state=paged, update_bytes=update, fused=fused)
         # neither way fits: name the smaller of the two smallest budgets (a retry there takes that way)
         raise min(errors, key=lambda e: e.min_feasible_bytes or float("inf"))
 
@@ -276,10 +312,36 @@ class Analysis:
         """Predicted seconds a step spends writing the optimizer state out and reading it back."""
         return self.pageable_state * self.state_s_per_byte
 
-    def _state_modes(self, planner_for: Callable[[bool], Planner]) -> list[bool]:
-        """Whether to page the optimizer state, in the order to try: by the cost model's fastest plan
-        each way (the page file's transfers added to the paged one), the faster first; ``"auto"`` falls
-        back to the other when the first fits no validated plan."""
+    def _state_modes(self, planner_for: Callable[..., Planner]) -> list[tuple[bool, bool]]:
+        """How to hold the optimizer state and the gradients, as ``(page the state, fuse the update)``, in
+        the order to try: by the cost model's fastest plan each way (the page file's transfers and the fused
+        update's calls added), the fastest first; each falls back to the next when it fits no validated
+        plan."""
+        modes = [(paged, False) for paged in self._paging_modes(planner_for)]
+        if not self.fuse:
+            return modes
+        paged = self.can_page_state  # fused, the state goes out parameter by parameter: no update holds it all
+        if self.fuse is True:
+            return [(paged, True)] + modes
+        try:
+            t = planner_for(paged, True).plan(self.plan_budget).step_time_s + self.fused_s + \
+                (self.state_io_s() if paged else 0.0)
+        except BudgetError:
+            return modes + [(paged, True)]  # a run may still fit where the model says not
+        times = []
+        for p, _ in modes:
+            try:
+                times.append(planner_for(p).plan(self.plan_budget).step_time_s + (self.state_io_s() if p else 0.0))
+            except BudgetError:
+                times.append(float("inf"))
+        # fusing must win clearly: holding the gradients is the plainer step
+        at = next((i for i, other in enumerate(times) if t < 0.98 * other), len(modes))
+        return modes[:at] + [(paged, True)] + modes[at:]
+
+    def _paging_modes(self, planner_for: Callable[..., Planner]) -> list[bool]:
+        """Whether to page the optimizer state (the update after the passes), in the order to try: by the
+        cost model's fastest plan each way (the page file's transfers added to the paged one), the faster
+        first; ``"auto"`` falls back to the other when the first fits no validated plan."""
         if not self.can_page_state:
             return [False]
         if self.state_mode is True:
@@ -301,22 +363,38 @@ class Analysis:
         # paging must win clearly: the transfers' cost is a estimate until steps measure it
         return [True, False] if times[True] < 0.98 * times[False] or times[False] == float("inf") else [False, True]
 
-    def _paged_plan(self, plan: Plan) -> Plan:
+    def _paged_plan(self, plan: Plan, per_parameter: bool = False) -> Plan:
         from ..units import format_bytes
 
         io = self.state_io_s()
         where = self.state_dir or "the temporary directory"
+        when = (f"kept in {where}, each parameter's read back for its update in the backward and written out again"
+                if per_parameter else
+                f"paged out to {where} during the forward and backward passes, read back for the update")
         return plan.replace(
             step_time_s=plan.step_time_s + io,
             metadata={**plan.metadata, "optimizer_state_paged_bytes": self.pageable_state,
                       "optimizer_state_io_s": io},
-            notes=plan.notes + (f"optimizer state ({format_bytes(self.pageable_state)}) paged out to "
-                                f"{where} during the forward and backward passes, read back for the update "
+            notes=plan.notes + (f"optimizer state ({format_bytes(self.pageable_state)}) {when} "
                                 f"(predicted {io * 1e3:.0f} ms a step)",))
+
+    def _fused_plan(self, plan: Plan) -> Plan:
+        from ..units import format_bytes
+
+        return plan.replace(
+            step_time_s=plan.step_time_s + self.fused_s,
+            metadata={**plan.metadata, FUSED_KEY: True},
+            notes=plan.notes + (f"optimizer update fused into the backward: each parameter is stepped as soon as its "
+                                f"gradient is complete and the gradient freed ({format_bytes(self.fused_shift())} "
+                                "of gradients never held at once; the same update as one optimizer.step())",))
+
+
+#: the plan metadata key of a step that fuses the optimizer update into the backward
+FUSED_KEY = "optimizer_update_fused"
 
 
 def _pages_state(plan: Plan) -> bool:
-    return "optimizer_state_paged_bytes" in plan.metadata
+    return "optimizer_state_paged_bytes" in plan.metadata or FUSED_KEY in plan.metadata
 
 
 def block_solver_options(chain: Any, solver: str) -> dict[str, Any]:
@@ -343,44 +421,6 @@ def _noted(plan: Plan, reasons: tuple[str, ...]) -> Plan:
         return plan
     notes = tuple(f"never micro-batched: {r}" for r in reasons)
     return plan.replace(notes=tuple(n for n in plan.notes if n not in notes) + notes)  # a plan noted before
-
-
-#: below this much pageable optimizer state, paging it is not worth a page file
-_MIN_PAGEABLE_STATE = 2**20
-
-
-def state_paging_fields(optimizer: torch.optim.Optimizer, opt_costs: Any, cfg: Any, budget: int | None,
-                        poet: bool) -> dict[str, Any]:
-    """The :class:`Analysis` fields of optimizer-state paging: whether it may be planned, the bytes it
-    moves (the state there now and the state the first update creates, tensors of 64 KiB and more), and
-    the page file's cost per byte, measured here on a 4 MiB probe."""
-    mode = cfg.page_optimizer_state
-    if budget is None or mode is False or (mode == "auto" and poet):  # POET costs storage by its device
-        return {}
-    from ..runtime.optstate import measure_bandwidth, pageable_state_bytes
-
-    old = pageable_state_bytes(optimizer)
-    new = 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            nbytes = p.numel() * p.element_size()
-            if p.requires_grad and not optimizer.state.get(p) and nbytes >= 65536:
-                new += int(opt_costs.state_per_param * nbytes)
-    if old + new < (_MIN_PAGEABLE_STATE if mode == "auto" else 1):  # True: whatever there is
-        return {}
-    try:
-        w, r = measure_bandwidth(cfg.state_dir, min(old + new, 4 * 2**20))
-    except OSError as e:
-        if mode is True:
-            from ..runtime.paging import PagingError
-
-            where = cfg.state_dir or "the temporary directory"
-            raise PagingError(f"cannot write a page file for the optimizer state in {where}: {e}; give "
-                              "PlanConfig(state_dir=) a writable directory") from e
-        log.info("optimizer state stays resident: no page file (%s)", e)
-        return {}
-    return {"state_mode": mode, "pageable_state": old + new, "pageable_new": new, "state_dir": cfg.state_dir,
-            "state_s_per_byte": w + r}
 
 
 def _runs(model: nn.Module, env: dict[str, Any]) -> bool:

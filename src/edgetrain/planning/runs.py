@@ -4,6 +4,7 @@ micro-batch size's first run (:func:`first_run_cost`, used by a budget change)."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -26,14 +27,15 @@ log = logging.getLogger("edgetrain.api")
 
 
 def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets: Any,
-                   loss_fn: Callable[..., torch.Tensor]) -> None:
-    """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples."""
+                   loss_fn: Callable[..., torch.Tensor], fused: Any = None) -> None:
+    """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples;
+    ``fused`` (a :class:`~edgetrain.runtime.fused.FusedUpdate`): armed around a whole batch's backward."""
     start = 0
     for size in run_micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
         whole = size == plan.batch_size  # not sliced, as the step does not slice it (measured alike)
         env = dict(env_full) if whole else {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
         loss = loss_fn(executor.forward(env), targets if whole else slice_batch(targets, start, start + size))
-        with backward_outside_autocast():  # as the step runs it
+        with backward_outside_autocast(), fused.armed() if fused is not None and whole else contextlib.nullcontext():
             (loss * (size / plan.batch_size)).backward()
         del loss, env
         start += size
@@ -42,11 +44,16 @@ def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets:
 
 
 def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
-              loss_fn: Callable[..., torch.Tensor], pager: Any = None) -> Measured:
-    """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it."""
+              loss_fn: Callable[..., torch.Tensor], pager: Any = None, fused: bool = False) -> Measured:
+    """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it;
+    ``fused``: each gradient is dropped once complete, as a fused update frees it (the model is not updated:
+    the update's own bytes are the caller's to add)."""
+    from ..runtime.fused import deferred, dropping_gradients
+
     executor = make_executor(chain, plan, pager=pager if "page" in plan.policies else None)
     base = memory.baseline_rss_bytes()
-    with preserved_model_state(model):
+    dropping = dropping_gradients(model.parameters(), deferred(chain)) if fused else contextlib.nullcontext()
+    with preserved_model_state(model), dropping:
         memory.reset_peak()
         before = memory.rss_bytes()
         _micro_batches(executor, plan, env_full, targets, loss_fn)
@@ -57,7 +64,7 @@ def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any],
 
 def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
               loss_fn: Callable[..., torch.Tensor], optimizer: Any, unallocated: int, grads: int,
-              steps: int = 2, state_pager: Callable[[Any], Any] | None = None) -> Measured:
+              steps: int = 2, state_pager: Callable[[Any], Any] | None = None, fused: bool = False) -> Measured:
     """Run ``steps`` whole training steps of ``plan`` (optimizer update included) and measure them.
 
     For a process that is thrown away afterwards (a fork): it changes the model and the optimizer. What it
@@ -68,10 +75,14 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
 
     ``state_pager(optimizer)``: makes an :class:`~edgetrain.runtime.optstate.OptimizerStatePager` (its own page
     file) when the plan pages the optimizer state; it is paged out around the passes as a step does, and
-    the update's peak then holds the state read back.
+    the update's peak then holds the state read back. ``fused``: each parameter is updated inside the backward
+    (:mod:`~edgetrain.runtime.fused`), its state paged in and out around it.
     """
+    from ..runtime.fused import FusedUpdate, deferred
+
     executor = make_executor(chain, plan)
     sp = state_pager(optimizer) if state_pager is not None else None
+    fu = FusedUpdate(optimizer, sp, deferred(chain)) if fused else None
     try:
         if sp is not None:
             sp.page_out()
@@ -86,12 +97,13 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
             # from here: the previous update's high-water mark (a paged state read back, the gradients) is
             # the update's, not the passes'
             memory.reset_peak()
-            _micro_batches(executor, plan, env_full, targets, loss_fn)
+            _micro_batches(executor, plan, env_full, targets, loss_fn, fu)
             peak = max(peak, memory.peak_rss_bytes())
             memory.reset_peak()  # the update's transients are the optimizer's, measured apart from activations
-            if sp is not None:
-                sp.page_in()
-            optimizer.step()
+            if fu is None:
+                if sp is not None:
+                    sp.page_in()
+                optimizer.step()
             update = max(update, memory.peak_rss_bytes())
             memory.reset_peak()
         optimizer.zero_grad(set_to_none=True)

@@ -117,6 +117,7 @@ class OptimizerStatePager:
         self._paged: dict[tuple[int, str], _Slot] = {}  # slots whose tensor is out now (meta in the state)
         self._end = 0
         self._clean = False  # the resident state equals the file's copy (paged in, not stepped since)
+        self._muted = False  # a fused update pages parameter by parameter: the step hooks leave it alone
         self._stats = dict(paged_tensors=0, paged_bytes=0, written_bytes=0, read_bytes=0, write_s=0.0, read_s=0.0)
         self._hooks = [
             optimizer.register_step_pre_hook(self._before_use),
@@ -142,9 +143,16 @@ class OptimizerStatePager:
         """Bytes of state tensors this pager would page out that are in memory now."""
         return 0 if self.closed else pageable_state_bytes(self.optimizer, self.min_bytes)
 
-    def _entries(self) -> list[tuple[tuple[int, str], dict[str, Any], str, torch.Tensor]]:
+    def _states(self, params: Any = None) -> list[tuple[Any, dict[str, Any]]]:
+        """``(parameter, its state)`` of every parameter with state, or of ``params`` only."""
+        state = self.optimizer.state
+        if params is None:
+            return list(state.items())
+        return [(p, state[p]) for p in params if p in state]
+
+    def _entries(self, params: Any = None) -> list[tuple[tuple[int, str], dict[str, Any], str, torch.Tensor]]:
         out = []
-        for p, st in self.optimizer.state.items():
+        for p, st in self._states(params):
             for k, v in st.items():
                 if isinstance(k, str) and _pageable(v, self.min_bytes):
                     out.append(((id(p), k), st, k, v))
@@ -157,8 +165,17 @@ class OptimizerStatePager:
         Every write completes before any tensor is dropped: a failed write (disk full) leaves the state
         resident and whole, and raises :class:`~edgetrain.runtime.paging.PagingError`.
         """
+        dropped = self._page_out(self._entries(), self._clean)
+        self._clean = True
+        return dropped
+
+    def page_out_params(self, params: Any) -> int:
+        """:meth:`page_out` for the state of ``params`` only, written whether or not it changed (a fused
+        update pages each parameter's state out right after stepping it)."""
+        return self._page_out(self._entries(params), False)
+
+    def _page_out(self, entries: list[tuple[tuple[int, str], dict[str, Any], str, torch.Tensor]], clean: bool) -> int:
         self._check_open()
-        entries = self._entries()
         if not entries:
             return 0
         t0 = time.perf_counter()
@@ -176,7 +193,7 @@ class OptimizerStatePager:
                 slot.shape, slot.dtype = tuple(v.shape), v.dtype
                 fresh = False
             slots.append(slot)
-            if fresh or not self._clean:
+            if fresh or not clean:
                 try:
                     write_all(self._fd, _view(v), slot.offset)
                 except OSError as e:
@@ -192,16 +209,34 @@ class OptimizerStatePager:
         self._stats["write_s"] += time.perf_counter() - t0
         self._stats["paged_tensors"] = len(self._paged)
         self._stats["paged_bytes"] = sum(s.nbytes for s in self._paged.values())
-        self._clean = True
         return dropped
 
     def page_in(self) -> int:
         """Read the paged-out state back into fresh tensors in ``optimizer.state``; returns the bytes read."""
+        read = self._page_in(None)
+        self._clean = True
+        return read
+
+    def page_in_params(self, params: Any) -> int:
+        """:meth:`page_in` for the state of ``params`` only."""
+        return self._page_in(params)
+
+    @contextlib.contextmanager
+    def muted(self) -> Any:
+        """Inside, the optimizer's ``step()`` does not page the whole state back in (a fused update pages
+        each parameter's own; :mod:`.fused`)."""
+        was, self._muted = self._muted, True
+        try:
+            yield
+        finally:
+            self._muted = was
+
+    def _page_in(self, params: Any) -> int:
         if not self._paged or self.closed:
             return 0
         t0 = time.perf_counter()
         read = 0
-        for p, st in self.optimizer.state.items():
+        for p, st in self._states(params):
             for k in list(st):
                 slot = self._paged.get((id(p), k)) if isinstance(k, str) else None
                 if slot is None or not (isinstance(st[k], torch.Tensor) and st[k].is_meta):
@@ -212,15 +247,17 @@ class OptimizerStatePager:
                 except OSError as e:
                     raise PagingError(f"reading the optimizer state back from {self.path} failed: {e}") from e
                 st[k] = t
+                del self._paged[(id(p), k)]
                 read += slot.nbytes
-        self._paged.clear()
-        self._clean = True
+        if params is None:
+            self._paged.clear()
         self._stats["read_bytes"] += read
         self._stats["read_s"] += time.perf_counter() - t0
         return read
 
     def _before_use(self, *_: Any) -> None:  # a hook's return value would replace the call's arguments
-        self.page_in()
+        if not self._muted:
+            self.page_in()
 
     def _stepped(self, *_: Any) -> None:
         self._clean = False

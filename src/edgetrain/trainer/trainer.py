@@ -103,8 +103,10 @@ class Trainer:
                              if self.config.checkpoint_dir is not None else None)
         self.example = as_pair(example) if example is not None else self._peek()
         static_budget = None if callable(memory_budget) else memory_budget
-        self.step = prepare(model, optimizer, loss_fn, self.example, memory_budget=static_budget,
-                            **dict(prepare_options or {}))
+        options = dict(prepare_options or {})
+        if self.config.grad_clip_norm or self.config.grad_clip_value:  # clipping needs every gradient first
+            options["planning"] = _unfused(options.get("planning"), options)
+        self.step = prepare(model, optimizer, loss_fn, self.example, memory_budget=static_budget, **options)
         self.step.before_optimizer_step = self._clip if (self.config.grad_clip_norm or
                                                          self.config.grad_clip_value) else None
         self._pending_budget: int | str | None = None
@@ -299,3 +301,15 @@ class Trainer:
 
 def _plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _unfused(planning: Any, options: dict[str, Any]) -> Any:
+    """``planning`` (a PlanConfig or None) with the optimizer update kept after the backward; the deprecated
+    planning keywords in ``options`` move into it."""
+    from ..config import LEGACY_KWARGS, PlanConfig
+
+    if planning is None:
+        moved = {LEGACY_KWARGS[k][1]: options.pop(k) for k in list(options)
+                 if k in LEGACY_KWARGS and LEGACY_KWARGS[k][0] == "planning"}
+        planning = PlanConfig(**moved)
+    return replace(planning, fused_update=False)
