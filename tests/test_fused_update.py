@@ -397,3 +397,15 @@ def test_the_cli_reads_fused_update():
         assert load_train_config(None, {"fused_update": given}).fused_update == read
     with pytest.raises(ConfigError, match="fused_update must be auto, true or false"):
         load_train_config(None, {"fused_update": "sometimes"})
+
+
+def test_the_smallest_budget_named_counts_the_fused_update_and_a_retry_there_fits():
+    """A budget too small for any plan names the smallest of every way's minimum, the fused update's
+    measured at the whole batch; prepare at the named budget then fits (exact steps)."""
+    low = 64 * 2**20
+    held = _child(low, "0")
+    auto = _child(low, "auto")
+    assert "min_feasible" in held and "min_feasible" in auto
+    assert auto["min_feasible"] < held["min_feasible"]  # the fused update's minimum is the smaller
+    again = _child(auto["min_feasible"], "auto")
+    assert again.get("same") and again["fused"] and again["peak"] <= auto["min_feasible"]

@@ -123,6 +123,8 @@ class Analysis:
     fused_bytes: int = 0
     fused_s: float = 0.0
     fused_held: int = 0  # gradients of parameters several stages read: held to the end (runtime.fused.deferred)
+    # the cost model's fastest step holding the gradients (set by _state_modes; inf: none fits the model)
+    _unfused_best_s: float = field(default=float("inf"), init=False, repr=False)
     #: profiles this analysis took, by cache key (:func:`~edgetrain.profile.stages.profile_chain`'s ``memo``)
     profiles: dict[str, Any] = field(default_factory=dict)
 
@@ -258,18 +260,27 @@ class Analysis:
             self.profiles.update(new)
             return got
 
+        def reprofile_less(by: int) -> Callable[[int], CostChain]:
+            """Re-profiling for a planner whose fixed bytes are ``by`` less than the profile's: the sizes profiled
+            are those its room admits, and its model keeps the shift (the smallest budget it names is then its
+            own way's)."""
+            def again(b: int) -> CostChain:
+                got = reprofile(b + by)
+                return replace(got, fixed_bytes=got.fixed_bytes - by)
+            return again if by else reprofile
+
         def planner_for(paged: bool, fused: bool = False) -> Planner:
             shift = self.pageable_state if paged else 0  # out during the passes, back for the update
+            opts = {**self.solver_kw, **block_solver_options(chain, self.solver)}
             if fused:  # no update after the passes; one parameter's gradient at a time, the whole batch at once
-                return Planner(replace(costs, fixed_bytes=costs.fixed_bytes - shift - self.fused_shift()),
-                               self.budget, self.margin, self.solver, self.batch, True, self.min_micro, 0,
-                               {**self.solver_kw, **block_solver_options(chain, self.solver)}, reprofile=reprofile,
+                shift += self.fused_shift()
+                return Planner(replace(costs, fixed_bytes=costs.fixed_bytes - shift), self.budget, self.margin,
+                               self.solver, self.batch, True, self.min_micro, 0, opts, reprofile=reprofile_less(shift),
                                margin_share=self.margin_share, whole_batch_only=True, runs_vary=chain.skips_blocks)
             return Planner(replace(costs, fixed_bytes=costs.fixed_bytes - shift), self.budget, self.margin,
-                           self.solver, micro, self.prefer_full_batch, self.min_micro, self.update_bytes + shift,
-                           {**self.solver_kw, **block_solver_options(chain, self.solver)},
-                           reprofile=reprofile, margin_share=self.margin_share, whole_batch_only=bool(reasons),
-                           runs_vary=chain.skips_blocks)
+                           self.solver, micro, self.prefer_full_batch, self.min_micro, self.update_bytes + shift, opts,
+                           reprofile=reprofile_less(shift), margin_share=self.margin_share,
+                           whole_batch_only=bool(reasons), runs_vary=chain.skips_blocks)
 
         if self.fuse:
             from ..runtime.fused import shared_parameter_bytes
@@ -280,7 +291,9 @@ class Analysis:
             plan = planner.plan(None)
             return Outcome(_noted(plan, reasons), costs, 0, planner.sizes())
         errors: list[BudgetError] = []
-        for paged, fused in self._state_modes(planner_for):
+        fallback: Outcome | None = None
+        modes = self._state_modes(planner_for)
+        for i, (paged, fused) in enumerate(modes):
             planner = planner_for(paged, fused)
             try:
                 # a plan paging the state or fusing the update carries it in its time and notes: planned afresh
@@ -290,6 +303,8 @@ class Analysis:
                     self.validator(chain, isolated=True, paged=paged, fused=fused), self.unallocated(paged, fused),
                     0 if fused else self.grads, first=first)
             except BudgetError as e:
+                log.info("%s fits no plan (smallest budget %s)", _mode_name(paged, fused),
+                         "?" if e.min_feasible_bytes is None else f"{e.min_feasible_bytes / 2**20:.1f} MiB")
                 errors.append(e)  # another way of holding the state may fit
                 continue
             if paged:
@@ -303,9 +318,22 @@ class Analysis:
                 # batch, and then does): the fixed bytes get them back
                 costs_v = replace(costs_v, fixed_bytes=costs_v.fixed_bytes + self.fused_shift())
                 update = self.update_bytes + (self.pageable_state if paged else 0)
-            return Outcome(_noted(plan, reasons), costs_v, first_run, planner_for(paged).sizes(),
-                           page_state=paged, update_bytes=update, fused=fused)
-        # neither way fits: name the smaller of the two smallest budgets (a retry there takes that way)
+            outcome = Outcome(_noted(plan, reasons), costs_v, first_run, planner_for(paged).sizes(),
+                              page_state=paged, update_bytes=update, fused=fused)
+            if fused and self.fuse == "auto" and i + 1 < len(modes) and \
+                    plan.step_time_s >= 0.98 * self._unfused_best_s:
+                # validation corrected the fused model into a plan no faster than holding the gradients promised:
+                # that way is validated too, and the faster of the two validated plans taken
+                log.info("the update fused into the backward validated a plan predicted at %.0f ms, no faster than "
+                         "%.0f ms after it: trying that way", plan.step_time_s * 1e3, self._unfused_best_s * 1e3)
+                fallback = fallback or outcome
+                continue
+            if fallback is not None and fallback.plan.step_time_s < outcome.plan.step_time_s:
+                return fallback  # validated, that way needed more: the fused plan is the faster after all
+            return outcome
+        if fallback is not None:
+            return fallback
+        # no way fits: name the smallest of their smallest budgets (a retry there takes that way)
         raise min(errors, key=lambda e: e.min_feasible_bytes or float("inf"))
 
     def state_io_s(self) -> float:
@@ -334,6 +362,7 @@ class Analysis:
                 times.append(planner_for(p).plan(self.plan_budget).step_time_s + (self.state_io_s() if p else 0.0))
             except BudgetError:
                 times.append(float("inf"))
+        self._unfused_best_s = min(times, default=float("inf"))
         # fusing must win clearly: holding the gradients is the plainer step
         at = next((i for i, other in enumerate(times) if t < 0.98 * other), len(modes))
         return modes[:at] + [(paged, True)] + modes[at:]
@@ -387,6 +416,11 @@ class Analysis:
             notes=plan.notes + (f"optimizer update fused into the backward: each parameter is stepped as soon as its "
                                 f"gradient is complete and the gradient freed ({format_bytes(self.fused_shift())} "
                                 "of gradients never held at once; the same update as one optimizer.step())",))
+
+
+def _mode_name(paged: bool, fused: bool) -> str:
+    return ("the update fused into the backward" if fused else "the update after the backward") + \
+        (", the optimizer state paged" if paged else "")
 
 
 #: the plan metadata key of a step that fuses the optimizer update into the backward
