@@ -73,6 +73,9 @@ class Outcome:
     page_state: bool = False  # the optimizer state is paged out during the passes
     update_bytes: int = 0  # what the update adds to the fixed bytes (the paged state read back included)
     fused: bool = False  # the optimizer steps each parameter inside the backward (runtime.fused)
+    # the plan as its way's planner validated it, before that way's time and notes were added (another
+    # process's analysis runs it first: ``Analysis.analyse``'s ``tried``)
+    validated: Plan | None = None
 
 
 @dataclass(kw_only=True)
@@ -227,9 +230,10 @@ class Analysis:
                            "would change them once per micro-batch")
         return tuple(reasons)
 
-    def analyse(self, chain: Any, costs: CostChain | None = None, tried: Plan | None = None) -> Outcome:
-        """Profile (unless ``costs`` are given), plan and validate; ``tried``, a plan another process validated
-        from these costs, is run first (:meth:`Planner.plan_validated`)."""
+    def analyse(self, chain: Any, costs: CostChain | None = None, tried: Outcome | None = None) -> Outcome:
+        """Profile (unless ``costs`` are given), plan and validate; ``tried``, what another process's analysis
+        found from these costs: its way of holding the state is tried first and its plan run first
+        (:meth:`Planner.plan_validated`), since that process validated the ways against each other."""
         reasons = self.unsplittable(chain)
         micro = self.micro_batch_size
         if reasons:
@@ -248,7 +252,7 @@ class Analysis:
                               budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes) from e
 
     def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...],
-                 tried: Plan | None = None) -> Outcome:
+                 tried: Outcome | None = None) -> Outcome:
         def reprofile(b: int) -> CostChain:
             def work() -> tuple[CostChain, dict[str, Any]]:
                 known = set(self.profiles)
@@ -293,12 +297,14 @@ class Analysis:
         errors: list[BudgetError] = []
         fallback: Outcome | None = None
         modes = self._state_modes(planner_for)
+        chosen = None if tried is None else (tried.page_state, tried.fused)
+        if chosen in modes:
+            modes.remove(chosen)
+            modes.insert(0, chosen)
         for i, (paged, fused) in enumerate(modes):
             planner = planner_for(paged, fused)
             try:
-                # a plan paging the state or fusing the update carries it in its time and notes: planned afresh
-                plain_mode = not paged and not fused
-                first = tried if plain_mode and tried is not None and not _pages_state(tried) else None
+                first = tried.validated if tried is not None and (paged, fused) == chosen else None
                 plan, costs_v = planner.plan_validated(
                     self.validator(chain, isolated=True, paged=paged, fused=fused), self.unallocated(paged, fused),
                     0 if fused else self.grads, first=first)
@@ -307,6 +313,7 @@ class Analysis:
                          "?" if e.min_feasible_bytes is None else f"{e.min_feasible_bytes / 2**20:.1f} MiB")
                 errors.append(e)  # another way of holding the state may fit
                 continue
+            validated = plan
             if paged:
                 plan = self._paged_plan(plan, per_parameter=fused)
             floor = planner.floor if planner.floor is not None else costs_v.fixed_bytes
@@ -319,8 +326,8 @@ class Analysis:
                 costs_v = replace(costs_v, fixed_bytes=costs_v.fixed_bytes + self.fused_shift())
                 update = self.update_bytes + (self.pageable_state if paged else 0)
             outcome = Outcome(_noted(plan, reasons), costs_v, first_run, planner_for(paged).sizes(),
-                              page_state=paged, update_bytes=update, fused=fused)
-            if fused and self.fuse == "auto" and i + 1 < len(modes) and \
+                              page_state=paged, update_bytes=update, fused=fused, validated=validated)
+            if fused and self.fuse == "auto" and i + 1 < len(modes) and chosen != (paged, fused) and \
                     plan.step_time_s >= 0.98 * self._unfused_best_s:
                 # validation corrected the fused model into a plan no faster than holding the gradients promised:
                 # that way is validated too, and the faster of the two validated plans taken
@@ -425,10 +432,6 @@ def _mode_name(paged: bool, fused: bool) -> str:
 
 #: the plan metadata key of a step that fuses the optimizer update into the backward
 FUSED_KEY = "optimizer_update_fused"
-
-
-def _pages_state(plan: Plan) -> bool:
-    return "optimizer_state_paged_bytes" in plan.metadata or FUSED_KEY in plan.metadata
 
 
 def block_solver_options(chain: Any, solver: str) -> dict[str, Any]:

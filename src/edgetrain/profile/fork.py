@@ -256,8 +256,8 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
     Args:
         capture_chain: builds the stage chain.
         analyse: ``analyse(chain)`` profiles, plans and validates, returning a result with ``.costs`` and
-            ``.plan``; ``analyse(chain, costs)`` skips profiling; ``analyse(chain, costs, plan)`` also runs
-            ``plan`` (the child's) first.
+            ``.plan``; ``analyse(chain, costs)`` skips profiling; ``analyse(chain, costs, outcome)`` also runs
+            ``outcome``'s plan (the child's) first, in its way of holding the optimizer state.
         budget: the memory budget (None: no child is needed).
         can_fork: False runs everything in this process.
         profile: ``profile(chain)`` returns the costs ``analyse`` takes; None profiles in the validating child.
@@ -320,9 +320,9 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
     if res is not None and res.error is None and torch.get_num_threads() == CHILD_THREADS:
         # Plan and validate here from the child's corrected costs: this process holds no kernels of the
         # profiled shapes, and its own first run of the plan is measured like the child's was. The child's
-        # plan is run first: its run measured what the costs alone may rule out (activations below the
+        # plan is run first, and its way of holding the optimizer state (the child validated the ways): its run measured what the costs alone may rule out (activations below the
         # profile's), and this process re-planning from the costs took slower plans than the child's.
-        return chain, analyse(chain, res.value.costs, res.value.plan)
+        return chain, analyse(chain, res.value.costs, res.value)
     return chain, analyse(chain)
 
 

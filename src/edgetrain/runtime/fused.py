@@ -83,19 +83,25 @@ def _stage_parameters(stage: Any) -> dict[int, torch.Tensor]:
     return found
 
 
+def _shared(chain: Any) -> tuple[dict[int, tuple[int, ...]], dict[int, torch.Tensor]]:
+    readers: dict[int, list[int]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for st in chain.stages:
+        for pid, p in _stage_parameters(st).items():
+            readers.setdefault(pid, []).append(st.index)
+            params[pid] = p
+    return {pid: tuple(idx) for pid, idx in readers.items() if len(idx) > 1}, params
+
+
 def shared_parameters(chain: Any) -> dict[int, tuple[int, ...]]:
     """Parameters that more than one stage of ``chain`` reads: id -> the indices of those stages."""
-    readers: dict[int, list[int]] = {}
-    for st in chain.stages:
-        for pid in _stage_parameters(st):
-            readers.setdefault(pid, []).append(st.index)
-    return {pid: tuple(idx) for pid, idx in readers.items() if len(idx) > 1}
+    return _shared(chain)[0]
 
 
 def shared_parameter_bytes(chain: Any) -> int:
     """Bytes of the parameters more than one stage reads (the most a fused update may hold back)."""
-    params = {pid: p for st in chain.stages for pid, p in _stage_parameters(st).items()}
-    return sum(params[pid].numel() * params[pid].element_size() for pid in shared_parameters(chain))
+    shared, params = _shared(chain)
+    return sum(params[pid].numel() * params[pid].element_size() for pid in shared)
 
 
 def deferred(chain: Any) -> set[int]:
@@ -190,17 +196,15 @@ class FusedUpdate:
             self.record[id(p)] = p.grad.detach().clone()
         if sp is not None:
             sp.page_in_params((p,))
-        one = dict(group)
-        one["params"] = [p]
-        groups = opt.param_groups
-        opt.param_groups = [one]
+        # the group itself narrowed to this parameter: an option the update writes lands where it belongs
+        groups, params = opt.param_groups, group["params"]
+        group["params"] = [p]
+        opt.param_groups = [group]
         try:
             opt.step()
         finally:
             opt.param_groups = groups
-        for k, v in one.items():  # an option the update wrote (none of SUPPORTED does) goes back to the group
-            if k != "params" and group.get(k) is not v:
-                group[k] = v
+            group["params"] = params
         p.grad = None
         if sp is not None:
             sp.page_out_params((p,))
