@@ -366,8 +366,9 @@ class Planner(SmallestPlanSearch):
     def _correct(self, plan: Plan, m: Measured, unallocated: int, grads: int) -> tuple[int, int]:
         """Set the fixed bytes to what the process really holds, plus any activation under-prediction.
 
-        Returns the plan's peak under the corrected model, and the peak its run measured (plus what real
-        steps add: optimizer state; and the optimizer update's transient).
+        Returns the plan's peak under the corrected model (before a run that began above where it ended
+        raised it to the run's), and the peak its run measured (plus what real steps add: optimizer state;
+        and the optimizer update's transient).
         """
         rec = recomputes(plan)
         act_pred = predicted_activations(plan, self.fixed_at(plan.micro_batch_size, rec))
@@ -391,7 +392,7 @@ class Planner(SmallestPlanSearch):
             # real steps measured the update itself: its transients replace the probes' estimate
             self.update_bytes = max(0, m.update_peak + unallocated - grads - fixed)
         measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
-        model_peak = max(fixed + act_pred, fixed + self.update_bytes)
+        model_peak = predicted = max(fixed + act_pred, fixed + self.update_bytes)
         if measured > model_peak:
             # the run began above where it ended (a heap given back during it): the corrected model must still
             # put this plan at its run's peak, or the next solve takes it again and re-reads the same miss
@@ -406,7 +407,7 @@ class Planner(SmallestPlanSearch):
         if self._rss0 is None:
             self._rss0 = m.rss_before
         self._grown[plan_key(plan)] = max(0, m.rss_before - self._rss0)
-        return model_peak, measured
+        return predicted, measured
 
     def _as_fresh(self, plan: Plan, measured: int) -> int:
         """A run's measurement as a fresh process would take it: less what the planning process had grown by
