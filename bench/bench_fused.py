@@ -105,7 +105,7 @@ def table(records: list[dict[str, Any]]) -> Table:
         peak, step = min(rec["peaks"]), statistics.median(rec["times"])
         if rec["way"] == WAYS[0][0]:
             base[key] = {"peak": peak, "step": step}
-            t.add(rec["model"], rec["optimizer"], rec["way"], mib(peak), "1.00", secs(step, 3), "1.00", "")
+            t.add(rec["model"], rec["optimizer"], rec["way"], mib(peak), ratio(1.0), secs(step, 3), ratio(1.0), "")
             continue
         b = base.get(key)
         shape = f"{rec.get('keep', '?')}/{rec.get('stages', '?')} kept" + \

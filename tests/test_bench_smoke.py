@@ -299,3 +299,40 @@ def test_compile_entries_in_tables_and_versus_lines() -> None:
     table = bb.compile_table(rep).to_text()
     assert "450.0" in table and "300.0" in table
     assert bb.COMPILE in bb.build_report([rep], None, [("command", "x")], markdown=True)
+
+
+def test_bench_fused_rounds_and_table(monkeypatch) -> None:
+    """bench_fused.py on fake jobs: plain first in each round, the budget twice plain's first peak, every way
+    forced by its PlanConfig keys, the best peak and the median step per row, ratios to plain's row, a failed
+    way shown as failed."""
+    import bench_fused as bf
+
+    import edgetrain.measure as measure
+
+    seen = []
+    peaks = {None: 400, False: 300, True: 250}
+
+    def fake(job, timeout_s=None):
+        seen.append(job)
+        if job.mode == "plain":
+            return ok(400 + len(seen), 1.0)
+        if job.fused_update is True and job.page_optimizer_state is False:
+            return JobResult(error="boom", error_type="RuntimeError")
+        meta = {"optimizer_update_fused": True} if job.fused_update else {}
+        if job.page_optimizer_state:
+            meta["optimizer_state_paged_bytes"] = 1
+        return ok(peaks[job.page_optimizer_state] - (10 if job.fused_update else 0), 0.5 + 0.1 * len(seen) % 2,
+                  {"policies": ["keep"] * 4, "metadata": meta})
+
+    monkeypatch.setattr(measure, "run_isolated", fake)
+    records = bf.measure(["resnet18"], ["sgd"], 2, 3, 1, _common.Progress(quiet=True))
+    assert [j.mode for j in seen[:5]] == ["plain"] + ["edgetrain"] * 4 and len(seen) == 10
+    assert all(j.budget == 2 * int(401 * MIB) for j in seen if j.mode == "edgetrain")
+    assert [(j.fused_update, j.page_optimizer_state) for j in seen[1:5]] == [(w[1], w[2]) for w in bf.WAYS[1:]]
+    t = bf.table(records)
+    rows = {r[2]: r for r in t.rows}
+    assert rows["plain PyTorch"][3] == "401.0"  # the lower peak of the two rounds
+    fp = rows["update fused, state paged per parameter"]
+    assert fp[3] == "240.0" and fp[4] == "0.60x" and fp[7] == "4/4 kept, fused, state paged"
+    assert rows["update fused into the backward"][3] == "failed" and "boom" in rows["update fused into the backward"][7]
+    assert "update fused into the backward" in t.to_markdown()
