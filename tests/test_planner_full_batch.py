@@ -4,18 +4,13 @@ keeping every stage where the profile over-states it, and the plan the analysing
 import pytest
 
 from edgetrain.errors import BudgetError
-from edgetrain.graph import CostChain, Linear, StageCost, simulate
+from edgetrain.graph import simulate
 from edgetrain.planning.planner import Measured, Planner
+
+from _chains import per_call_chain as _per_call
 
 MIB = 2**20
 HELD = 100 * MIB
-
-
-def _per_call(fixed: int) -> CostChain:
-    """:func:`chain` with a per-call cost, so that splitting the batch costs time as it does on a CPU."""
-    stages = tuple(StageCost(f"s{i}", fwd_s=Linear(0.002, 0.01), bwd_s=Linear(0.004, 0.02),
-                             saved_bytes=Linear(0, 4 * MIB), out_bytes=Linear(0, MIB)) for i in range(6))
-    return CostChain(stages, 8, Linear(0, MIB), fixed)
 
 
 def _gradients_made_in_backward(grads: int):

@@ -6,18 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.graph import CostChain, Linear, StageCost, simulate
+from edgetrain.graph import simulate
 from edgetrain.planning.analysis import FUSED_KEY, Analysis, Outcome
 from edgetrain.planning.planner import Measured, Planner
 
+from _chains import per_call_chain as _chain
+
 MIB = 2**20
 HELD = 100 * MIB
-
-
-def _chain(fixed: int) -> CostChain:
-    stages = tuple(StageCost(f"s{i}", fwd_s=Linear(0.002, 0.01), bwd_s=Linear(0.004, 0.02),
-                             saved_bytes=Linear(0, 4 * MIB), out_bytes=Linear(0, MIB)) for i in range(6))
-    return CostChain(stages, 8, Linear(0, MIB), fixed)
 
 
 def test_a_run_that_began_above_where_it_ended_is_not_planned_again():
