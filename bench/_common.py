@@ -101,6 +101,10 @@ class ModelSpec:
     batchnorm: bool = False  # trains BatchNorm layers (micro-batching then changes their statistics)
 
 
+#: job environments: plain PyTorch as users run it (glibc's allocator), edgetrain without its profile cache
+SYSTEM_ALLOC = {"EDGETRAIN_ALLOCATOR": "system"}
+NO_CACHE = {"EDGETRAIN_NO_CACHE": "1"}
+
 MNV2_KW = {"num_classes": 10, "in_channels": 3}
 RN18_KW = {"num_classes": 10, "in_channels": 3, "small_input": True}
 TF_KW = {"num_classes": 10, "input_dim": 28}

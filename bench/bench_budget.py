@@ -53,14 +53,13 @@ from _budget_search import (  # noqa: E402,F401  (re-exported: tests read them h
     micro_batch_candidates, segment_candidates,
 )
 from _common import (  # noqa: E402
-    FULL_MODELS, MNV2_KW, RN18_KW, TF_KW, ModelSpec, Progress, machine_info, mib, render, secs,
+    FULL_MODELS, MNV2_KW, NO_CACHE, RN18_KW, SYSTEM_ALLOC, TF_KW, ModelSpec, Progress, machine_info, mib, render,
+    secs,
 )
 
 from edgetrain.measure import Job, JobResult, run_isolated  # noqa: E402
 
 MIB = 2**20
-SYSTEM_ALLOC = {"EDGETRAIN_ALLOCATOR": "system"}
-NO_CACHE = {"EDGETRAIN_NO_CACHE": "1"}
 
 
 QUICK_MODELS = {"mobilenet_v2": ModelSpec("mobilenet_v2", MNV2_KW, (3, 32, 32), 16),

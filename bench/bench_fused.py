@@ -29,7 +29,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import FULL_MODELS, Progress, Table, machine_info, mib, ratio, render, secs  # noqa: E402
+from _common import (  # noqa: E402
+    FULL_MODELS, NO_CACHE, SYSTEM_ALLOC, Progress, Table, machine_info, mib, ratio, render, secs,
+)
 
 #: (label, PlanConfig.fused_update, PlanConfig.page_optimizer_state); None: plain PyTorch
 WAYS: list[tuple[str, Any, Any]] = [
@@ -47,10 +49,10 @@ def _job(spec: Any, optimizer: str, way: tuple[str, Any, Any], budget: int | Non
     _, fused, paged = way
     if fused is None:
         return Job(spec.name, spec.input_shape, spec.batch_size, mode="plain", model_kwargs=spec.kwargs,
-                   optimizer=optimizer, steps=steps, threads=threads, env={"EDGETRAIN_ALLOCATOR": "system"})
+                   optimizer=optimizer, steps=steps, threads=threads, env=SYSTEM_ALLOC)
     return Job(spec.name, spec.input_shape, spec.batch_size, mode="edgetrain", model_kwargs=spec.kwargs,
                budget=budget, optimizer=optimizer, steps=steps, threads=threads, fused_update=fused,
-               page_optimizer_state=paged, env={"EDGETRAIN_NO_CACHE": "1"})
+               page_optimizer_state=paged, env=NO_CACHE)
 
 
 def measure(models: list[str], optimizers: list[str], rounds: int, steps: int, threads: int,

@@ -380,6 +380,15 @@ class Planner(SmallestPlanSearch):
         # grown process given back (a test suite's process: -12 KiB after a tiny model's run, and a 1 KiB
         # budget then "fitted"), not a negative cost.
         fixed = max(0, m.rss_after) + unallocated + act_excess
+        # real steps measured the update itself: its transients replace the probes' estimate
+        update = self.update_bytes if m.update_peak is None else max(0, m.update_peak + unallocated - grads - fixed)
+        run_peak = m.peak + unallocated - grads
+        predicted = fixed + max(act_pred, update)
+        # A run that began above where it ended (a heap given back during it) peaks above the fixed bytes it
+        # leaves plus its activations: the model must still put this plan at its run's peak, or the next solve
+        # takes it again and re-reads the same miss (ResNet-18 batch 32, update fused: 196.4 MiB measured,
+        # 195.2 modelled, 195.7 the plan budget).
+        fixed += max(0, run_peak - predicted)
         log.info("validation: activations measured %.1f MiB vs %.1f predicted; fixed %.1f MiB at micro-batch "
                  "%d (was %.1f)", act_meas / 2**20, act_pred / 2**20, fixed / 2**20, plan.micro_batch_size,
                  self.fixed_at(plan.micro_batch_size, rec) / 2**20)
@@ -388,19 +397,9 @@ class Planner(SmallestPlanSearch):
             self._ran_at[plan_key(plan)] = m.process_rss
         self.floor = m.rss_before + unallocated
         self._with_fixed(fixed - self.costs.fixed_bytes)
-        if m.update_peak is not None:
-            # real steps measured the update itself: its transients replace the probes' estimate
-            self.update_bytes = max(0, m.update_peak + unallocated - grads - fixed)
-        measured = max(m.peak + unallocated - grads, fixed + self.update_bytes)
-        model_peak = predicted = max(fixed + act_pred, fixed + self.update_bytes)
-        if measured > model_peak:
-            # the run began above where it ended (a heap given back during it): the corrected model must still
-            # put this plan at its run's peak, or the next solve takes it again and re-reads the same miss
-            # (ResNet-18 batch 32, update fused: 196.4 MiB measured, 195.2 modelled, 195.7 the plan budget)
-            fixed += measured - model_peak
-            self._fixed_at[(plan.micro_batch_size, rec)] = fixed
-            self._with_fixed(fixed - self.costs.fixed_bytes)
-            model_peak = measured
+        self.update_bytes = update
+        measured = max(run_peak, fixed + update)
+        model_peak = fixed + max(act_pred, update)
         if self.runs_vary:
             measured = max(measured, model_peak)
         self._runs[plan_key(plan)] = plan, model_peak, measured

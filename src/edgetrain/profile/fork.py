@@ -320,7 +320,8 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
     if res is not None and res.error is None and torch.get_num_threads() == CHILD_THREADS:
         # Plan and validate here from the child's corrected costs: this process holds no kernels of the
         # profiled shapes, and its own first run of the plan is measured like the child's was. The child's
-        # plan is run first, and its way of holding the optimizer state (the child validated the ways): its run measured what the costs alone may rule out (activations below the
+        # way of holding the optimizer state is tried first (the child validated the ways against each other)
+        # and its plan run first: its run measured what the costs alone may rule out (activations below the
         # profile's), and this process re-planning from the costs took slower plans than the child's.
         return chain, analyse(chain, res.value.costs, res.value)
     return chain, analyse(chain)
