@@ -10,6 +10,7 @@ from typing import Any
 from .config import PagingConfig, PlanConfig
 from .errors import BudgetError, CaptureError, ConfigError, EdgetrainError, InputError, ProfileError
 from .graph import CostChain, Linear, StageCost, simulate
+from .losses import TokenCrossEntropyLoss
 from .plan import Plan
 from .profile import memory  # noqa: F401  (records the budget baseline, tunes malloc)
 from .units import format_bytes, parse_bytes
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetError", "CaptureError", "ConfigError", "EdgetrainError", "InputError", "ProfileError",
     "CostChain", "Linear", "StageCost", "simulate", "Plan", "format_bytes", "parse_bytes",
-    "PlanConfig", "PagingConfig",
+    "PlanConfig", "PagingConfig", "TokenCrossEntropyLoss",
 ]
 
 from .api import TrainStep, prepare  # noqa: E402

@@ -116,14 +116,17 @@ class LossNorm:
         if self.kind == OPAQUE:
             return ("the loss is neither a mean nor a sum over samples on the example batch (split in two, its "
                     "parts do not add up to the whole), so micro-batches could not reproduce its gradients (a "
-                    "mean over the tokens that count, computed inside the model from labels with padding, is "
-                    "one: pass the labels as targets and loss_fn=nn.CrossEntropyLoss(ignore_index=-100) on the "
-                    "logits to let edgetrain split it)")
+                    "mean over the tokens that count, computed inside the model from labels with padding or by "
+                    "a lambda, is one: pass the labels as targets and loss_fn=edgetrain.TokenCrossEntropyLoss() "
+                    "(shift=True for a causal language model) to let edgetrain split it)")
         return ""
 
     def weight(self, targets: Any, size: int) -> float:
         """What a slice of ``size`` samples with ``targets`` contributes to the batch's normaliser."""
         if self.kind == WEIGHTED:
+            own = getattr(self.loss_fn, "target_weight", None)  # a loss that shifts its targets counts them itself
+            if callable(own):
+                return float(own(targets))
             t = targets
             mask = t != self.loss_fn.ignore_index
             w = self.loss_fn.weight
