@@ -45,7 +45,7 @@ def _updated(model: torch.nn.Module, loss_of) -> dict[str, torch.Tensor]:
     loss = loss_of(model)
     if isinstance(loss, torch.Tensor):
         loss.backward()
-        loss = float(loss)
+        loss = float(loss.detach())
     opt.step()
     return {"loss": torch.tensor(loss), **{k: v.detach().clone() for k, v in model.named_parameters()}}
 
@@ -123,3 +123,53 @@ def test_token_loss_reads_model_outputs_and_says_what_does_not_fit():
         loss_fn(logits, y.float())
     with pytest.raises(ValueError, match="reduction"):
         edgetrain.TokenCrossEntropyLoss(reduction="none")
+
+
+def _collated(ids: torch.Tensor, labels: torch.Tensor) -> "transformers.BatchEncoding":
+    """A batch as a Hugging Face collator hands it over: a ``BatchEncoding`` (not a dict) with ``labels``."""
+    return transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+
+
+def test_trainer_takes_collated_batches_and_trains_as_the_models_own_loss():
+    """Two steps of the Trainer on collator batches (``labels`` inside), micro-batched under a fixed size, equal
+    two plain steps of ``model(**batch).loss``; validation's loss is the token mean over the whole data."""
+    ids, labels = _padded_batch()
+    batches = [_collated(ids, labels), _collated(ids.roll(1, 0), labels.roll(1, 0))]
+    model = _causal_lm()
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for b in batches:
+        opt.zero_grad()
+        plain(**b).loss.backward()
+        opt.step()
+    ours = copy.deepcopy(model)
+    trainer = edgetrain.Trainer(ours, torch.optim.SGD(ours.parameters(), lr=0.5),
+                                edgetrain.TokenCrossEntropyLoss(shift=True), batches, [batches[0]],
+                                prepare_options={"planning": edgetrain.PlanConfig(micro_batch_size=3,
+                                                                                  use_cache=False)})
+    assert trainer.step.plan.micro_batch_size == 3
+    trainer.fit(1)
+    for (k, p), q in zip(ours.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=k)
+    # validation: two batches whose sequences count different numbers of tokens weigh by their tokens
+    short = labels.clone()
+    short[:, 2:] = -100
+    val = [_collated(ids, labels), _collated(ids, short)]
+    got = trainer.evaluate(val)["val_loss"]
+    ours.eval()
+    with torch.no_grad():
+        logits = torch.cat([ours(input_ids=ids).logits] * 2)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, V), torch.cat([labels, short])[:, 1:].reshape(-1))
+    assert got == pytest.approx(float(want), rel=1e-5)
+
+
+def test_a_step_takes_the_batch_whole_and_a_mapping_without_labels_is_named():
+    ids, labels = _padded_batch()
+    model = _causal_lm()
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             edgetrain.TokenCrossEntropyLoss(shift=True), _collated(ids, labels))
+    with torch.no_grad():
+        before = float(model(**_collated(ids, labels)).loss)  # the model's own loss, labels handed to it
+    assert step(_collated(ids, labels)) == pytest.approx(before, rel=1e-5)  # labels taken out as the targets
+    with pytest.raises(edgetrain.InputError, match="'labels'"):
+        step({"input_ids": ids})

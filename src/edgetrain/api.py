@@ -11,7 +11,7 @@ from torch import nn
 from ._state import batchnorm_modules
 from .adaptation.controller import grad_bytes_missing
 from .approx import ElasticConfig, GradFilter
-from .batch import batch_signature, batch_size_of, slice_batch
+from .batch import batch_signature, batch_size_of, slice_batch, split_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
 from .capture.modules import replay_kwargs
@@ -38,10 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def _split_example(example: Any) -> tuple[Any, Any]:
-    if not isinstance(example, (tuple, list)) or len(example) != 2:
-        raise InputError("example must be a pair (inputs, targets), e.g. example=(x, y), with every tensor "
-                         "batched on dim 0 like the batches you will train on")
-    return example[0], example[1]
+    return split_batch(example, "example")
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],

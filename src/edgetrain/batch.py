@@ -8,7 +8,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in", "clone_tensors", "call_model"]
+__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in", "clone_tensors", "call_model", "split_batch"]
 
 
 def call_model(model: Any, inputs: Any) -> Any:
@@ -19,6 +19,26 @@ def call_model(model: Any, inputs: Any) -> Any:
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
+
+
+def split_batch(batch: Any, what: str = "a training batch") -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a batch: a pair; a mapping with keys ``inputs`` and ``targets``; or a mapping
+    with ``labels`` (a Hugging Face collator's batch, a ``BatchEncoding`` included), whose other entries are
+    the model's keyword arguments and whose labels are the targets (for the loss, never handed to the model).
+    """
+    if isinstance(batch, Mapping):
+        if "inputs" in batch and "targets" in batch:
+            return batch["inputs"], batch["targets"]
+        if "labels" in batch:
+            return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+        raise InputError(f"{what} given as a mapping needs its targets under 'labels' (the model gets the other "
+                         f"entries as keyword arguments) or keys 'inputs' and 'targets'; got keys "
+                         f"{', '.join(map(repr, batch.keys()))}")
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise InputError(f"{what} must be a pair (inputs, targets), e.g. (x, y), or a mapping with 'labels', with "
+                     "every tensor batched on dim 0; got " + type(batch).__name__
+                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
 
 
 def _leaves(x: Any) -> Iterator[torch.Tensor]:

@@ -15,7 +15,7 @@ from ._state import (autocast_state, backward_outside_autocast, host_rng_state, 
                      set_rng_state)
 from .adaptation.controller import BudgetController
 from .adaptation.table import PlanTable
-from .batch import batch_signature, batch_size_of, slice_batch
+from .batch import batch_signature, batch_size_of, slice_batch, split_batch
 from .capture import bind_inputs
 from .errors import InputError
 from .graph import CostChain, run_micro_batch_sizes
@@ -37,6 +37,9 @@ def _say_single_stage(chain: Any) -> None:
     children capture the model too)."""
     if chain is not None and chain.warning:
         log.warning("%s", chain.warning)
+
+
+_BATCH = object()  # step(batch): inputs and targets in one batch
 
 
 class TrainStep:
@@ -198,12 +201,15 @@ class TrainStep:
                              "prepared for (the budget was planned for that batch); prepare with a larger example")
         return n
 
-    def __call__(self, inputs: Any, targets: Any) -> float:
+    def __call__(self, inputs: Any, targets: Any = _BATCH) -> float:
         """One optimizer step over the whole batch; returns its mean loss.
 
-        The batch is split into micro-batches of the plan; each micro-batch loss is weighted by its share
-        of samples, so gradients equal those of the full batch.
+        ``step(inputs, targets)``, or ``step(batch)`` with a batch as ``prepare``'s example takes it (a mapping
+        with ``labels``: a Hugging Face collator's). The batch is split into micro-batches of the plan; each
+        micro-batch loss is weighted by what it contributes to the batch's, so gradients equal the full batch's.
         """
+        if targets is _BATCH:
+            inputs, targets = split_batch(inputs, "the batch")
         n = self._check(inputs, targets)
         self.budget.poll()
         self.budget.cap_pool()

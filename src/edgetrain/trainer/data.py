@@ -8,6 +8,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from ..batch import split_batch
 from ..errors import InputError
 
 __all__ = ["shuffle_seed", "epoch_batches", "num_batches", "as_pair"]
@@ -67,10 +68,5 @@ def num_batches(data: Any) -> int | None:
 
 
 def as_pair(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of a batch (a pair, or a dict with those keys)."""
-    if isinstance(batch, dict) and "inputs" in batch and "targets" in batch:
-        return batch["inputs"], batch["targets"]
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise InputError(f"a training batch must be a pair (inputs, targets), got {type(batch).__name__}"
-                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+    """``(inputs, targets)`` of a batch (see :func:`edgetrain.batch.split_batch`)."""
+    return split_batch(batch)

@@ -208,6 +208,9 @@ class Trainer:
             return {}
         sums = {"val_loss": 0.0, **{f"val_{k}": 0.0 for k in self.metrics}}
         total = 0
+        loss_total = 0.0  # a mean over the targets that count (tokens) is weighted by their count, as training does
+        norm = self.step.loss_norm
+        by_targets = norm is not None and norm.kind == "weighted"
         # every module's own flag comes back (a frozen part left in eval mode stays so)
         with modes_kept(self.model):
             self.model.eval()
@@ -216,11 +219,15 @@ class Trainer:
                     x, y = as_pair(batch)
                     out = call_model(self.model, x)
                     n = len(y) if hasattr(y, "__len__") else 1
-                    sums["val_loss"] += float(self.loss_fn(out, y)) * n
+                    w = norm.weight(y, n) if by_targets else n
+                    if w:  # a batch with no target that counts has a loss of 0/0 and adds nothing
+                        sums["val_loss"] += float(self.loss_fn(out, y)) * w
+                    loss_total += w
                     for k, fn in self.metrics.items():
                         sums[f"val_{k}"] += float(fn(out, y)) * n
                     total += n
         metrics = {k: v / max(total, 1) for k, v in sums.items()}
+        metrics["val_loss"] = sums["val_loss"] / loss_total if loss_total else 0.0
         self._call("on_eval_end", metrics)
         return metrics
 
