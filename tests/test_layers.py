@@ -21,7 +21,7 @@ ROOT = "edgetrain"
 LAYERS: dict[str, int] = {
     # shared leaf types
     "units": 0, "errors": 0, "settings": 0, "graph": 0, "plan": 0, "devices": 0, "batch": 0, "config": 0,
-    "_state": 0, "native": 0, "forking": 0,
+    "_state": 0, "native": 0, "forking": 0, "losses": 0,
     "capture": 1, "planners": 1,
     "runtime": 2,
     "profile": 3,

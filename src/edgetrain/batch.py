@@ -8,7 +8,8 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "batch_signature", "tensors_in", "clone_tensors", "call_model", "split_batch"]
+__all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature", "tensors_in",
+           "clone_tensors", "call_model", "split_batch"]
 
 
 def call_model(model: Any, inputs: Any) -> Any:
@@ -128,6 +129,33 @@ def clone_tensors(x: Any) -> Any:
 def batch_signature(x: Any) -> tuple[Any, ...]:
     """Per-sample shapes and dtypes (dim 0 dropped): what must match between example and real batches."""
     return tuple((tuple(t.shape[1:]), str(t.dtype), t.device.type) for t in _leaves(x))
+
+
+def describe_signature(sig: tuple[Any, ...]) -> str:
+    return ", ".join(f"{'x'.join(map(str, shape)) or 'scalar'} {dtype.removeprefix('torch.')} on {device}"
+                     for shape, dtype, device in sig)
+
+
+def signature_misfit(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> str | None:
+    """Why a batch of per-sample signature ``sig`` (:func:`batch_signature`) cannot run a step planned for
+    ``planned``, or None when it can: the same tensors in the same order, dtypes and devices, each no larger
+    than planned in any dimension. A shorter sequence (a collator padding to each batch's longest) or a
+    smaller image holds less than the planned batch, so the plan's budget still bounds it, and the plan's
+    policies do not depend on shapes; a larger one could pass the budget."""
+    same = len(sig) == len(planned) and all(d == pd and v == pv and len(s) == len(ps)
+                                            for (s, d, v), (ps, pd, pv) in zip(sig, planned))
+    if not same:
+        return (f"the batch's tensors (per sample: {describe_signature(sig)}) are not those of the example given to "
+                f"prepare() ({describe_signature(planned)}). Prepare again with an example shaped like this batch.")
+    over = [(i, s, ps) for i, ((s, _, _), (ps, _, _)) in enumerate(zip(sig, planned))
+            if any(a > b for a, b in zip(s, ps))]
+    if over:
+        i, s, ps = over[0]
+        return (f"the batch is larger per sample than the example the plan was made for (tensor {i}: "
+                f"{'x'.join(map(str, s))} against {'x'.join(map(str, ps))}), so the plan's memory does not bound "
+                "it. Give prepare() (or the Trainer's example=) a batch as long as the longest you will train "
+                "on, or pad or truncate every batch to the example's length; shorter batches run as they are.")
+    return None
 
 
 def tensors_in(x: Any) -> list[torch.Tensor]:

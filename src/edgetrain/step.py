@@ -15,9 +15,10 @@ from ._state import (autocast_state, backward_outside_autocast, host_rng_state, 
                      set_rng_state)
 from .adaptation.controller import BudgetController
 from .adaptation.table import PlanTable
-from .batch import batch_signature, batch_size_of, slice_batch, split_batch
+from .batch import (batch_signature, batch_size_of, describe_signature, signature_misfit, slice_batch,
+                    split_batch)
 from .capture import bind_inputs
-from .errors import InputError
+from .errors import EdgetrainError, InputError
 from .graph import CostChain, run_micro_batch_sizes
 from .plan import Plan
 from .planning.analysis import block_solver_options
@@ -192,10 +193,10 @@ class TrainStep:
             check_trainable(self.model, self._trainable, self.budget_bytes)
         n = batch_size_of(inputs, targets)
         sig = batch_signature((inputs, targets))
-        if sig != self._signature:
-            raise InputError(f"batch does not match the example given to prepare(): per-sample "
-                             f"(shape, dtype, device) {sig} vs {self._signature}. Prepare again with an example "
-                             "shaped like this batch.")
+        if sig != self._signature:  # smaller per sample runs on the plan (see __call__); anything else is refused
+            misfit = signature_misfit(sig, self._signature)
+            if misfit is not None:
+                raise InputError(misfit)
         if n > self._plan.batch_size:
             raise InputError(f"batch of {n} samples is larger than the {self._plan.batch_size} the step was "
                              "prepared for (the budget was planned for that batch); prepare with a larger example")
@@ -211,6 +212,21 @@ class TrainStep:
         if targets is _BATCH:
             inputs, targets = split_batch(inputs, "the batch")
         n = self._check(inputs, targets)
+        sig = batch_signature((inputs, targets))
+        if sig == self._signature:
+            return self._step(inputs, targets, n)
+        try:  # smaller per sample than the example: the model may not take other sizes in every dimension
+            return self._step(inputs, targets, n)
+        except EdgetrainError:
+            raise
+        except Exception as e:
+            raise InputError(f"the step failed on a batch that does not match the example given to prepare() (per "
+                             f"sample: {describe_signature(sig)}, against {describe_signature(self._signature)}):"
+                             f" {type(e).__name__}: {e}. A batch may be smaller than the example only where the "
+                             "model takes other sizes (a sequence's length, an image's size); prepare again with an "
+                             "example shaped like this batch otherwise.") from e
+
+    def _step(self, inputs: Any, targets: Any, n: int) -> float:
         self.budget.poll()
         self.budget.cap_pool()
         if self.elastic is not None:
