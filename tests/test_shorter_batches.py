@@ -95,3 +95,30 @@ def test_smaller_images_keep_batchnorm_exact_and_the_budget():
     assert got == pytest.approx(float(want.detach()), rel=1e-5)
     for (k, p), q in zip(ours.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)  # BatchNorm statistics and counters too
+
+
+def test_trainer_plans_again_on_a_longer_batch_and_trains_as_plain_pytorch():
+    """A collator pads each batch to its own longest: the first batch is not the longest. The Trainer plans
+    again on each full batch longer than its example (twice here), and trains exactly as the plain loop."""
+    lengths = [12, 20, 9, 28, 16]
+    batches = [_batch(n, seed) for seed, n in enumerate(lengths)]
+    longer = _batch(40, 9)
+    batches.append(transformers.BatchEncoding({k: v[:5, :30] for k, v in longer.items()}))  # short and longer
+    model = _lm()
+    plain, ours = copy.deepcopy(model), copy.deepcopy(model)
+    popt = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)  # linear in the gradients: Adam would magnify
+    for b in batches[:-1]:                                             # the rounding of micro-batch sums
+        popt.zero_grad()
+        plain(**b).loss.backward()
+        popt.step()
+    trainer = edgetrain.Trainer(ours, torch.optim.SGD(ours.parameters(), lr=0.5, momentum=0.9),
+                                edgetrain.TokenCrossEntropyLoss(shift=True), batches[:-1], memory_budget="2GiB",
+                                prepare_options={"planning": edgetrain.PlanConfig(micro_batch_size=3,
+                                                                                  use_cache=False)})
+    trainer.fit(1)
+    assert trainer.replans == 2 and trainer.step.example_signature[0][0] == (28,)
+    assert trainer.step.plan.micro_batch_size == 3  # the options carried over
+    for (k, p), q in zip(ours.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=k)
+    with pytest.raises(edgetrain.InputError, match="as long as the longest"):
+        trainer.step(batches[-1])

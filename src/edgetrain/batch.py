@@ -8,7 +8,8 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature", "tensors_in",
+__all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature", "larger_per_sample",
+           "tensors_in",
            "clone_tensors", "call_model", "split_batch"]
 
 
@@ -136,15 +137,25 @@ def describe_signature(sig: tuple[Any, ...]) -> str:
                      for shape, dtype, device in sig)
 
 
+def _same_tensors(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> bool:
+    return len(sig) == len(planned) and all(d == pd and v == pv and len(s) == len(ps)
+                                            for (s, d, v), (ps, pd, pv) in zip(sig, planned))
+
+
+def larger_per_sample(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> bool:
+    """Whether a batch of signature ``sig`` holds the tensors of ``planned``, one of them larger in a
+    dimension (a longer sequence than the example's): a plan made on it would take it."""
+    return _same_tensors(sig, planned) and any(a > b for (s, _, _), (ps, _, _) in zip(sig, planned)
+                                               for a, b in zip(s, ps))
+
+
 def signature_misfit(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> str | None:
     """Why a batch of per-sample signature ``sig`` (:func:`batch_signature`) cannot run a step planned for
     ``planned``, or None when it can: the same tensors in the same order, dtypes and devices, each no larger
     than planned in any dimension. A shorter sequence (a collator padding to each batch's longest) or a
     smaller image holds less than the planned batch, so the plan's budget still bounds it, and the plan's
     policies do not depend on shapes; a larger one could pass the budget."""
-    same = len(sig) == len(planned) and all(d == pd and v == pv and len(s) == len(ps)
-                                            for (s, d, v), (ps, pd, pv) in zip(sig, planned))
-    if not same:
+    if not _same_tensors(sig, planned):
         return (f"the batch's tensors (per sample: {describe_signature(sig)}) are not those of the example given to "
                 f"prepare() ({describe_signature(planned)}). Prepare again with an example shaped like this batch.")
     over = [(i, s, ps) for i, ((s, _, _), (ps, _, _)) in enumerate(zip(sig, planned))

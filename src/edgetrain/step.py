@@ -97,6 +97,12 @@ class TrainStep:
         self.before_optimizer_step: Callable[[], None] | None = None
 
     @property
+    def example_signature(self) -> tuple[Any, ...]:
+        """Per-sample ``(shape, dtype, device)`` of the example's tensors: what the plan was made for
+        (:func:`~edgetrain.batch.batch_signature`); batches no larger in any dimension run on it."""
+        return self._signature
+
+    @property
     def plan(self) -> Plan:
         """The plan in force."""
         return self._plan

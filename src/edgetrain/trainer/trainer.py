@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from .._state import modes_kept
-from ..batch import call_model
+from ..batch import batch_signature, batch_size_of, call_model, describe_signature, larger_per_sample
 from ..errors import ConfigError
 from ..plan import Plan
 from ._checkpoints import CheckpointDir, TrainerState
@@ -55,7 +56,9 @@ class Trainer:
         callbacks: objects with any of ``on_fit_start``, ``on_step_end``, ``on_eval_end``, ``on_epoch_end``,
             ``on_fit_end`` (see :class:`~edgetrain.trainer.Callback`).
         example: the batch ``prepare`` plans for (default: the first training batch, drawn with every RNG
-            restored afterwards).
+            restored afterwards). Shorter batches run on its plan; a full batch longer per sample (a
+            collator padding to each batch's longest) makes the Trainer plan again on it (logged, counted
+            in :attr:`replans`): pass the longest batch to plan once.
         resume: continue from the newest usable checkpoint in ``config.checkpoint_dir`` (a fresh start when
             there is none).
         prepare_options: further keyword arguments of :func:`edgetrain.prepare` (``planning=PlanConfig(...)``,
@@ -106,6 +109,8 @@ class Trainer:
         options = dict(prepare_options or {})
         if self.config.grad_clip_norm or self.config.grad_clip_value:  # clipping needs every gradient first
             options["planning"] = _unfused(options.get("planning"), options)
+        self._options = options
+        self.replans = 0  # plans made again on a batch longer per sample than the example (see _plan_for)
         self.step = prepare(model, optimizer, loss_fn, self.example, memory_budget=static_budget, **options)
         self.step.before_optimizer_step = self._clip if (self.config.grad_clip_norm or
                                                          self.config.grad_clip_value) else None
@@ -145,6 +150,35 @@ class Trainer:
             torch.nn.utils.clip_grad_value_(params, self.config.grad_clip_value)
         if self.config.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip_norm)
+
+    def _plan_for(self, x: Any, y: Any) -> None:
+        """Plan the step again on this batch when it is a full batch longer per sample than the one the step
+        was planned for (a collator padding each batch to its longest met a longer one): the plan, its budget
+        and its exactness hold for batches no larger than its example, and the longest so far becomes the
+        example. Any other misfit is left to the step, which refuses it with what to do."""
+        from ..api import prepare
+
+        old = self.step
+        sig = batch_signature((x, y))
+        if sig == old.example_signature or not larger_per_sample(sig, old.example_signature):
+            return
+        if batch_size_of(x, y) != old.plan.batch_size:
+            return  # a short batch cannot stand for full ones; the step says what to do
+        t0, rng = time.perf_counter(), capture_rng()
+        try:  # the batches after it draw what they would have drawn without the new plan
+            step = prepare(self.model, self.optimizer, self.loss_fn, (x, y), memory_budget=old.budget_bytes,
+                           **self._options)
+        finally:
+            restore_rng(rng)
+        step.before_optimizer_step, step.budget_source = old.before_optimizer_step, old.budget_source
+        step.steps_done = old.steps_done
+        old.close()
+        self.step, self.example = step, (x, y)
+        self.replans += 1
+        log.warning("batch %d of epoch %d is longer per sample than the step's example (%s, planned for %s): "
+                    "planned again on it in %.1f s; give example= a batch as long as the longest to plan once",
+                    self.state.batch_in_epoch + 1, self.state.epoch + 1, describe_signature(sig),
+                    describe_signature(old.example_signature), time.perf_counter() - t0)
 
     def _peek(self) -> tuple[Any, Any]:
         rng = capture_rng()
@@ -264,6 +298,7 @@ class Trainer:
             loss_sum, n_steps = 0.0, 0
             for batch in progress_bar(batches, total, f"epoch {epoch + 1}/{epochs}", bar_on, initial=skip):
                 x, y = as_pair(batch)
+                self._plan_for(x, y)
                 loss = self.step(x, y)
                 self.state.global_step += 1
                 self.state.batch_in_epoch += 1
