@@ -35,7 +35,7 @@ import os
 import pickle
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -317,14 +317,30 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
         if res.error is not None:
             log.info("analysis in the child failed (%s); running it here", res.error)
     chain = capture_chain()
-    if res is not None and res.error is None and torch.get_num_threads() == CHILD_THREADS:
+    if res is not None and res.error is None:
         # Plan and validate here from the child's corrected costs: this process holds no kernels of the
         # profiled shapes, and its own first run of the plan is measured like the child's was. The child's
         # way of holding the optimizer state is tried first (the child validated the ways against each other)
         # and its plan run first: its run measured what the costs alone may rule out (activations below the
         # profile's), and this process re-planning from the costs took slower plans than the child's.
-        return chain, analyse(chain, res.value.costs, res.value)
+        # A process running more intra-op threads than the child takes the child's costs too (their times
+        # are one thread's, see _thread_note): profiling and validating every size here left 8-16 MiB of
+        # kernels and heap in it for good (an LSTM refused at the 27.6 MiB its child named, then asked for
+        # 41.2), while its own run of the child's plan measures what its threads add.
+        outcome = analyse(chain, res.value.costs, res.value)
+        return chain, _thread_note(outcome)
     return chain, analyse(chain)
+
+
+def _thread_note(outcome: Any) -> Any:
+    """``outcome``, its plan noting that its predicted times are the single-threaded child's when this
+    process runs more intra-op threads (memory was measured here, at this process's thread count)."""
+    threads = torch.get_num_threads()
+    if threads == CHILD_THREADS or not is_dataclass(outcome) or not hasattr(outcome, "plan"):
+        return outcome
+    note = (f"predicted times are for {CHILD_THREADS} intra-op thread (the analysis ran in a single-threaded child); "
+            f"this process runs {threads}, so its steps are faster than predicted")
+    return replace(outcome, plan=outcome.plan.replace(notes=(*outcome.plan.notes, note)))
 
 
 def _raise_budget_error(res: ChildResult) -> None:
