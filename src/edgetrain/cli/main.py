@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "training columns; a .txt of one text per line")
     pd.add_argument("--card", default=None, help="the card, where it is not beside the weights")
     pd.add_argument("--out", default=None, help="write the predictions here (default: standard output)")
+    pd.add_argument("--max-new-tokens", type=int, default=32, help="language models: tokens to continue each "
+                    "prompt with (greedy)")
     pd.set_defaults(func=lambda a: __import__("edgetrain.cli.predict", fromlist=["cmd_predict"]).cmd_predict(a))
     f = sub.add_parser("fl", help="federated learning with Flower (edgetrain[flower]): `edgetrain fl simulate`")
     f.add_argument("rest", nargs=argparse.REMAINDER)

@@ -6,7 +6,8 @@ how its inputs were prepared; the inputs are prepared the same way here: images 
 standardised with the training folder's numbers; a table's feature columns picked by name and standardised
 with the training rows' numbers (a target column, if the table still has one, is left out); texts tokenized
 with the model's tokenizer. Predictions are written as CSV: per input, the predicted class and its
-probability (classification) or the predicted values (regression).
+probability (classification), the predicted values (regression), or the greedy continuation of each prompt
+(language modelling).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def build_trained(weights: Path, card: dict[str, Any]) -> nn.Module:
         hf_logging.set_verbosity_error()
     model = build_model(card["model"], card.get("model_kwargs") or {}, num_classes=card.get("outputs"),
                         in_channels=card.get("in_channels"), image_size=pre.get("size"),
-                        in_features=card.get("in_features"))
+                        in_features=card.get("in_features"), task=card["task"])
     try:
         state = torch.load(weights, weights_only=True, map_location="cpu")
         model.load_state_dict(state)
@@ -136,9 +137,33 @@ def _batches(source: Path, card: dict[str, Any]) -> Iterator[tuple[list[str], An
                       f"{pre.get('factory') or pre.get('columns') or 'arrays'}): run it from Python")
 
 
-def predict(weights: Path, source: Path, card: dict[str, Any]) -> Iterator[list[str]]:
-    """CSV rows of predictions, the header first."""
+def _continuations(model: nn.Module, source: Path, card: dict[str, Any], new_tokens: int) -> Iterator[list[str]]:
+    """A language model's greedy continuation of each prompt (a line of a .txt file, or a table's text column)."""
+    from ..spec.text import load_tokenizer
+
+    pre = card["input"]
+    labels, prompts = _rows(source, {**pre, "text_column": "text"}, text=True)
+    if not hasattr(model, "generate"):
+        raise ConfigError(f"{card['model']} has no generate(): continue its prompts from Python")
+    tok = load_tokenizer(pre["tokenizer"])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    yield ["input", "prompt", "continuation"]
+    for name, prompt in zip(labels, prompts):
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
+        if ids["input_ids"].shape[1] == 0:
+            raise ConfigError(f"{source}, {name}: the prompt holds no token")
+        out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        yield [name, prompt, tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)]
+
+
+def predict(weights: Path, source: Path, card: dict[str, Any], new_tokens: int = 32) -> Iterator[list[str]]:
+    """CSV rows of predictions, the header first (a language model's: each prompt's continuation, greedy,
+    ``new_tokens`` tokens at most)."""
     model = build_trained(weights, card)
+    if card["task"] == "language-modeling":
+        with torch.no_grad():
+            yield from _continuations(model, source, card, new_tokens)
+        return
     classes: Sequence[str] = card.get("classes") or []
     classification = card["task"] == "classification"
     batches = _batches(source, card)
@@ -167,7 +192,7 @@ def cmd_predict(args: Any) -> int:
     card = load_card(weights, Path(args.card) if args.card else None)
     if not args.out:
         writer = csv.writer(sys.stdout)
-        for row in predict(weights, source, card):
+        for row in predict(weights, source, card, args.max_new_tokens):
             writer.writerow(row)
         return 0
     path = Path(args.out)
@@ -175,7 +200,8 @@ def cmd_predict(args: Any) -> int:
     try:
         with open(tmp, "w", newline="") as f:  # a failure half way leaves no partial file behind
             writer = csv.writer(f)
-            n = sum(1 for row in predict(weights, source, card) if writer.writerow(row) is not None) - 1
+            n = sum(1 for row in predict(weights, source, card, args.max_new_tokens)
+                    if writer.writerow(row) is not None) - 1
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +15,9 @@ from torch.utils.data import DataLoader, random_split
 
 from ..config import options
 from ..errors import ConfigError
+from ..losses import TokenCrossEntropyLoss
 from ..spec import build_model, load_data
+from ..spec.lm import TASK, load_lm_data
 from .train_config import TrainConfig
 
 __all__ = ["run_train", "spec_model_and_batch", "write_card", "card_path"]
@@ -46,11 +49,13 @@ def _accuracy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class _Printer:
     """Prints one line per epoch (the CLI may print; the library only logs)."""
 
-    def __init__(self, out: Callable[[str], None], epochs: int) -> None:
-        self.out, self.epochs = out, epochs
+    def __init__(self, out: Callable[[str], None], epochs: int, perplexity: bool = False) -> None:
+        self.out, self.epochs, self.perplexity = out, epochs, perplexity
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
         extra = "".join(f", {k} {v:.4f}" for k, v in logs.items() if k not in ("step", "train_loss"))
+        if self.perplexity and "val_loss" in logs:  # the token-mean loss's exponential
+            extra += f", val_perplexity {math.exp(min(logs['val_loss'], 700.0)):.2f}"
         self.out(f"epoch {epoch + 1}/{self.epochs}: train_loss {logs['train_loss']:.4f}{extra} "
                  f"(step {int(logs['step'])})")
 
@@ -69,12 +74,16 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
                         target_column=cfg.target_column, seed=cfg.seed, text_model=text_model,
                         max_length=cfg.max_length, standardize=cfg.standardize, image_stats=image_input or None,
                         image_cache_bytes=parse_bytes(cfg.image_cache))
-    data = load_data(cfg.data, task=cfg.task, **data_options)
+    lm = cfg.task == TASK
+    if lm:
+        data = load_lm_data(cfg.data, text_model, cfg.max_length, cfg.val_data)
+    else:
+        data = load_data(cfg.data, task=cfg.task, **data_options)
     if image_input.get("channels") not in (None, data.in_channels):
         raise ConfigError(f"model {cfg.model} takes images of {image_input['channels']} channels, and the data's "
                           f"have {data.in_channels}: set channels: {image_input['channels']}")
     train, val = data.train, data.val
-    if cfg.val_data is not None:  # prepared as the training data was: its classes, statistics, text length
+    if cfg.val_data is not None and not lm:  # prepared as the training data was: classes, statistics, length
         val = load_data(cfg.val_data, task=data.task, like=data, **data_options).train
     elif cfg.val_fraction > 0:
         n_val = max(1, int(len(train) * cfg.val_fraction))
@@ -84,13 +93,14 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     memory.record_baseline()
     memory.reset_peak()
     model = build_model(cfg.model, cfg.model_kwargs, num_classes=data.num_classes, in_channels=data.in_channels,
-                        image_size=cfg.image_size, in_features=data.in_features)
+                        image_size=cfg.image_size, in_features=data.in_features, task=data.task)
     opt = _optimizer(cfg, model)
     loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.num_workers)
     val_loader = DataLoader(val, batch_size=cfg.batch_size) if val is not None else None
     sched, interval = _scheduler(cfg, opt, len(loader) * cfg.epochs)
     classification = data.task == "classification"
-    loss_fn: nn.Module = nn.CrossEntropyLoss() if classification else nn.MSELoss()
+    loss_fn: nn.Module = TokenCrossEntropyLoss(shift=True) if lm else \
+        nn.CrossEntropyLoss() if classification else nn.MSELoss()
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging,
                                   page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir,
@@ -98,14 +108,19 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
                        "name": cfg.model}
     trainer = Trainer(model, opt, loss_fn, loader, val_loader, memory_budget=budget, scheduler=sched,
                       metrics={"accuracy": _accuracy} if classification else None,
-                      callbacks=[_Printer(out, cfg.epochs)], resume=cfg.resume, prepare_options=prepare_options,
+                      callbacks=[_Printer(out, cfg.epochs, perplexity=lm)], resume=cfg.resume,
+                      prepare_options=prepare_options,
                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_every_steps=cfg.checkpoint_every_steps,
                       keep_checkpoints=cfg.keep_checkpoints, grad_clip_norm=cfg.grad_clip_norm,
                       scheduler_interval=interval, early_stopping_patience=cfg.early_stopping_patience,
                       seed=cfg.seed, progress=cfg.progress, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard)
-    out(f"{cfg.model} on {cfg.data}: {len(train)} training samples"
-        + (f", {len(val)} validation" if val is not None else "") + f", {data.num_classes} "
-        + ("classes" if classification else "outputs"))
+    if lm:
+        out(f"{cfg.model} on {cfg.data}: {len(train)} training blocks of {cfg.max_length} tokens"
+            + (f", {len(val)} validation" if val is not None else "") + f", a vocabulary of {data.num_classes}")
+    else:
+        out(f"{cfg.model} on {cfg.data}: {len(train)} training samples"
+            + (f", {len(val)} validation" if val is not None else "") + f", {data.num_classes} "
+            + ("classes" if classification else "outputs"))
     out(trainer.step.plan.summary())
     if trainer.state.global_step:
         out(f"resumed from {cfg.checkpoint_dir} at epoch {trainer.state.epoch + 1}, step {trainer.state.global_step}")

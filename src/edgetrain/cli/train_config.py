@@ -47,11 +47,13 @@ class TrainConfig:
     target_column: int | str = _opt(-1, "tables / .npy: the column holding the target, by index (-1: the last; "
                                     "JSON records: label, where there is one) or, with a header, by name")
     max_length: int = _opt(128, "text CSV with model hf:NAME: at most this many tokens per text (every text is "
-                           "padded to the longest, so every batch has the planned shape)")
+                           "padded to the longest, so every batch has the planned shape); language-modeling: "
+                           "the tokens of a block")
     standardize: bool = _opt(True, "CSV tables: standardise each feature column with the training rows' mean and "
                              "std (written beside the saved weights)")
-    task: str = _opt("auto", "classification, regression or auto (classification when the targets are whole "
-                     "numbers)")
+    task: str = _opt("auto", "classification, regression, auto (classification when the targets are whole "
+                     "numbers) or language-modeling (a Hugging Face causal LM, model: hf:NAME, learns to continue "
+                     "the data's text: documents cut into blocks of max_length tokens)")
     epochs: int = _opt(1, "epochs to train (counting those before a resume)")
     batch_size: int = _opt(32, "logical batch per optimizer step")
     optimizer: str = _opt("sgd", "sgd, adam or adamw")
@@ -95,7 +97,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), f.type))
-        choices = {"task": ("auto", "classification", "regression"), "optimizer": ("sgd", "adam", "adamw"),
+        choices = {"task": ("auto", "classification", "regression", "language-modeling"),
+                   "optimizer": ("sgd", "adam", "adamw"),
                    "scheduler": ("none", "cosine", "exponential")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

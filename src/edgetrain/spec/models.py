@@ -8,7 +8,8 @@
   loaded with ``local_files_only=True`` (a head of another number of classes is replaced): for a text
   model a sequence classifier whose forward takes ``input_ids`` and an optional ``attention_mask``, for a
   vision model (a config with channels and no vocabulary) an image classifier taking ``pixel_values``;
-  either returns the logits.
+  either returns the logits. With ``task="language-modeling"``, a causal language model
+  (``AutoModelForCausalLM``) returning its ``ModelOutput``.
 """
 
 from __future__ import annotations
@@ -146,6 +147,30 @@ def hf_image_input(name: str) -> dict[str, Any]:
     return out
 
 
+def _hf_causal_lm(name: str, kwargs: dict[str, Any], vocab: int | None) -> nn.Module:
+    """A causal language model (``AutoModelForCausalLM``) returning its ``ModelOutput`` (the logits in it),
+    its cache off as training wants it."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError(f"model 'hf:{name}' needs transformers: pip install 'edgetrain[text]'") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, **kwargs)
+    except OSError as e:
+        raise ConfigError(f"Hugging Face model {name!r} is not available offline (not in the local cache nor a "
+                          f"directory): {' '.join(str(e).split())[:200]}") from None
+    except ValueError as e:  # a config of a model that does not generate text
+        raise ConfigError(f"Hugging Face model {name!r} is not a causal language model "
+                          f"({' '.join(str(e).split())[:200]})") from None
+    size = model.get_input_embeddings().num_embeddings
+    if vocab is not None and vocab > size:
+        raise ConfigError(f"the tokenizer of {name!r} has {vocab} tokens and the model embeds {size}: save the "
+                          "model and tokenizer together (model.resize_token_embeddings(len(tokenizer)))")
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
 def _hf_model(name: str, kwargs: dict[str, Any], num_classes: int | None) -> nn.Module:
     try:
         from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
@@ -175,7 +200,7 @@ def _hf_model(name: str, kwargs: dict[str, Any], num_classes: int | None) -> nn.
 
 def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_classes: int | None = None,
                 in_channels: int | None = None, image_size: int | None = None,
-                in_features: int | None = None) -> nn.Module:
+                in_features: int | None = None, task: str | None = None) -> nn.Module:
     """Build the model a spec names (see the module doc).
 
     Args:
@@ -185,6 +210,8 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_class
         in_channels: input channels of image data, passed when the factory takes ``in_channels``.
         image_size: side of image inputs (in-project ResNet-18 uses its small-input stem below 64).
         in_features: feature columns of table data, passed when the factory takes ``in_features``.
+        task: ``"language-modeling"``: an ``hf:`` model is built as a causal language model
+            (``num_classes``: the tokenizer's vocabulary, checked against the model's embedding).
 
     Raises:
         ConfigError: the spec names nothing importable, the factory rejects its arguments or does not
@@ -193,6 +220,8 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None, *, num_class
     kwargs = dict(kwargs or {})
     known = {"num_classes": num_classes, "in_channels": in_channels}
     if spec.startswith("hf:"):
+        if task == "language-modeling":
+            return _hf_causal_lm(spec[3:], kwargs, num_classes)
         return _hf_model(spec[3:], kwargs, num_classes)
     if is_in_project(spec):
         from ..models import get_model

@@ -1,0 +1,114 @@
+"""`edgetrain train task=language-modeling`: a Hugging Face causal language model (a directory with its
+tokenizer, offline) learns to continue a text file under a memory budget; `edgetrain predict` continues
+prompts with it.
+
+The model and tokenizer are made here: a byte-level BPE tokenizer trained on the text (``tokenizers``) and a
+two-layer GPT-2 from its config, saved as ``save_pretrained`` saves a downloaded one.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import this
+
+import pytest
+import torch
+
+from edgetrain.errors import ConfigError
+from edgetrain.profile import memory
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+ZEN = [line for line in codecs.decode(this.s, "rot13").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("lm")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(ZEN, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<pad>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                                pad_token="<pad>")
+    fast.save_pretrained(root / "model")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(fast), n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                  eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
+                                  pad_token_id=fast.pad_token_id)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "model")
+    (root / "zen.txt").write_text("\n".join(ZEN * 4) + "\n")
+    return root
+
+
+@pytest.fixture
+def baseline(monkeypatch):
+    # `edgetrain train` moves the budget's zero point to after its data is loaded (process-wide)
+    monkeypatch.setattr(memory, "_BASELINE_RSS", memory.baseline_rss_bytes())
+
+
+def test_blocks_are_documents_end_to_end_with_the_padding_masked(lm_dir):
+    from edgetrain.spec.lm import token_blocks
+    from edgetrain.spec.text import load_tokenizer
+
+    tok = load_tokenizer(str(lm_dir / "model"))
+    docs = ZEN[:3]
+    blocks = token_blocks(tok, docs, 16)
+    ids = [i for d in docs for i in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    n = len(ids)
+    assert len(blocks) == -(-n // 16)
+    flat_ids, flat_mask = blocks.input_ids.reshape(-1), blocks.attention_mask.reshape(-1)
+    assert flat_ids[:n].tolist() == ids and flat_mask[:n].all() and not flat_mask[n:].any()
+    assert (blocks.labels.reshape(-1)[n:] == -100).all() and blocks.labels.reshape(-1)[:n].tolist() == ids
+    x, y = blocks[0]
+    assert set(x) == {"input_ids", "attention_mask"} and y.shape == (16,)
+
+
+def test_train_a_causal_lm_on_a_text_file_within_its_budget_then_continue_prompts(lm_dir, tmp_path, baseline):
+    from edgetrain.cli.predict import load_card, predict
+    from edgetrain.cli.train import run_train
+    from edgetrain.cli.train_config import TrainConfig
+
+    lines: list[str] = []
+    cfg = TrainConfig(model=f"hf:{lm_dir / 'model'}", data=str(lm_dir / "zen.txt"), task="language-modeling",
+                      max_length=32, batch_size=8, epochs=4, optimizer="adamw", lr=0.01, val_fraction=0.2,
+                      memory_budget="300MiB", save=str(tmp_path / "zen.pt"), progress=False, threads=1)
+    assert run_train(cfg, out=lines.append) == 0, lines
+    assert "training blocks of 32 tokens" in lines[0]
+    epochs = [ln for ln in lines if ln.startswith("epoch ")]
+    assert len(epochs) == 4 and all("val_perplexity" in ln for ln in epochs)
+    losses = [float(ln.split("train_loss ")[1].split(",")[0]) for ln in epochs]
+    assert losses[-1] < losses[0] - 0.3, losses  # it learns the text
+    assert "within budget" in lines[-1]
+    card = load_card(tmp_path / "zen.pt")
+    assert card["task"] == "language-modeling" and card["input"]["length"] == 32
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Beautiful is\nErrors should\n")
+    rows = list(predict(tmp_path / "zen.pt", prompts, card, new_tokens=8))
+    assert rows[0] == ["input", "prompt", "continuation"] and [r[1] for r in rows[1:]] == ["Beautiful is",
+                                                                                           "Errors should"]
+    assert all(isinstance(r[2], str) for r in rows[1:])
+
+
+def test_language_modelling_sources_and_their_errors(lm_dir, tmp_path):
+    from edgetrain.spec.lm import load_lm_data, read_texts
+
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(ZEN)))
+    assert read_texts(tmp_path / "docs.jsonl") == (ZEN, None)
+    (tmp_path / "docs.csv").write_text("id,text\n" + "\n".join(f'{i},"{t}"' for i, t in enumerate(ZEN)) + "\n")
+    assert read_texts(tmp_path / "docs.csv")[0] == ZEN
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ConfigError, match="'text'.*body"):
+        read_texts(tmp_path / "bad.jsonl")
+    (tmp_path / "x.npy").write_bytes(b"")
+    with pytest.raises(ConfigError, match="not '.npy'"):
+        read_texts(tmp_path / "x.npy")
+    with pytest.raises(ConfigError, match="model: hf:NAME"):
+        load_lm_data(str(lm_dir / "zen.txt"), None, 32)
+    data = load_lm_data(str(lm_dir / "zen.txt"), str(lm_dir / "model"), 32, val_spec=str(tmp_path / "docs.jsonl"))
+    assert data.task == "language-modeling" and data.val is not None and data.num_classes == 300
