@@ -52,3 +52,17 @@ def test_the_named_budget_trains_in_a_process_with_two_threads():
     assert kind == "TRAINED", f"refused again at the {int(named) / 2**20:.1f} MiB named: {peak}"
     assert int(peak) <= int(named)
     assert "1 intra-op thread" in notes  # the plan says its times are the single-threaded child's
+
+
+def test_a_refusal_never_names_a_budget_at_or_under_the_one_refused():
+    from edgetrain.errors import BudgetError
+    from edgetrain.planning.smallest import above_budget
+
+    mib = 2**20
+    low, high, higher = (BudgetError(f"named {n}", budget_bytes=160 * mib, min_feasible_bytes=n * mib)
+                         for n in (154, 170, 200))
+    assert above_budget([higher, high], 160 * mib) is high
+    assert above_budget([low, higher, high], 160 * mib) is high  # a way's later runs measured above its 154
+    err = above_budget([low], 160 * mib)
+    assert err.min_feasible_bytes == 168 * mib and "168.0 MiB" in str(err)
+    assert above_budget([low], None) is low

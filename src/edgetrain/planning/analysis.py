@@ -18,6 +18,7 @@ from ..profile import memory
 from ..profile.fork import available as fork_available
 from ..profile.fork import measure_in_child, run_in_child
 from .planner import Measured, Planner
+from .smallest import above_budget
 from .runs import run_plan, run_steps
 from .._state import preserved_model_state
 from ..batch import slice_batch
@@ -341,7 +342,7 @@ class Analysis:
         if fallback is not None:
             return fallback
         # no way fits: name the smallest of their smallest budgets (a retry there takes that way)
-        raise min(errors, key=lambda e: e.min_feasible_bytes or float("inf"))
+        raise above_budget(errors, self.budget)
 
     def state_io_s(self) -> float:
         """Predicted seconds a step spends writing the optimizer state out and reading it back."""
