@@ -182,3 +182,17 @@ def test_tensorboard_logger_writes_events(tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert len(acc.Scalars("epoch/val_loss")) == 2
+
+
+def test_clipping_moves_old_planning_keywords_with_their_deprecation_warning(monkeypatch):
+    """With gradient clipping the Trainer sets fused_update=False itself, moving prepare's old keywords into a
+    PlanConfig on the way: they warn as prepare does, and still take effect."""
+    from edgetrain import config
+
+    monkeypatch.setattr(config, "_WARNED", set())
+    model = mlp()
+    loader = DataLoader(_data(), batch_size=8)
+    with pytest.warns(DeprecationWarning, match=r"prepare\(solver=\.\.\.\) is deprecated"):
+        trainer = edgetrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                                    loader, grad_clip_norm=1.0, prepare_options={"solver": "recompute_all"})
+    assert trainer.step.plan.solver == "recompute_all"

@@ -348,10 +348,11 @@ def _plateau(scheduler: Any) -> bool:
 def _unfused(planning: Any, options: dict[str, Any]) -> Any:
     """``planning`` (a PlanConfig or None) with the optimizer update kept after the backward; the deprecated
     planning keywords in ``options`` move into it."""
-    from ..config import LEGACY_KWARGS, PlanConfig
+    from ..config import LEGACY_KWARGS, PlanConfig, _warn_once
 
     if planning is None:
-        moved = {LEGACY_KWARGS[k][1]: options.pop(k) for k in list(options)
-                 if k in LEGACY_KWARGS and LEGACY_KWARGS[k][0] == "planning"}
-        planning = PlanConfig(**moved)
+        names = [k for k in list(options) if k in LEGACY_KWARGS and LEGACY_KWARGS[k][0] == "planning"]
+        for k in names:  # as prepare would have warned, had they reached it
+            _warn_once(k, "planning", LEGACY_KWARGS[k][1])
+        planning = PlanConfig(**{LEGACY_KWARGS[k][1]: options.pop(k) for k in names})
     return replace(planning, fused_update=False)
