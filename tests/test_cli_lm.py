@@ -64,7 +64,7 @@ def test_blocks_are_documents_end_to_end_with_the_padding_masked(lm_dir):
     assert len(blocks) == -(-n // 16)
     flat_ids, flat_mask = blocks.input_ids.reshape(-1), blocks.attention_mask.reshape(-1)
     assert flat_ids[:n].tolist() == ids and flat_mask[:n].all() and not flat_mask[n:].any()
-    assert (blocks.labels.reshape(-1)[n:] == -100).all() and blocks.labels.reshape(-1)[:n].tolist() == ids
+    assert (blocks.targets.reshape(-1)[n:] == -100).all() and blocks.targets.reshape(-1)[:n].tolist() == ids
     x, y = blocks[0]
     assert set(x) == {"input_ids", "attention_mask"} and y.shape == (16,)
 

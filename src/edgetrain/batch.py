@@ -8,9 +8,8 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature", "larger_per_sample",
-           "tensors_in",
-           "clone_tensors", "call_model", "split_batch"]
+__all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature",
+           "larger_per_sample", "tensors_in", "clone_tensors", "call_model", "split_batch"]
 
 
 def call_model(model: Any, inputs: Any) -> Any:
@@ -142,11 +141,16 @@ def _same_tensors(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> bool:
                                             for (s, d, v), (ps, pd, pv) in zip(sig, planned))
 
 
+def _first_larger(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> int | None:
+    """The index of the first tensor of ``sig`` larger than its planned one in some dimension, or None."""
+    return next((i for i, ((s, _, _), (ps, _, _)) in enumerate(zip(sig, planned))
+                 if any(a > b for a, b in zip(s, ps))), None)
+
+
 def larger_per_sample(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> bool:
     """Whether a batch of signature ``sig`` holds the tensors of ``planned``, one of them larger in a
     dimension (a longer sequence than the example's): a plan made on it would take it."""
-    return _same_tensors(sig, planned) and any(a > b for (s, _, _), (ps, _, _) in zip(sig, planned)
-                                               for a, b in zip(s, ps))
+    return _same_tensors(sig, planned) and _first_larger(sig, planned) is not None
 
 
 def signature_misfit(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> str | None:
@@ -158,12 +162,11 @@ def signature_misfit(sig: tuple[Any, ...], planned: tuple[Any, ...]) -> str | No
     if not _same_tensors(sig, planned):
         return (f"the batch's tensors (per sample: {describe_signature(sig)}) are not those of the example given to "
                 f"prepare() ({describe_signature(planned)}). Prepare again with an example shaped like this batch.")
-    over = [(i, s, ps) for i, ((s, _, _), (ps, _, _)) in enumerate(zip(sig, planned))
-            if any(a > b for a, b in zip(s, ps))]
-    if over:
-        i, s, ps = over[0]
+    i = _first_larger(sig, planned)
+    if i is not None:
         return (f"the batch is larger per sample than the example the plan was made for (tensor {i}: "
-                f"{'x'.join(map(str, s))} against {'x'.join(map(str, ps))}), so the plan's memory does not bound "
+                f"{'x'.join(map(str, sig[i][0]))} against {'x'.join(map(str, planned[i][0]))}), so the plan's "
+                "memory does not bound "
                 "it. Give prepare() (or the Trainer's example=) a batch as long as the longest you will train "
                 "on, or pad or truncate every batch to the example's length; shorter batches run as they are.")
     return None

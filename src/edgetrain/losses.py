@@ -20,7 +20,16 @@ from torch.nn import functional as F
 
 from .errors import InputError
 
-__all__ = ["TokenCrossEntropyLoss"]
+__all__ = ["TokenCrossEntropyLoss", "counted_weight"]
+
+
+def counted_weight(targets: torch.Tensor, ignore_index: int, weight: torch.Tensor | None) -> float:
+    """What class ``targets`` weigh in a cross-entropy mean's normaliser: the count of those other than
+    ``ignore_index``, each by its class ``weight`` where there is one."""
+    counted = targets != ignore_index
+    if weight is None:
+        return float(counted.sum())
+    return float((weight[targets.clamp_min(0)] * counted).sum())
 
 
 def _logits_of(output: Any, key: str) -> torch.Tensor:
@@ -106,8 +115,4 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
     def target_weight(self, targets: torch.Tensor) -> float:
         """What ``targets`` weigh in the mean's normaliser: their count of tokens that count (by class
         weight, with ``weight``), after the shift."""
-        t = self._counted(targets)
-        counted = t != self.ignore_index
-        if self.weight is None:
-            return float(counted.sum())
-        return float((self.weight[t.clamp_min(0)] * counted).sum())
+        return counted_weight(self._counted(targets), self.ignore_index, self.weight)

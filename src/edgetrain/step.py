@@ -186,7 +186,8 @@ class TrainStep:
         return (f"TrainStep(stages={len(self.costs.stages)}, micro_batch={self._plan.micro_batch_size}/"
                 f"{self._plan.batch_size}, budget={self.budget_bytes})")
 
-    def _check(self, inputs: Any, targets: Any) -> int:
+    def _check(self, inputs: Any, targets: Any) -> tuple[int, tuple[Any, ...]]:
+        """The batch's size and per-sample signature, once it is one the plan runs (else an InputError)."""
         key = model_key(self.model)
         if key != self._model_key:
             raise InputError(f"the model changed after edgetrain.prepare(): {describe_change(self._model_key, key)}. "
@@ -206,7 +207,7 @@ class TrainStep:
         if n > self._plan.batch_size:
             raise InputError(f"batch of {n} samples is larger than the {self._plan.batch_size} the step was "
                              "prepared for (the budget was planned for that batch); prepare with a larger example")
-        return n
+        return n, sig
 
     def __call__(self, inputs: Any, targets: Any = _BATCH) -> float:
         """One optimizer step over the whole batch; returns its mean loss.
@@ -217,15 +218,15 @@ class TrainStep:
         """
         if targets is _BATCH:
             inputs, targets = split_batch(inputs, "the batch")
-        n = self._check(inputs, targets)
-        sig = batch_signature((inputs, targets))
-        if sig == self._signature:
-            return self._step(inputs, targets, n)
-        try:  # smaller per sample than the example: the model may not take other sizes in every dimension
+        n, sig = self._check(inputs, targets)
+        try:
             return self._step(inputs, targets, n)
         except EdgetrainError:
             raise
         except Exception as e:
+            if sig == self._signature:
+                raise
+            # smaller per sample than the example: the model may not take other sizes in every dimension
             raise InputError(f"the step failed on a batch that does not match the example given to prepare() (per "
                              f"sample: {describe_signature(sig)}, against {describe_signature(self._signature)}):"
                              f" {type(e).__name__}: {e}. A batch may be smaller than the example only where the "

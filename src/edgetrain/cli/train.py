@@ -114,13 +114,11 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
                       keep_checkpoints=cfg.keep_checkpoints, grad_clip_norm=cfg.grad_clip_norm,
                       scheduler_interval=interval, early_stopping_patience=cfg.early_stopping_patience,
                       seed=cfg.seed, progress=cfg.progress, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard)
-    if lm:
-        out(f"{cfg.model} on {cfg.data}: {len(train)} training blocks of {cfg.max_length} tokens"
-            + (f", {len(val)} validation" if val is not None else "") + f", a vocabulary of {data.num_classes}")
-    else:
-        out(f"{cfg.model} on {cfg.data}: {len(train)} training samples"
-            + (f", {len(val)} validation" if val is not None else "") + f", {data.num_classes} "
-            + ("classes" if classification else "outputs"))
+    what = f"blocks of {cfg.max_length} tokens" if lm else "samples"
+    outputs = f"a vocabulary of {data.num_classes}" if lm else \
+        f"{data.num_classes} " + ("classes" if classification else "outputs")
+    out(f"{cfg.model} on {cfg.data}: {len(train)} training {what}"
+        + (f", {len(val)} validation" if val is not None else "") + f", {outputs}")
     out(trainer.step.plan.summary())
     if trainer.state.global_step:
         out(f"resumed from {cfg.checkpoint_dir} at epoch {trainer.state.epoch + 1}, step {trainer.state.global_step}")

@@ -56,6 +56,7 @@ from ..batch import tensors_in
 from ..capture.chain import argument_writer_nodes
 from ..capture.checks import autograd_nodes
 from ..errors import InputError
+from ..losses import counted_weight
 from ..profile.memory import available_bytes
 from .mixing import mixes_in_eval, mixes_in_training, modes_kept, take
 
@@ -127,12 +128,7 @@ class LossNorm:
             own = getattr(self.loss_fn, "target_weight", None)  # a loss that shifts its targets counts them itself
             if callable(own):
                 return float(own(targets))
-            t = targets
-            mask = t != self.loss_fn.ignore_index
-            w = self.loss_fn.weight
-            if w is None:
-                return float(mask.sum())
-            return float((w[t.clamp_min(0)] * mask).sum())
+            return counted_weight(targets, self.loss_fn.ignore_index, self.loss_fn.weight)
         return float(size)
 
     def scale(self, slice_weight: float, total_weight: float) -> float:

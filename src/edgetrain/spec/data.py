@@ -176,19 +176,31 @@ def _image_folder(root: Path, size: int, channels: int, like: LoadedData | None,
     return LoadedData(ds, None, len(classes), channels, "classification", classes, None, pre)
 
 
-def _hf_disk(root: Path, task: str, text_model: str | None, max_length: int, like: LoadedData | None
-             ) -> LoadedData:
+def is_saved_dataset(root: Path) -> bool:
+    """Whether folder ``root`` is a Hugging Face dataset written by ``save_to_disk``."""
+    return any((root / m).exists() for m in _HF_MARKERS)
+
+
+def saved_splits(root: Path) -> tuple[Any, Any]:
+    """``(train, validation or None)`` of a dataset saved with ``save_to_disk`` (one split: train only).
+
+    Raises:
+        ConfigError: the ``datasets`` package is missing.
+    """
     try:
         from datasets import DatasetDict, load_from_disk
     except ImportError:
         raise ConfigError(f"{root} is a Hugging Face dataset: reading it needs pip install datasets") from None
     ds = load_from_disk(str(root))
-    val = None
-    if isinstance(ds, DatasetDict):
-        train = ds["train"] if "train" in ds else ds[next(iter(ds))]
-        val = next((ds[k] for k in ("validation", "val", "test") if k in ds), None)
-    else:
-        train = ds
+    if not isinstance(ds, DatasetDict):
+        return ds, None
+    return (ds["train"] if "train" in ds else ds[next(iter(ds))],
+            next((ds[k] for k in ("validation", "val", "test") if k in ds), None))
+
+
+def _hf_disk(root: Path, task: str, text_model: str | None, max_length: int, like: LoadedData | None
+             ) -> LoadedData:
+    train, val = saved_splits(root)
     cols = train.column_names
     label = next((c for c in ("label", "labels", "target", "y") if c in cols), None)
     inp = next((c for c in ("pixel_values", "input_ids", "features", "x", "text", "sentence") if c in cols), None)
@@ -324,7 +336,7 @@ def load_data(spec: str, *, kwargs: Mapping[str, Any] | None = None, image_size:
         return _mnist(image_size, seed)
     path = Path(spec)
     if path.is_dir():
-        if any((path / m).exists() for m in _HF_MARKERS):
+        if is_saved_dataset(path):
             return _hf_disk(path, task, text_model, max_length, like)
         return _image_folder(path, image_size, channels, like, image_stats, image_cache_bytes)
     if path.is_file():

@@ -20,31 +20,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from torch.utils.data import Dataset
 
 from ..errors import ConfigError
+from .data import LoadedData, is_saved_dataset, saved_splits
+from .text import TokenDataset, load_tokenizer
 
-__all__ = ["TokenBlocks", "read_texts", "token_blocks", "load_lm_data", "TASK"]
+__all__ = ["read_texts", "token_blocks", "load_lm_data", "TASK"]
 
 log = logging.getLogger(__name__)
 
 TASK = "language-modeling"
-_HF_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
-
-
-class TokenBlocks(Dataset):
-    """Samples ``({"input_ids": ..., "attention_mask": ...}, labels)``, every one ``length`` tokens long."""
-
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> None:
-        if not input_ids.shape == attention_mask.shape == labels.shape:
-            raise ValueError("input_ids, attention_mask and labels differ in shape")
-        self.input_ids, self.attention_mask, self.labels = input_ids, attention_mask, labels
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i]}, self.labels[i]
 
 
 def _column(records: Sequence[Any], where: Path) -> list[str]:
@@ -64,17 +49,10 @@ def read_texts(path: Path) -> tuple[list[str], list[str] | None]:
         ConfigError: the source does not exist, has no text, or is of a format this task does not read.
     """
     if path.is_dir():
-        if not any((path / m).exists() for m in _HF_MARKERS):
+        if not is_saved_dataset(path):
             raise ConfigError(f"{path}: language modelling reads a .txt, .jsonl, .json, .csv or .tsv file or a "
                               "Hugging Face dataset saved to disk, not a folder")
-        try:
-            from datasets import DatasetDict, load_from_disk
-        except ImportError:
-            raise ConfigError(f"{path} is a Hugging Face dataset: reading it needs pip install datasets") from None
-        ds = load_from_disk(str(path))
-        train, val = (ds, None) if not isinstance(ds, DatasetDict) else \
-            (ds["train"] if "train" in ds else ds[next(iter(ds))],
-             next((ds[k] for k in ("validation", "val", "test") if k in ds), None))
+        train, val = saved_splits(path)
         if "text" not in train.column_names:
             raise ConfigError(f"{path}: language modelling reads the column 'text'; found "
                               f"{', '.join(train.column_names)}")
@@ -103,9 +81,10 @@ def read_texts(path: Path) -> tuple[list[str], list[str] | None]:
                       f".csv or .tsv (a 'text' column), or a Hugging Face dataset saved to disk; not {suffix!r}")
 
 
-def token_blocks(tokenizer: Any, texts: Sequence[str], length: int) -> TokenBlocks:
+def token_blocks(tokenizer: Any, texts: Sequence[str], length: int) -> TokenDataset:
     """``texts`` tokenized, each followed by the end-of-text token, laid end to end and cut into blocks of
-    ``length`` tokens; the last block padded, its padding masked and labelled -100.
+    ``length`` tokens; the last block padded, its padding masked and labelled -100. Samples are
+    ``({"input_ids": ..., "attention_mask": ...}, labels)``, the labels a block's ids.
 
     Raises:
         ConfigError: the tokenizer has neither an end-of-text nor a padding token, or the texts hold no token.
@@ -127,10 +106,10 @@ def token_blocks(tokenizer: Any, texts: Sequence[str], length: int) -> TokenBloc
     mask = torch.zeros(n * length, dtype=torch.long)
     mask[:len(stream)] = 1
     labels = ids.masked_fill(mask == 0, -100)
-    return TokenBlocks(ids.view(n, length), mask.view(n, length), labels.view(n, length))
+    return TokenDataset(ids.view(n, length), mask.view(n, length), labels.view(n, length))
 
 
-def load_lm_data(spec: str, text_model: str | None, length: int, val_spec: str | None = None) -> Any:
+def load_lm_data(spec: str, text_model: str | None, length: int, val_spec: str | None = None) -> LoadedData:
     """The blocks of a language-modelling source (and of its validation split, or of ``val_spec``).
 
     Returns:
@@ -140,9 +119,6 @@ def load_lm_data(spec: str, text_model: str | None, length: int, val_spec: str |
     Raises:
         ConfigError: no Hugging Face model to take the tokenizer from, or a source it cannot read.
     """
-    from .data import LoadedData
-    from .text import load_tokenizer
-
     if text_model is None:
         raise ConfigError("task: language-modeling trains a Hugging Face causal language model: set model: "
                           "hf:NAME (a hub name in the local cache, or a directory with its tokenizer)")
