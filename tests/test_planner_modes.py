@@ -61,7 +61,7 @@ def _analysis(monkeypatch, modes, times):
     a.validator = lambda chain, isolated=False, paged=False, fused=False: (paged, fused)
     calls = []
 
-    def plan_validated(self, run, unallocated, grads, first=None):
+    def plan_validated(self, run, unallocated, grads, first=None, strict=False):
         calls.append((run, first))
         if times[run] is None:
             from edgetrain.errors import BudgetError

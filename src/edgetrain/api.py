@@ -22,6 +22,7 @@ from .plan import Plan
 from .planning.analysis import FUSED_KEY, Analysis, Outcome
 from .planning.holding import fusing_fields, state_paging_fields
 from .planning.budgets import safety_margin_bytes
+from .planning.threads import train_here
 from .planning.guards import (check_materialized, check_optimizer, draws_random, example_copy, loss_norm_safely,
                               mark_micro_batched)
 from .profile import memory
@@ -173,7 +174,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     else:
         chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
                                         profile=analysis.profile, summary=analysis.profile_summary,
-                                        memo=analysis.profiles)
+                                        memo=analysis.profiles, more_threads=train_here)
     plan, costs = outcome.plan, outcome.costs
     random = draws_random(model, env, replay_kwargs(model, env))
     plan = mark_micro_batched(plan, has_bn, random, warn=True)

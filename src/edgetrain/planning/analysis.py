@@ -231,10 +231,20 @@ class Analysis:
                            "would change them once per micro-batch")
         return tuple(reasons)
 
-    def analyse(self, chain: Any, costs: CostChain | None = None, tried: Outcome | None = None) -> Outcome:
+    def analyse(self, chain: Any, costs: CostChain | None = None, tried: Outcome | None = None, *,
+                strict: bool = False, reserve: int = 0) -> Outcome:
         """Profile (unless ``costs`` are given), plan and validate; ``tried``, what another process's analysis
         found from these costs: its way of holding the state is tried first and its plan run first
-        (:meth:`Planner.plan_validated`), since that process validated the ways against each other."""
+        (:meth:`Planner.plan_validated`), since that process validated the ways against each other.
+
+        ``strict``: ``tried``'s plan is taken as its run here measures it, or :class:`RunOver` raised (a process
+        with more intra-op threads than the analysing child). ``reserve``: bytes held back from the budget for
+        what such a process measured over the child (:func:`~edgetrain.planning.threads.reserved`).
+        """
+        if reserve:
+            from .threads import reserved
+
+            return reserved(self, reserve, lambda: self.analyse(chain, costs))
         reasons = self.unsplittable(chain)
         micro = self.micro_batch_size
         if reasons:
@@ -245,7 +255,7 @@ class Analysis:
         if costs is None:
             costs = self.profile(chain, with_overhead=True)
         try:
-            return self._analyse(chain, costs, micro, reasons, tried)
+            return self._analyse(chain, costs, micro, reasons, tried, strict)
         except BudgetError as e:
             if not reasons:
                 raise
@@ -253,7 +263,7 @@ class Analysis:
                               budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes) from e
 
     def _analyse(self, chain: Any, costs: CostChain, micro: int | None, reasons: tuple[str, ...],
-                 tried: Outcome | None = None) -> Outcome:
+                 tried: Outcome | None = None, strict: bool = False) -> Outcome:
         def reprofile(b: int) -> CostChain:
             def work() -> tuple[CostChain, dict[str, Any]]:
                 known = set(self.profiles)
@@ -308,7 +318,7 @@ class Analysis:
                 first = tried.validated if tried is not None and (paged, fused) == chosen else None
                 plan, costs_v = planner.plan_validated(
                     self.validator(chain, isolated=True, paged=paged, fused=fused), self.unallocated(paged, fused),
-                    0 if fused else self.grads, first=first)
+                    0 if fused else self.grads, first=first, strict=strict and first is not None)
             except BudgetError as e:
                 log.info("%s fits no plan (smallest budget %s)", _mode_name(paged, fused),
                          "?" if e.min_feasible_bytes is None else f"{e.min_feasible_bytes / 2**20:.1f} MiB")

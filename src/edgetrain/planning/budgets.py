@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 
-__all__ = ["MIN_MARGIN_BYTES", "RETRY_SLACK", "STALE_BYTES", "Measured", "budget_for", "predicted_activations",
-           "safety_margin_bytes", "plan_key", "recomputes"]
+__all__ = ["MIN_MARGIN_BYTES", "RETRY_SLACK", "STALE_BYTES", "Measured", "RunOver", "budget_for",
+           "predicted_activations", "safety_margin_bytes", "plan_key", "recomputes"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,25 @@ class Measured:
     # the optimizer updates' peak, where measured apart (real steps): ``peak`` is then the forward and
     # backward passes' alone, so an update's transients are not mistaken for activations the cost model missed
     update_peak: int | None = None
+
+
+class RunOver(Exception):
+    """A plan validated in another process (the single-threaded analysing child) measured over the budget in
+    this one, which runs more intra-op threads; raised instead of planning on here (``strict`` validation), so
+    that the caller can plan again in a child with the difference held back.
+
+    Attributes:
+        measured: the run's peak here, as :meth:`Planner.plan_validated` compares it with the plan budget.
+        planned: the same plan's measured peak in the other process.
+        limit: the plan budget (the budget less its safety margin) it was compared with.
+    """
+
+    def __init__(self, measured: int, planned: int, limit: int) -> None:
+        super().__init__(f"the plan measured {measured} bytes here against {planned} where it was validated "
+                         f"(limit {limit})")
+        self.measured = measured
+        self.planned = planned
+        self.limit = limit
 
 
 def predicted_activations(plan: Plan, fixed: int) -> int:

@@ -12,7 +12,7 @@ from ..graph import KEEP, CostChain, candidate_micro_batch_sizes, simulate
 from ..plan import Plan
 from ..profile import memory
 from ..units import format_bytes
-from .budgets import RETRY_SLACK, STALE_BYTES, Measured, plan_key, predicted_activations, recomputes
+from .budgets import RETRY_SLACK, STALE_BYTES, Measured, RunOver, plan_key, predicted_activations, recomputes
 from .smallest import SmallestPlanSearch
 
 #: keeping every stage at the full batch is run once where the model puts it at most this many times the
@@ -210,7 +210,7 @@ class Planner(SmallestPlanSearch):
         return shifted._solve_sizes(plan_budget, sizes) if sizes else shifted._solve(plan_budget)
 
     def plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
-                       first: Plan | None = None) -> tuple[Plan, CostChain]:
+                       first: Plan | None = None, strict: bool = False) -> tuple[Plan, CostChain]:
         """The fastest plan whose validation run fits, validated from the state the steps will start in.
 
         A run measures a step begun from the process as it was then. Planning after it (other candidates,
@@ -221,8 +221,13 @@ class Planner(SmallestPlanSearch):
         taken if its run fits here, and bettered only by a plan the model puts faster whose run fits. The
         costs carry what that child's runs measured above the profile, not below it (a keep-everything plan
         the profile over-states), so planning from them alone can take a slower plan than the child's.
+
+        ``strict``: ``first`` is taken as it is when its run fits (no faster candidate is run), and a run over the
+        budget raises :class:`RunOver` instead of planning on: a process that validates in itself (more intra-op
+        threads than the child) keeps what every further run leaves resident, so the caller plans again in a
+        child with what this process measured over it held back.
         """
-        plan = self._plan_validated(run, unallocated, grads, first)
+        plan = self._plan_validated(run, unallocated, grads, first, strict)
         for _ in range(3):
             memory.release_heap()  # what planning left free is not the step's: prepare hands it back last
             ran_at = self._ran_at.get(plan_key(plan))
@@ -239,7 +244,7 @@ class Planner(SmallestPlanSearch):
         return plan, self.costs
 
     def _plan_validated(self, run: Callable[[Plan], Measured], unallocated: int, grads: int,
-                        first: Plan | None = None) -> Plan:
+                        first: Plan | None = None, strict: bool = False) -> Plan:
         """Plan, run the plan once, correct the cost model by what was measured, and re-plan if needed.
 
         Args:
@@ -252,9 +257,13 @@ class Planner(SmallestPlanSearch):
         plan_budget = self.budget - self.margin
         if first is not None and first.micro_batch_size in self.sizes():
             model_peak, measured_peak = self._correct(first, run(first), unallocated, grads)
+            log.info("the plan validated elsewhere measured %s here (%s there), plan budget %s",
+                     format_bytes(measured_peak), format_bytes(first.peak_bytes), format_bytes(plan_budget))
             if measured_peak <= plan_budget:
                 plan = self._measured(first.replace(budget_bytes=self.budget), measured_peak, model_peak)
-                return self._improved(plan, plan_budget, run, unallocated, grads)
+                return plan if strict else self._improved(plan, plan_budget, run, unallocated, grads)
+            if strict:
+                raise RunOver(measured_peak, first.peak_bytes, plan_budget)
         measured_peak = 0
         for _ in range(8):  # every size measured moves the fixed bytes; a plan is taken only once it has run
             try:

@@ -20,10 +20,10 @@ the parent's file pages off its baseline (:func:`_settle`), so that every readin
 one the parent would take, whatever the parent did before forking.
 
 The child runs with one intra-op thread: GNU OpenMP, which PyTorch's CPU build uses, deadlocks in a
-forked child that starts a parallel region after the parent ran one. Memory does not depend on the thread
-count, times do; so the child's plan and costs are used as they are only when this process also runs one
-thread, and otherwise serve as a verdict (a BudgetError raised here, or a go-ahead for the analysis in this
-process, which the child has shown fits).
+forked child that starts a parallel region after the parent ran one. Times depend on the thread count, and
+memory does too (each thread keeps its own scratch): a process running more threads takes the child's costs
+and plan, runs the plan once itself and, when that measures over the budget, has a new child plan with the
+difference held back (:func:`edgetrain.planning.threads.train_here`).
 
 ``EDGETRAIN_FORK=0`` turns the child off (the analysis then runs in this process, as without fork()).
 """
@@ -46,7 +46,7 @@ from ..forking import fork_pipe, write_all
 from ..units import format_bytes
 from . import memory
 
-__all__ = ["ChildResult", "analyse_safely", "available", "measure_in_child", "run_in_child"]
+__all__ = ["ChildResult", "analyse_safely", "available", "measure_in_child", "raise_budget_error", "run_in_child"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -241,7 +241,8 @@ def _fork_and_run(fn: Callable[[], Any], pages: list[tuple[int, Any]] | None) ->
 def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any], budget: int | None,
                    can_fork: bool, profile: Callable[[Any], Any] | None = None,
                    summary: Callable[[Any], Any] | None = None,
-                   memo: dict[str, Any] | None = None) -> tuple[Any, Any]:
+                   memo: dict[str, Any] | None = None,
+                   more_threads: Callable[..., Any] | None = None) -> tuple[Any, Any]:
     """Capture the chain and analyse it where the memory this takes cannot break the budget.
 
     With a budget, the work runs in forked children, so that a BudgetError is raised here before this
@@ -265,6 +266,9 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
             in a child; the chain is then captured here only when the plan runs stages.
         memo: a dict ``profile`` fills (profiles by cache key); with a budget, what the profiling child put
             there is copied back here, so that the analysis does not profile the same sizes again.
+        more_threads: in a process running more intra-op threads than the child,
+            ``more_threads(chain, analyse, costs, outcome, budget)`` takes the child's outcome as this process
+            can train it (:func:`edgetrain.planning.threads.train_here`); None validates it here as with one.
 
     Returns:
         ``(chain, analyse(chain[, costs]))``; the chain is None when it was not captured here (no budget,
@@ -302,7 +306,7 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
         if res is not None:
             log.info("profiling in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
                      format_bytes(budget))
-            _raise_budget_error(res)
+            raise_budget_error(res)
             if res.error is None:
                 costs, profiled = res.value
                 if memo is not None:
@@ -313,7 +317,7 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
     if res is not None:
         log.info("analysis in a child process peaked at %s (budget %s)", format_bytes(res.peak_bytes),
                  format_bytes(budget))
-        _raise_budget_error(res)
+        raise_budget_error(res)
         if res.error is not None:
             log.info("analysis in the child failed (%s); running it here", res.error)
     chain = capture_chain()
@@ -327,8 +331,9 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
         # are one thread's, see _thread_note): profiling and validating every size here left 8-16 MiB of
         # kernels and heap in it for good (an LSTM refused at the 27.6 MiB its child named, then asked for
         # 41.2), while its own run of the child's plan measures what its threads add.
-        outcome = analyse(chain, res.value.costs, res.value)
-        return chain, _thread_note(outcome)
+        if torch.get_num_threads() == CHILD_THREADS or more_threads is None:
+            return chain, _thread_note(analyse(chain, res.value.costs, res.value))
+        return chain, _thread_note(more_threads(chain, analyse, costs, res.value, budget))
     return chain, analyse(chain)
 
 
@@ -343,7 +348,7 @@ def _thread_note(outcome: Any) -> Any:
     return replace(outcome, plan=outcome.plan.replace(notes=(*outcome.plan.notes, note)))
 
 
-def _raise_budget_error(res: ChildResult) -> None:
+def raise_budget_error(res: ChildResult) -> None:
     if res.budget_error is not None:
         message, budget_bytes, need = res.budget_error
         raise BudgetError(message, budget_bytes=budget_bytes, min_feasible_bytes=need)
