@@ -112,3 +112,26 @@ def test_language_modelling_sources_and_their_errors(lm_dir, tmp_path):
         load_lm_data(str(lm_dir / "zen.txt"), None, 32)
     data = load_lm_data(str(lm_dir / "zen.txt"), str(lm_dir / "model"), 32, val_spec=str(tmp_path / "docs.jsonl"))
     assert data.task == "language-modeling" and data.val is not None and data.num_classes == 300
+
+
+def test_language_modelling_resumed_from_a_checkpoint_equals_the_uninterrupted_run(lm_dir, tmp_path, baseline):
+    from edgetrain.cli.train import run_train
+    from edgetrain.cli.train_config import TrainConfig
+
+    def train(epochs: int, save: str, **kw) -> list[str]:
+        lines: list[str] = []
+        cfg = TrainConfig(model=f"hf:{lm_dir / 'model'}", data=str(lm_dir / "zen.txt"), task="language-modeling",
+                          max_length=32, batch_size=8, epochs=epochs, optimizer="adamw", lr=0.01, val_fraction=0.2,
+                          memory_budget="300MiB", save=str(tmp_path / save), progress=False, threads=1, seed=3, **kw)
+        assert run_train(cfg, out=lines.append) == 0, lines
+        return lines
+
+    train(3, "straight.pt")
+    train(1, "first.pt", checkpoint_dir=str(tmp_path / "ck"))  # stopped after its first epoch
+    lines = train(3, "resumed.pt", checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    assert any(ln.startswith("resumed from") and "at epoch 2" in ln for ln in lines), lines
+    straight = torch.load(tmp_path / "straight.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
