@@ -135,3 +135,18 @@ def test_language_modelling_resumed_from_a_checkpoint_equals_the_uninterrupted_r
     assert straight.keys() == resumed.keys()
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
+
+
+def test_report_from_a_language_modelling_config(lm_dir, tmp_path, baseline, capsys, monkeypatch):
+    # `edgetrain report CONFIG` builds data, model, loss and optimizer as `edgetrain train` does (it read every
+    # config as images or a table, and a .txt of documents was "an unknown format")
+    from edgetrain.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lm.yaml").write_text(f"model: hf:{lm_dir / 'model'}\ndata: {lm_dir / 'zen.txt'}\n"
+                                      "task: language-modeling\nmax_length: 32\nbatch_size: 8\noptimizer: adamw\n"
+                                      "memory_budget: 300MiB\nthreads: 1\n")
+    assert main(["report", "lm.yaml", "--out", "r.html"]) == 0
+    out = capsys.readouterr().out
+    assert "report written to" in out and (tmp_path / "r.html").stat().st_size > 0
+    assert "300.0 MiB" in out  # the config's budget

@@ -14,22 +14,24 @@ from ..config import options
 __all__ = ["report_command", "bench_spec"]
 
 
-def _example_from_config(path: str) -> tuple[Any, Any, Any, str | None, str]:
-    """Model, example batch, loss, budget and name from a train config (its first training batch)."""
+def _example_from_config(path: str) -> tuple[Any, Any, Any, str | None, str, torch.optim.Optimizer]:
+    """Model, example batch, loss, budget, name and optimizer from a train config (its first training batch),
+    built as ``edgetrain train`` builds them."""
     from torch.utils.data import DataLoader
 
-    from ..spec import build_model, load_data
+    from ..profile import memory
+    from .train import _optimizer, config_data, config_model
     from .train_config import load_train_config
 
     cfg = load_train_config(path)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    data = load_data(cfg.data, kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
-                     target_column=cfg.target_column, task=cfg.task, seed=cfg.seed)
-    x, y = next(iter(DataLoader(data.train, batch_size=cfg.batch_size)))
-    model = build_model(cfg.model, cfg.model_kwargs, num_classes=data.num_classes, in_channels=data.in_channels,
-                        image_size=cfg.image_size)
-    loss = torch.nn.CrossEntropyLoss() if data.task == "classification" else torch.nn.MSELoss()
-    return model, (x, y), loss, cfg.memory_budget, cfg.model
+    data, train, _ = config_data(cfg)
+    x, y = next(iter(DataLoader(train, batch_size=cfg.batch_size)))
+    memory.record_baseline()  # as in `edgetrain train`: the data is not training memory, the model is
+    model, loss = config_model(cfg, data)
+    return model, (x, y), loss, cfg.memory_budget, cfg.model, _optimizer(cfg, model)
 
 
 def report_command(args: argparse.Namespace) -> int:
@@ -40,14 +42,14 @@ def report_command(args: argparse.Namespace) -> int:
     from .train import spec_model_and_batch
 
     if args.config:
-        model, batch, loss, budget, name = _example_from_config(args.config)
+        model, batch, loss, budget, name, opt = _example_from_config(args.config)
         budget = args.budget or budget
     else:
+        memory.record_baseline()
         model, x, y = spec_model_and_batch(args.model, parse_kwargs(args.model_kwargs), parse_shape(args.input_shape),
                                            args.batch_size)
         batch, loss, budget, name = (x, y), torch.nn.CrossEntropyLoss(), args.budget, args.model
-    memory.record_baseline()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = prepare(model, opt, loss, batch, memory_budget=budget, name=name,
                    **options(solver=args.solver, paging=args.paging, objective="energy" if args.paging else "time"))
     print(step.plan.summary())

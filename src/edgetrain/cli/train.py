@@ -18,9 +18,10 @@ from ..errors import ConfigError
 from ..losses import TokenCrossEntropyLoss
 from ..spec import build_model, load_data
 from ..spec.lm import TASK, load_lm_data
+from ..units import parse_bytes
 from .train_config import TrainConfig
 
-__all__ = ["run_train", "spec_model_and_batch", "write_card", "card_path"]
+__all__ = ["config_data", "config_model", "run_train", "spec_model_and_batch", "write_card", "card_path"]
 
 log = logging.getLogger("edgetrain.cli")
 
@@ -60,15 +61,10 @@ class _Printer:
                  f"(step {int(logs['step'])})")
 
 
-def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
-    """Train as ``cfg`` says; returns the exit code (1 when the measured peak exceeds the budget)."""
-    from ..profile import memory
-    from ..trainer import Trainer
-    from ..units import format_bytes, parse_bytes
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
+def config_data(cfg: TrainConfig) -> tuple[Any, Any, Any]:
+    """The data a config names, as ``(data, training set, validation set or None)``: text tokenized for its
+    Hugging Face model, images at its input size, language-modelling text cut into token blocks; the validation
+    set from ``val_data`` (prepared as the training data was) or split off by ``val_fraction``."""
     text_model, image_input = _hf_inputs(cfg)
     data_options = dict(kwargs=cfg.data_kwargs, image_size=cfg.image_size, channels=cfg.channels,
                         target_column=cfg.target_column, seed=cfg.seed, text_model=text_model,
@@ -89,18 +85,38 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
         n_val = max(1, int(len(train) * cfg.val_fraction))
         train, val = random_split(train, [len(train) - n_val, n_val],
                                   generator=torch.Generator().manual_seed(cfg.seed))
+    return data, train, val
+
+
+def config_model(cfg: TrainConfig, data: Any) -> tuple[nn.Module, nn.Module]:
+    """The model a config names, sized for ``data`` (classes, channels, features), and the loss for its task."""
+    model = build_model(cfg.model, cfg.model_kwargs, num_classes=data.num_classes, in_channels=data.in_channels,
+                        image_size=cfg.image_size, in_features=data.in_features, task=data.task)
+    loss_fn: nn.Module = TokenCrossEntropyLoss(shift=True) if data.task == TASK else \
+        nn.CrossEntropyLoss() if data.task == "classification" else nn.MSELoss()
+    return model, loss_fn
+
+
+def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
+    """Train as ``cfg`` says; returns the exit code (1 when the measured peak exceeds the budget)."""
+    from ..profile import memory
+    from ..trainer import Trainer
+    from ..units import format_bytes
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    data, train, val = config_data(cfg)
+    lm = data.task == TASK
     # The data in memory is not training memory: the budget's zero point is here, as for `edgetrain demo`.
     memory.record_baseline()
     memory.reset_peak()
-    model = build_model(cfg.model, cfg.model_kwargs, num_classes=data.num_classes, in_channels=data.in_channels,
-                        image_size=cfg.image_size, in_features=data.in_features, task=data.task)
+    model, loss_fn = config_model(cfg, data)
     opt = _optimizer(cfg, model)
     loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.num_workers)
     val_loader = DataLoader(val, batch_size=cfg.batch_size) if val is not None else None
     sched, interval = _scheduler(cfg, opt, len(loader) * cfg.epochs)
     classification = data.task == "classification"
-    loss_fn: nn.Module = TokenCrossEntropyLoss(shift=True) if lm else \
-        nn.CrossEntropyLoss() if classification else nn.MSELoss()
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging,
                                   page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir,
