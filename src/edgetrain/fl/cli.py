@@ -24,7 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--image-size", type=int, default=32, help="image folders: side in pixels")
     s.add_argument("--channels", type=int, default=3, help="image folders: 3 (RGB) or 1 (grey)")
     s.add_argument("--target-column", default="-1", help="tables: the target column, by index or name")
-    s.add_argument("--max-length", type=int, default=128, help="text: tokens per text at most")
+    s.add_argument("--max-length", type=int, default=128, help="text: tokens per text at most (language modelling: "
+                   "tokens per block)")
+    s.add_argument("--task", choices=("language-modeling",), default=None,
+                   help="language-modeling: --data is text a Hugging Face causal LM (--model hf:DIR) learns to "
+                        "continue, split IID; default: classification or regression, as the data says")
     s.add_argument("--val-fraction", type=float, default=0.2,
                    help="share of your data the server evaluates on (where the data has no validation split)")
     s.add_argument("--clients", type=int, default=8)
@@ -67,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = int(args.target_column) if args.target_column.lstrip("-").isdigit() else args.target_column
         try:
             task = SpecTask(args.model, args.data, json.dumps(parse_kwargs(args.model_kwargs)), args.image_size,
-                            args.channels, target, args.max_length, args.val_fraction, args.seed)
+                            args.channels, target, args.max_length, args.val_fraction, args.seed, task=args.task)
             load_spec_task(task)
         except EdgetrainError as e:
             print(f"edgetrain fl simulate: error: {e}", file=sys.stderr)

@@ -42,11 +42,14 @@ def trained_mask(model: nn.Module, trained_params: set[str], before: Mapping[str
         before: the buffers as received (a buffer counts as trained when its value changed, e.g. BatchNorm
             running statistics).
     """
-    params = dict(model.named_parameters())
+    # a tied parameter (GPT-2's lm_head.weight is its token embedding) is in the state dict under every name it
+    # has, and in named_parameters() under its first only: each name counts as that parameter
+    first = {id(p): name for name, p in model.named_parameters()}
+    params = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     out = {}
     for key, value in model.state_dict().items():
         if key in params:
-            out[key] = key in trained_params
+            out[key] = params[key] in trained_params
         else:
             out[key] = not torch.equal(value, before[key])
     return out

@@ -10,6 +10,7 @@ peak fits it (:mod:`edgetrain.fl.baseline_heterofl`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -141,21 +142,27 @@ def _run(cfg: SimulationConfig, client: Any, server: Any, report: RunReport) -> 
     return report
 
 
-def _global(report: RunReport, n: int) -> str:
+def _global(report: RunReport, n: int, lm: bool = False) -> str:
     acc, loss = report.accuracy.get(n, float("nan")), report.loss.get(n, float("nan"))
+    if lm:  # the token-mean cross-entropy's exponential
+        return f"global loss {loss:.4f}, perplexity {math.exp(min(loss, 700.0)):.2f}"
     return f"global loss {loss:.4f}" if acc != acc else f"global accuracy {acc:.4f}, loss {loss:.4f}"
 
 
 def format_report(report: RunReport, cfg: SimulationConfig) -> str:
     """Per round the global accuracy, and per client its peak memory against its budget."""
+    from ..spec.lm import TASK as LM_TASK
+
     what = f"{cfg.task.model} on {cfg.task.data}, " if cfg.task is not None else ""
-    lines = [f"{what}{cfg.mode}, {cfg.clients} clients, {cfg.partition}"
-             + (f" (alpha {cfg.alpha})" if cfg.partition == "dirichlet" else "")
+    lm = cfg.task is not None and cfg.task.task == LM_TASK
+    partition = "iid" if lm else cfg.partition  # blocks of text have no class to skew shards by
+    lines = [f"{what}{cfg.mode}, {cfg.clients} clients, {partition}"
+             + (f" (alpha {cfg.alpha})" if partition == "dirichlet" else "")
              + f", {cfg.rounds} rounds x {cfg.local_epochs} local epoch(s), batch {cfg.batch_size}",
-             f"round 0: {_global(report, 0)}"]
+             f"round 0: {_global(report, 0, lm)}"]
     for r in report.rounds:
         n = r["round"]
-        lines.append(f"round {n}: {_global(report, n)}")
+        lines.append(f"round {n}: {_global(report, n, lm)}")
         for c in sorted(r["clients"], key=lambda c: c["partition-id"]):
             mib = 1 << 20
             ok = "ok" if c["within-budget"] else "OVER"

@@ -26,6 +26,9 @@ from torch import nn
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate, random_split
 
 from ..batch import call_model
+from ..losses import TokenCrossEntropyLoss
+from ..spec.lm import TASK as LM_TASK
+from ..spec.lm import load_lm_data
 from .client import ClientData
 from .partition import partition
 from .settings import ClientSettings
@@ -48,6 +51,9 @@ class SpecTask:
         val_fraction: share held out for the server's evaluation where the data brings no validation split.
         seed: seed of the held-out split, the shards, the batch order and the initial model.
         cwd: the directory factory modules are imported from (the one the run was started in).
+        task: ``"language-modeling"``: ``data`` is text (a .txt of documents, .jsonl, .csv, a saved dataset) a
+            Hugging Face causal LM (``model: hf:DIR``) learns to continue, in blocks of ``max_length`` tokens;
+            None: classification or regression, as the data says.
     """
 
     model: str
@@ -60,6 +66,7 @@ class SpecTask:
     val_fraction: float = 0.2
     seed: int = 0
     cwd: str = field(default_factory=os.getcwd)
+    task: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +114,12 @@ def load_spec_task(task: SpecTask) -> LoadedTask:
         from ..spec.models import hf_reads_images
 
         text_model = None if hf_reads_images(text_model) else text_model
-    info = load_data(task.data, image_size=task.image_size, channels=task.channels,
-                     target_column=task.target_column, seed=task.seed, text_model=text_model,
-                     max_length=task.max_length)
+    if task.task == LM_TASK:
+        info = load_lm_data(task.data, text_model, task.max_length)
+    else:
+        info = load_data(task.data, image_size=task.image_size, channels=task.channels,
+                         target_column=task.target_column, seed=task.seed, text_model=text_model,
+                         max_length=task.max_length)
     train, test = info.train, info.val
     if test is None:
         n_test = max(1, int(len(train) * task.val_fraction))
@@ -117,7 +127,9 @@ def load_spec_task(task: SpecTask) -> LoadedTask:
             raise ConfigError(f"{task.data}: {len(train)} samples cannot be split into training and held-out parts")
         train, test = random_split(train, [len(train) - n_test, n_test],
                                    generator=torch.Generator().manual_seed(task.seed))
-    return LoadedTask(train, _labels(train), test, info)
+    # blocks of text have no class to skew the shards by: they are split IID, as a regression's rows are
+    labels = np.zeros(len(train), np.int64) if info.task == LM_TASK else _labels(train)
+    return LoadedTask(train, labels, test, info)
 
 
 def spec_model_fn(task: SpecTask) -> Callable[[], nn.Module]:
@@ -129,14 +141,18 @@ def spec_model_fn(task: SpecTask) -> Callable[[], nn.Module]:
         info = load_spec_task(task).info
         torch.manual_seed(task.seed)
         return build_model(task.model, json.loads(task.model_kwargs), num_classes=info.num_classes,
-                           in_channels=info.in_channels, image_size=task.image_size, in_features=info.in_features)
+                           in_channels=info.in_channels, image_size=task.image_size, in_features=info.in_features,
+                           task=info.task)
     return model_fn
 
 
 def spec_loss_fn(task: SpecTask) -> Callable[..., torch.Tensor]:
-    """Cross-entropy for a classification, mean squared error for a regression."""
-    regression = load_spec_task(task).info.task == "regression"
-    return nn.functional.mse_loss if regression else nn.functional.cross_entropy
+    """Cross-entropy for a classification, mean squared error for a regression, the next-token cross-entropy
+    over the tokens that count for language modelling."""
+    kind = load_spec_task(task).info.task
+    if kind == LM_TASK:
+        return TokenCrossEntropyLoss(shift=True)
+    return nn.functional.mse_loss if kind == "regression" else nn.functional.cross_entropy
 
 
 def _batches(ds: Dataset, idx: np.ndarray, batch_size: int, seed: int, client: int, epoch: int
@@ -170,30 +186,34 @@ def spec_data_fn(task: SpecTask, scheme: str = "iid", alpha: float = 0.5
 
 @functools.lru_cache(maxsize=8)
 def _shards(task: SpecTask, n: int, scheme: str, alpha: float) -> tuple[np.ndarray, ...]:
-    """The ``n`` shards of the task's training part (drawn once per process; a regression is split IID)."""
+    """The ``n`` shards of the task's training part (drawn once per process; a regression and language
+    modelling are split IID)."""
     loaded = load_spec_task(task)
-    if loaded.info.task == "regression":
+    if loaded.info.task in ("regression", LM_TASK):
         return tuple(partition(np.zeros(len(loaded.labels), np.int64), n, "iid", alpha=alpha, seed=task.seed))
     return tuple(partition(loaded.labels.astype(np.int64), n, scheme, alpha=alpha, seed=task.seed))
 
 
 def evaluate_spec(task: SpecTask, model: nn.Module, batch_size: int = 64) -> tuple[float, float]:
-    """``(accuracy, loss)`` of ``model`` on the held-out part, without gradients and in eval mode
-    (accuracy is NaN for a regression, whose loss is the mean squared error)."""
+    """``(accuracy, loss)`` of ``model`` on the held-out part, without gradients and in eval mode (accuracy is
+    NaN for a regression, whose loss is the mean squared error, and for language modelling, whose loss is the
+    mean over every counted token: its exponential is the perplexity)."""
     from .._state import modes_kept
 
     loaded = load_spec_task(task)
-    regression = loaded.info.task == "regression"
+    kind = loaded.info.task
     loss_fn = spec_loss_fn(task)
-    total, correct, n = 0.0, 0, 0
+    total, correct, n = 0.0, 0, 0.0
     with modes_kept(model), torch.no_grad():
         model.eval()
         for start in range(0, len(loaded.test), batch_size):
             x, y = default_collate([loaded.test[i] for i in range(start, min(start + batch_size, len(loaded.test)))])
             out = call_model(model, x)
-            k = len(y)
-            total += float(loss_fn(out, y)) * k
-            if not regression:
+            # a token-mean loss weighs each batch by its counted tokens; the others by their samples
+            k = loss_fn.target_weight(y) if isinstance(loss_fn, TokenCrossEntropyLoss) else len(y)
+            if k:
+                total += float(loss_fn(out, y)) * k
+            if kind == "classification":
                 correct += int((out.argmax(1) == y).sum())
             n += k
-    return (math.nan if regression else correct / max(n, 1)), total / max(n, 1)
+    return (correct / max(n, 1) if kind == "classification" else math.nan), total / max(n, 1)
