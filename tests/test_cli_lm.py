@@ -93,6 +93,17 @@ def test_train_a_causal_lm_on_a_text_file_within_its_budget_then_continue_prompt
     assert rows[0] == ["input", "prompt", "continuation"] and [r[1] for r in rows[1:]] == ["Beautiful is",
                                                                                            "Errors should"]
     assert all(isinstance(r[2], str) for r in rows[1:])
+    # sampled: the same seed draws the same continuations, and they are not all the greedy ones
+    from edgetrain.cli.predict import Sampling
+
+    hot = Sampling(temperature=1.5, top_k=50, top_p=0.95, seed=7)
+    drawn = [list(predict(tmp_path / "zen.pt", prompts, card, new_tokens=8, sampling=hot)) for _ in range(2)]
+    assert drawn[0] == drawn[1]
+    others = [list(predict(tmp_path / "zen.pt", prompts, card, new_tokens=8, sampling=Sampling(1.5, 0, 1.0, s)))
+              for s in range(3)]
+    assert any(o != rows for o in others + drawn)
+    with pytest.raises(ConfigError, match="top_p"):
+        list(predict(tmp_path / "zen.pt", prompts, card, new_tokens=8, sampling=Sampling(1.0, 0, 0.0)))
 
 
 def test_language_modelling_sources_and_their_errors(lm_dir, tmp_path):

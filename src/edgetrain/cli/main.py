@@ -337,7 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--card", default=None, help="the card, where it is not beside the weights")
     pd.add_argument("--out", default=None, help="write the predictions here (default: standard output)")
     pd.add_argument("--max-new-tokens", type=int, default=32, help="language models: tokens to continue each "
-                    "prompt with (greedy)")
+                    "prompt with")
+    pd.add_argument("--temperature", type=float, default=0.0, help="language models: sample the continuations at "
+                    "this temperature (0: greedy, the most likely token each time)")
+    pd.add_argument("--top-k", type=int, default=0, help="language models, sampling: from the k most likely "
+                    "tokens only (0: all)")
+    pd.add_argument("--top-p", type=float, default=1.0, help="language models, sampling: from the most likely "
+                    "tokens whose probabilities sum to p (1: all)")
+    pd.add_argument("--seed", type=int, default=0, help="language models, sampling: seed of the draws (the same "
+                    "seed, the same continuations)")
     pd.set_defaults(func=lambda a: __import__("edgetrain.cli.predict", fromlist=["cmd_predict"]).cmd_predict(a))
     f = sub.add_parser("fl", help="federated learning with Flower (edgetrain[flower]): `edgetrain fl simulate`")
     f.add_argument("rest", nargs=argparse.REMAINDER)

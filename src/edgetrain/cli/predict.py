@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -26,7 +27,7 @@ from torch import nn
 from ..batch import call_model
 from ..errors import ConfigError
 
-__all__ = ["load_card", "predict", "cmd_predict"]
+__all__ = ["Sampling", "load_card", "predict", "cmd_predict"]
 
 
 def load_card(weights: Path, card: Path | None = None) -> dict[str, Any]:
@@ -137,8 +138,30 @@ def _batches(source: Path, card: dict[str, Any]) -> Iterator[tuple[list[str], An
                       f"{pre.get('factory') or pre.get('columns') or 'arrays'}): run it from Python")
 
 
-def _continuations(model: nn.Module, source: Path, card: dict[str, Any], new_tokens: int) -> Iterator[list[str]]:
-    """A language model's greedy continuation of each prompt (a line of a .txt file, or a table's text column)."""
+@dataclass(frozen=True)
+class Sampling:
+    """How a language model continues a prompt: greedy at ``temperature`` 0, else drawn at that temperature
+    from the ``top_k`` most likely tokens (0: all) whose probabilities sum to ``top_p``, seeded."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1 (got temperature "
+                              f"{self.temperature}, top_k {self.top_k}, top_p {self.top_p})")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k or None, "top_p": self.top_p}
+
+
+def _continuations(model: nn.Module, source: Path, card: dict[str, Any], new_tokens: int,
+                   sampling: Sampling) -> Iterator[list[str]]:
+    """A language model's continuation of each prompt (a line of a .txt file, or a table's text column)."""
     from ..spec.text import load_tokenizer
 
     pre = card["input"]
@@ -148,21 +171,24 @@ def _continuations(model: nn.Module, source: Path, card: dict[str, Any], new_tok
     tok = load_tokenizer(pre["tokenizer"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     yield ["input", "prompt", "continuation"]
+    torch.manual_seed(sampling.seed)
     for name, prompt in zip(labels, prompts):
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
         if ids["input_ids"].shape[1] == 0:
             raise ConfigError(f"{source}, {name}: the prompt holds no token")
-        out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        out = model.generate(**ids, max_new_tokens=new_tokens, pad_token_id=pad, **sampling.generate_kwargs())
         yield [name, prompt, tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)]
 
 
-def predict(weights: Path, source: Path, card: dict[str, Any], new_tokens: int = 32) -> Iterator[list[str]]:
-    """CSV rows of predictions, the header first (a language model's: each prompt's continuation, greedy,
-    ``new_tokens`` tokens at most)."""
+def predict(weights: Path, source: Path, card: dict[str, Any], new_tokens: int = 32,
+            sampling: Sampling = Sampling()) -> Iterator[list[str]]:
+    """CSV rows of predictions, the header first (a language model's: each prompt's continuation,
+    ``new_tokens`` tokens at most, greedy unless ``sampling`` says otherwise)."""
     model = build_trained(weights, card)
     if card["task"] == "language-modeling":
+        sampling.check()
         with torch.no_grad():
-            yield from _continuations(model, source, card, new_tokens)
+            yield from _continuations(model, source, card, new_tokens, sampling)
         return
     classes: Sequence[str] = card.get("classes") or []
     classification = card["task"] == "classification"
@@ -190,9 +216,10 @@ def cmd_predict(args: Any) -> int:
     if not source.exists():
         raise ConfigError(f"no input {source}")
     card = load_card(weights, Path(args.card) if args.card else None)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if not args.out:
         writer = csv.writer(sys.stdout)
-        for row in predict(weights, source, card, args.max_new_tokens):
+        for row in predict(weights, source, card, args.max_new_tokens, sampling):
             writer.writerow(row)
         return 0
     path = Path(args.out)
@@ -200,7 +227,7 @@ def cmd_predict(args: Any) -> int:
     try:
         with open(tmp, "w", newline="") as f:  # a failure half way leaves no partial file behind
             writer = csv.writer(f)
-            n = sum(1 for row in predict(weights, source, card, args.max_new_tokens)
+            n = sum(1 for row in predict(weights, source, card, args.max_new_tokens, sampling)
                     if writer.writerow(row) is not None) - 1
         os.replace(tmp, path)
     finally:
