@@ -94,3 +94,10 @@ def test_the_held_out_loss_is_the_mean_over_every_counted_token(task):
     # batches of 3 blocks: the last block is padded, so batches differ in counted tokens
     _, got = evaluate_spec(task, model, batch_size=3)
     assert got == pytest.approx(float(want), rel=1e-5)
+
+
+def test_the_task_without_a_model_is_refused_with_what_to_give(capsys):
+    from edgetrain.fl.cli import main
+
+    assert main(["simulate", "--task", "language-modeling"]) == 2
+    assert "--model hf:DIR --data FILE" in capsys.readouterr().err

@@ -63,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("edgetrain fl simulate: error: --model and --data go together (your model and your data)",
               file=sys.stderr)
         return 2
+    if args.task is not None and args.model is None:
+        print(f"edgetrain fl simulate: error: --task {args.task} needs your model and text: --model hf:DIR --data "
+              "FILE", file=sys.stderr)
+        return 2
     if args.model is not None:
         from ..cli.args import parse_kwargs
         from ..errors import EdgetrainError
@@ -76,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except EdgetrainError as e:
             print(f"edgetrain fl simulate: error: {e}", file=sys.stderr)
             return 2
+    if args.task is not None and args.partition != "iid":
+        print(f"edgetrain fl simulate: --partition {args.partition} skews shards by class, which blocks of text do "
+              "not have: language modelling splits them IID", file=sys.stderr)
     if task is not None and not args.tiers:
         print("edgetrain fl simulate: the default tiers' budgets (24-96 MiB) are the bundled CNN's; give your "
               "model's with --tiers PROFILE=BUDGET,... (none: unbounded)", file=sys.stderr)
