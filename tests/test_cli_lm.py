@@ -2,15 +2,13 @@
 tokenizer, offline) learns to continue a text file under a memory budget; `edgetrain predict` continues
 prompts with it.
 
-The model and tokenizer are made here: a byte-level BPE tokenizer trained on the text (``tokenizers``) and a
-two-layer GPT-2 from its config, saved as ``save_pretrained`` saves a downloaded one.
+The model and tokenizer are made by ``tests/_lm.py``: a byte-level BPE tokenizer trained on the text
+(``tokenizers``) and a two-layer GPT-2 from its config, saved as ``save_pretrained`` saves a downloaded one.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
-import this
 
 import pytest
 import torch
@@ -21,29 +19,12 @@ from edgetrain.profile import memory
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-ZEN = [line for line in codecs.decode(this.s, "rot13").splitlines() if line.strip()]
+from tests._lm import ZEN, make_lm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    root = tmp_path_factory.mktemp("lm")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(ZEN, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<pad>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                                pad_token="<pad>")
-    fast.save_pretrained(root / "model")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=len(fast), n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                  eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
-                                  pad_token_id=fast.pad_token_id)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "model")
-    (root / "zen.txt").write_text("\n".join(ZEN * 4) + "\n")
-    return root
+    return make_lm(tmp_path_factory.mktemp("lm"))
 
 
 @pytest.fixture

@@ -3,43 +3,25 @@ docs.txt``): every node takes an IID shard of the text's token blocks, fine-tune
 with the next-token loss, and the server reports the held-out loss over every counted token (and its
 perplexity); driven here with hand-built Flower messages (no engine)."""
 
-import codecs
 import math
-import this
 
 import pytest
 
 pytest.importorskip("flwr")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 
 from tests._fl import context, train_message  # noqa: E402
-
-ZEN = [line for line in codecs.decode(this.s, "rot13").splitlines() if line.strip()]
+from tests._lm import make_lm  # noqa: E402
 
 
 @pytest.fixture
 def task(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from edgetrain.fl.spec_task import SpecTask, load_spec_task
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(ZEN, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<pad>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                                pad_token="<pad>")
-    fast.save_pretrained(tmp_path / "model")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=len(fast), n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                  eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
-                                  pad_token_id=fast.pad_token_id)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "model")
-    (tmp_path / "zen.txt").write_text("\n".join(ZEN * 6) + "\n")
+    make_lm(tmp_path, repeats=6)
     load_spec_task.cache_clear()
     yield SpecTask(f"hf:{tmp_path / 'model'}", str(tmp_path / "zen.txt"), max_length=16, task="language-modeling",
                    cwd=str(tmp_path))
