@@ -142,3 +142,18 @@ def test_report_from_a_language_modelling_config(lm_dir, tmp_path, baseline, cap
     out = capsys.readouterr().out
     assert "report written to" in out and (tmp_path / "r.html").stat().st_size > 0
     assert "300.0 MiB" in out  # the config's budget
+
+
+@pytest.mark.filterwarnings("ignore:.*micro-batches.*draws its own")  # GPT-2's dropout: compared as accumulated
+def test_verify_a_language_modelling_config_micro_batched(lm_dir, tmp_path, baseline, capsys, monkeypatch):
+    # `edgetrain verify CONFIG`: one step of your model on your data's first batch, with your loss and
+    # optimizer, through the plan (micro-batches of 2 here) and through plain PyTorch, compared
+    from edgetrain.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lm.yaml").write_text(f"model: hf:{lm_dir / 'model'}\ndata: {lm_dir / 'zen.txt'}\n"
+                                      "task: language-modeling\nmax_length: 32\nbatch_size: 8\noptimizer: adamw\n"
+                                      "threads: 1\n")
+    assert main(["verify", "lm.yaml", "--micro-batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "edgetrain verify: PASS" in out and "micro-batch 2 of 8" in out, out

@@ -138,10 +138,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ..verify import verify
     from .train import spec_model_and_batch
 
-    model, x, y = spec_model_and_batch(args.model, parse_kwargs(args.model_kwargs), parse_shape(args.input_shape),
-                                       args.batch_size)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    report = verify(model, opt, torch.nn.CrossEntropyLoss(), (x, y), args.budget, tolerance=args.tolerance,
+    if args.config:  # your model, the first batch of your data, your loss and optimizer, as train builds them
+        from .train import config_example
+
+        model, batch, loss, budget, _, opt = config_example(args.config)
+        budget = args.budget or budget
+    else:
+        model, x, y = spec_model_and_batch(args.model, parse_kwargs(args.model_kwargs),
+                                           parse_shape(args.input_shape), args.batch_size)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        batch, loss, budget = (x, y), torch.nn.CrossEntropyLoss(), args.budget
+    report = verify(model, opt, loss, batch, budget, tolerance=args.tolerance,
                     **options(solver=args.solver, micro_batch_size=args.micro_batch_size or None))
     print(report)
     return 0 if report.passed else 1
@@ -295,8 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_profile)
     vf = sub.add_parser("verify", help="run one step of a model through the plan and through plain PyTorch (on "
                         "copies) and compare parameters, gradients and buffers", formatter_class=_DEFAULTS)
+    vf.add_argument("config", nargs="?", default=None, help="a train config: its model, the first batch of its "
+                    "data, its loss, optimizer and budget (default: --model on a random batch of --input-shape)")
     _model_args(vf, 16)
-    vf.add_argument("--budget", default=None, help="memory budget, e.g. 200MiB (default: none)")
+    vf.add_argument("--budget", default=None, help="memory budget, e.g. 200MiB (default: none, or the config's)")
     vf.add_argument("--solver", default="dp", help="planner name (dp, no_saving, recompute_all, chen_sqrt, ...)")
     vf.add_argument("--micro-batch-size", type=int, default=None, help="fix the micro-batch size")
     vf.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference that passes")

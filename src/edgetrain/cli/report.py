@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from typing import Any
 
 import torch
 
@@ -14,35 +13,15 @@ from ..config import options
 __all__ = ["report_command", "bench_spec"]
 
 
-def _example_from_config(path: str) -> tuple[Any, Any, Any, str | None, str, torch.optim.Optimizer]:
-    """Model, example batch, loss, budget, name and optimizer from a train config (its first training batch),
-    built as ``edgetrain train`` builds them."""
-    from torch.utils.data import DataLoader
-
-    from ..profile import memory
-    from .train import _optimizer, config_data, config_model
-    from .train_config import load_train_config
-
-    cfg = load_train_config(path)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    data, train, _ = config_data(cfg)
-    x, y = next(iter(DataLoader(train, batch_size=cfg.batch_size)))
-    memory.record_baseline()  # as in `edgetrain train`: the data is not training memory, the model is
-    model, loss = config_model(cfg, data)
-    return model, (x, y), loss, cfg.memory_budget, cfg.model, _optimizer(cfg, model)
-
-
 def report_command(args: argparse.Namespace) -> int:
     """Prepare the model (from a config or a spec), write the report, print its path."""
     from ..api import prepare
     from ..profile import memory
     from .args import parse_kwargs, parse_shape
-    from .train import spec_model_and_batch
+    from .train import config_example, spec_model_and_batch
 
     if args.config:
-        model, batch, loss, budget, name, opt = _example_from_config(args.config)
+        model, batch, loss, budget, name, opt = config_example(args.config)
         budget = args.budget or budget
     else:
         memory.record_baseline()

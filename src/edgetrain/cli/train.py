@@ -21,7 +21,8 @@ from ..spec.lm import TASK, load_lm_data
 from ..units import parse_bytes
 from .train_config import TrainConfig
 
-__all__ = ["config_data", "config_model", "run_train", "spec_model_and_batch", "write_card", "card_path"]
+__all__ = ["config_data", "config_example", "config_model", "run_train", "spec_model_and_batch", "write_card",
+           "card_path"]
 
 log = logging.getLogger("edgetrain.cli")
 
@@ -95,6 +96,23 @@ def config_model(cfg: TrainConfig, data: Any) -> tuple[nn.Module, nn.Module]:
     loss_fn: nn.Module = TokenCrossEntropyLoss(shift=True) if data.task == TASK else \
         nn.CrossEntropyLoss() if data.task == "classification" else nn.MSELoss()
     return model, loss_fn
+
+
+def config_example(path: str) -> tuple[Any, Any, Any, str | None, str, torch.optim.Optimizer]:
+    """Model, example batch, loss, budget, name and optimizer from a train config (its first training batch),
+    built as ``edgetrain train`` builds them."""
+    from ..profile import memory
+    from .train_config import load_train_config
+
+    cfg = load_train_config(path)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    data, train, _ = config_data(cfg)
+    x, y = next(iter(DataLoader(train, batch_size=cfg.batch_size)))
+    memory.record_baseline()  # as in `edgetrain train`: the data is not training memory, the model is
+    model, loss = config_model(cfg, data)
+    return model, (x, y), loss, cfg.memory_budget, cfg.model, _optimizer(cfg, model)
 
 
 def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
