@@ -129,17 +129,22 @@ def test_language_modelling_resumed_from_a_checkpoint_equals_the_uninterrupted_r
         assert torch.equal(straight[k], resumed[k]), k
 
 
+def _lm_command(lm_dir, tmp_path, capsys, command: list[str], budget: str = "") -> str:
+    """``edgetrain COMMAND lm.yaml ...`` on a language-modelling train config, run in ``tmp_path``; its output."""
+    from edgetrain.cli.main import main
+
+    (tmp_path / "lm.yaml").write_text(f"model: hf:{lm_dir / 'model'}\ndata: {lm_dir / 'zen.txt'}\n"
+                                      "task: language-modeling\nmax_length: 32\nbatch_size: 8\noptimizer: adamw\n"
+                                      f"threads: 1\n{budget}")
+    assert main([command[0], "lm.yaml", *command[1:]]) == 0
+    return capsys.readouterr().out
+
+
 def test_report_from_a_language_modelling_config(lm_dir, tmp_path, baseline, capsys, monkeypatch):
     # `edgetrain report CONFIG` builds data, model, loss and optimizer as `edgetrain train` does (it read every
     # config as images or a table, and a .txt of documents was "an unknown format")
-    from edgetrain.cli.main import main
-
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "lm.yaml").write_text(f"model: hf:{lm_dir / 'model'}\ndata: {lm_dir / 'zen.txt'}\n"
-                                      "task: language-modeling\nmax_length: 32\nbatch_size: 8\noptimizer: adamw\n"
-                                      "memory_budget: 300MiB\nthreads: 1\n")
-    assert main(["report", "lm.yaml", "--out", "r.html"]) == 0
-    out = capsys.readouterr().out
+    out = _lm_command(lm_dir, tmp_path, capsys, ["report", "--out", "r.html"], budget="memory_budget: 300MiB\n")
     assert "report written to" in out and (tmp_path / "r.html").stat().st_size > 0
     assert "300.0 MiB" in out  # the config's budget
 
@@ -148,12 +153,6 @@ def test_report_from_a_language_modelling_config(lm_dir, tmp_path, baseline, cap
 def test_verify_a_language_modelling_config_micro_batched(lm_dir, tmp_path, baseline, capsys, monkeypatch):
     # `edgetrain verify CONFIG`: one step of your model on your data's first batch, with your loss and
     # optimizer, through the plan (micro-batches of 2 here) and through plain PyTorch, compared
-    from edgetrain.cli.main import main
-
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "lm.yaml").write_text(f"model: hf:{lm_dir / 'model'}\ndata: {lm_dir / 'zen.txt'}\n"
-                                      "task: language-modeling\nmax_length: 32\nbatch_size: 8\noptimizer: adamw\n"
-                                      "threads: 1\n")
-    assert main(["verify", "lm.yaml", "--micro-batch-size", "2"]) == 0
-    out = capsys.readouterr().out
+    out = _lm_command(lm_dir, tmp_path, capsys, ["verify", "--micro-batch-size", "2"])
     assert "edgetrain verify: PASS" in out and "micro-batch 2 of 8" in out, out
