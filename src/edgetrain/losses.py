@@ -12,6 +12,7 @@ comes, shifts for next-token prediction when asked, and tells edgetrain how much
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch.nn import functional as F
 
 from .errors import InputError
 
-__all__ = ["TokenCrossEntropyLoss", "counted_weight"]
+__all__ = ["TokenCrossEntropyLoss", "counted_weight", "perplexity"]
 
 
 def counted_weight(targets: torch.Tensor, ignore_index: int, weight: torch.Tensor | None) -> float:
@@ -30,6 +31,11 @@ def counted_weight(targets: torch.Tensor, ignore_index: int, weight: torch.Tenso
     if weight is None:
         return float(counted.sum())
     return float((weight[targets.clamp_min(0)] * counted).sum())
+
+
+def perplexity(loss: float) -> float:
+    """The perplexity of a mean next-token cross-entropy (its exponential; overflow-safe)."""
+    return math.exp(min(loss, 700.0))
 
 
 def _logits_of(output: Any, key: str) -> torch.Tensor:

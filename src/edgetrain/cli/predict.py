@@ -6,8 +6,8 @@ how its inputs were prepared; the inputs are prepared the same way here: images 
 standardised with the training folder's numbers; a table's feature columns picked by name and standardised
 with the training rows' numbers (a target column, if the table still has one, is left out); texts tokenized
 with the model's tokenizer. Predictions are written as CSV: per input, the predicted class and its
-probability (classification), the predicted values (regression), or the greedy continuation of each prompt
-(language modelling).
+probability (classification), the predicted values (regression), or the continuation of each prompt, greedy
+or sampled (language modelling).
 """
 
 from __future__ import annotations

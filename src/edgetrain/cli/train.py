@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader, random_split
 
 from ..config import options
 from ..errors import ConfigError
-from ..losses import TokenCrossEntropyLoss
+from ..losses import TokenCrossEntropyLoss, perplexity
 from ..spec import build_model, load_data
 from ..spec.lm import TASK, load_lm_data
 from ..units import parse_bytes
@@ -57,7 +56,7 @@ class _Printer:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, float]) -> None:
         extra = "".join(f", {k} {v:.4f}" for k, v in logs.items() if k not in ("step", "train_loss"))
         if self.perplexity and "val_loss" in logs:  # the token-mean loss's exponential
-            extra += f", val_perplexity {math.exp(min(logs['val_loss'], 700.0)):.2f}"
+            extra += f", val_perplexity {perplexity(logs['val_loss']):.2f}"
         self.out(f"epoch {epoch + 1}/{self.epochs}: train_loss {logs['train_loss']:.4f}{extra} "
                  f"(step {int(logs['step'])})")
 

@@ -10,7 +10,6 @@ peak fits it (:mod:`edgetrain.fl.baseline_heterofl`).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any, Callable
 
 from flwr.app import Context
 
+from ..losses import perplexity
 from .apps import RunReport, mnist_client_app, mnist_server_app, server_app, task_data_fn
 from .settings import ClientSettings
 from .spec_task import SpecTask
@@ -145,7 +145,7 @@ def _run(cfg: SimulationConfig, client: Any, server: Any, report: RunReport) -> 
 def _global(report: RunReport, n: int, lm: bool = False) -> str:
     acc, loss = report.accuracy.get(n, float("nan")), report.loss.get(n, float("nan"))
     if lm:  # the token-mean cross-entropy's exponential
-        return f"global loss {loss:.4f}, perplexity {math.exp(min(loss, 700.0)):.2f}"
+        return f"global loss {loss:.4f}, perplexity {perplexity(loss):.2f}"
     return f"global loss {loss:.4f}" if acc != acc else f"global accuracy {acc:.4f}, loss {loss:.4f}"
 
 

@@ -74,8 +74,7 @@ def train_here(chain: Any, analyse: Callable[..., Any], costs: Any, outcome: Any
             log.info("re-planning in a child failed (%s); planning in this process", res and res.error)
             return analyse(chain, outcome.costs, outcome)
         if res.budget_error is not None:
-            message, _, need = res.budget_error
-            raise refused_here(budget, overs, BudgetError(message, budget_bytes=budget, min_feasible_bytes=need))
+            raise refused_here(budget, overs, child_need=res.budget_error[2])
         outcome = res.value
     raise refused_here(budget, overs)
 
@@ -84,8 +83,8 @@ def reserved(analysis: Any, reserve: int, analyse: Callable[[], Any]) -> Any:
     """``analyse()`` with ``reserve`` bytes held back from ``analysis``'s budget (the analysing child's side).
 
     Raises:
-        BudgetError: no plan fits what is left; it names the budget asked for and a smallest feasible budget
-            that gives the reserve back, with the retry slack every named budget carries.
+        BudgetError: no plan fits what is left; its smallest feasible budget gives the reserve back, with the
+            retry slack every named budget carries (:func:`refused_here` words the refusal the user sees).
     """
     full = analysis.budget
     analysis.budget = full - reserve
@@ -95,13 +94,7 @@ def reserved(analysis: Any, reserve: int, analyse: Callable[[], Any]) -> Any:
         need = e.min_feasible_bytes
         if need is not None:
             need = max(need + math.ceil(RETRY_SLACK * reserve), math.ceil(full * 1.01))
-        raise BudgetError(
-            f"no plan trains this batch within {format_bytes(full)} with this process's "
-            f"{torch.get_num_threads()} intra-op threads: a step here measured {format_bytes(reserve)} more than "
-            f"in prepare's single-threaded analysis (each thread keeps its own scratch buffers), and with that "
-            f"held back no plan fits" + (f"; the smallest feasible budget is {format_bytes(need)}" if need else "")
-            + ". Raise memory_budget to at least that, train with fewer threads (torch.set_num_threads), or "
-            "train a smaller batch.", budget_bytes=full, min_feasible_bytes=need) from e
+        raise BudgetError(str(e), budget_bytes=full, min_feasible_bytes=need) from e
     finally:
         analysis.budget = full
 
@@ -112,7 +105,7 @@ def need_here(budget: int, over: Any) -> int:
     return max(math.ceil(RETRY_SLACK * over.measured * budget / max(1, over.limit)), math.ceil(budget * 1.01))
 
 
-def refused_here(budget: int, overs: list[Any], child: BudgetError | None = None) -> BudgetError:
+def refused_here(budget: int, overs: list[Any], child_need: int | None = None) -> BudgetError:
     """The refusal of a process whose runs of its children's plans all measured over ``budget``.
 
     It names the smaller of what the last child named (with the reserve given back) and the budget at which
@@ -123,11 +116,11 @@ def refused_here(budget: int, overs: list[Any], child: BudgetError | None = None
 
     Args:
         overs: the :class:`~edgetrain.planning.budgets.RunOver` of each plan run here.
-        child: the last child's refusal, if it refused.
+        child_need: the smallest budget the last child named, if it refused.
     """
     need = min(need_here(budget, o) for o in overs)
-    if child is not None and child.min_feasible_bytes is not None:
-        need = min(need, max(child.min_feasible_bytes, math.ceil(budget * 1.01)))
+    if child_need is not None:
+        need = min(need, max(child_need, math.ceil(budget * 1.01)))
     least = min(o.measured for o in overs)
     return BudgetError(
         f"no plan trains this batch within {format_bytes(budget)} with this process's {torch.get_num_threads()} "
