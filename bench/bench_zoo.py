@@ -14,6 +14,7 @@ Per model, in one run, each figure from fresh processes:
   prepare     seconds prepare took to refuse a budget (the named minimum) and to plan at it
 
     python bench/bench_zoo.py [--models bert,gpt2] [--batch 8] [--threads 1] [--repeats 5]
+    python bench/bench_zoo.py --models more     # 26 further Hugging Face architectures (models/zoo_more.py)
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def _setup(name: str, batch: int) -> tuple[Any, Any, Any, Any, Any]:
 
     import edgetrain  # noqa: F401  (the baseline is recorded at import)
     from edgetrain.models.zoo import ZOO
+    from edgetrain.models.zoo_more import MORE
 
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
-    case = ZOO[name]
+    case = {**ZOO, **MORE}[name]
     model = case.build()
     x, y = case.example(batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -132,7 +134,8 @@ def _mib(b: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
+    ap.add_argument("--models", default="", help="comma-separated zoo names (default: the zoo's); 'more': the "
+                    "further Hugging Face architectures of edgetrain.models.zoo_more")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="fresh processes per peak of plain and same (median)")
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(name, mode, int(batch), int(budget) or None)))
         return 0
     from edgetrain.models.zoo import zoo_names
-    names = [n for n in args.models.split(",") if n] or zoo_names()
+    from edgetrain.models.zoo_more import MORE
+    names = [m for n in args.models.split(",") if n for m in (list(MORE) if n == "more" else [n])] or zoo_names()
     print(f"bench_zoo: batch {args.batch}, {args.threads} thread(s), {STEPS} steps, AdamW; peaks in MiB above "
           f"the import baseline (model, batch and optimizer included); plain and same: medians of {args.repeats} "
           "fresh processes each, interleaved; spread: plain's largest minus smallest reading")

@@ -1,9 +1,11 @@
 """A process running several intra-op threads (the default on any multi-core device) gets the same promise as
 a single-threaded one: the smallest budget a refusal names trains, in a fresh process, within itself.
 
-prepare's analysis runs in a forked child with one thread (GNU OpenMP cannot start threads in a fork); the
-process with more threads used to redo the analysis in itself, and the profiling and validation runs left
-8-16 MiB of kernels and heap behind, so that a retry at the named budget was refused again.
+prepare's analysis runs in a forked child. It used to run one thread there (GNU OpenMP hangs a fork whose
+main thread starts a pool); the process with more threads redid the analysis in itself, or later ran the
+child's plan and re-planned on what it measured over, and a retry at the named budget was refused again
+(HF ResNet 27.6 -> 29.5 MiB, MobileNetV2 38.0 -> 42.0 -> 48.7). The child now runs this process's threads on a
+thread of its own, and measures what they hold.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def test_the_named_budget_trains_in_a_process_with_two_threads():
     kind, peak, notes = _run("bert", named)
     assert kind == "TRAINED", f"refused again at the {int(named) / 2**20:.1f} MiB named: {peak}"
     assert int(peak) <= int(named)
-    assert "1 intra-op thread" in notes  # the plan says its times are the single-threaded child's
+    assert "intra-op thread" not in notes  # the child ran this process's two: its times are for them
 
 
 def test_a_refusal_never_names_a_budget_at_or_under_the_one_refused():
@@ -68,19 +70,13 @@ def test_a_refusal_never_names_a_budget_at_or_under_the_one_refused():
     assert above_budget([low], None) is low
 
 
-def test_a_plan_over_the_budget_at_two_threads_is_planned_again_in_a_child():
-    # A CNN's convolutions keep more scratch at two threads than the single-threaded child measures, so the
-    # child's plan at its own named minimum can measure over the budget here. The process must not then plan
-    # on in itself (every run there stays resident: this model's refusal named 45.3 MiB for 27.5), but plan
-    # again in a child with the difference held back and, failing that, name a budget at which the plan that
-    # ran here fits: close to the first, and training there.
+def test_a_cnns_named_budget_trains_at_two_threads_the_first_time():
+    # A CNN's convolutions keep more scratch at two threads than at one (oneDNN's primitives), which a
+    # single-threaded child never measured: this model's named 27.6 MiB was refused at two threads, naming
+    # 29.5. The child runs the two threads now, so the first number named trains, inside itself.
     kind, named = _run("hf-resnet", "1MiB")[:2]
     assert kind == "REFUSED"
     kind, got, notes = _run("hf-resnet", named)
-    if kind == "REFUSED":
-        assert int(named) < int(got) <= 1.15 * int(named), (int(named) / 2**20, int(got) / 2**20)
-        named = got
-        kind, got, notes = _run("hf-resnet", named)
     assert kind == "TRAINED", f"refused at the {int(named) / 2**20:.1f} MiB named: {got}"
     assert int(got) <= int(named)
 

@@ -171,9 +171,47 @@ def test_an_answer_comes_from_a_plain_child_and_lean_batchnorm_settles_there_as_
         assert there is not None and there == lean_bn._settle_variant()  # the variant this process would find
     finally:
         torch.set_num_threads(threads)
-    torch.set_num_threads(threads + 1)
+
+
+def _parallel_step() -> tuple[int, float]:
+    """A convolution's forward and backward and a matmul, under a minute's alarm (a hang answers nothing)."""
+    import signal
+
+    signal.alarm(60)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 8, 3, 3, generator=g, requires_grad=True)
+    torch.nn.functional.conv2d(torch.randn(16, 8, 32, 32, generator=g), w).square().sum().backward()
+    a = torch.randn(512, 512, generator=g)
+    return torch.get_num_threads(), float(w.grad.sum() + (a @ a).sum())
+
+
+def test_a_child_runs_this_processs_intra_op_threads():
+    # GNU OpenMP hangs a forked child whose main thread starts a parallel region after the parent's ran one;
+    # the child runs on a thread of its own, with its own pool, so it measures what two threads hold here.
+    from edgetrain.forking import answer_in_fork
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
-        assert answer_in_fork(os.getpid) is None  # more threads here than in the child: not asked
+        here = _parallel_step()  # the parent's pool now exists
+        assert answer_in_fork(_parallel_step) == (2, here[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_child_thread_runs_under_the_callers_grad_mode_and_autocast():
+    from edgetrain.forking import answer_in_fork
+
+    def state() -> tuple:
+        return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), str(torch.get_autocast_dtype("cpu")),
+                torch.get_num_threads())
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert answer_in_fork(state) == state() == (False, True, "torch.bfloat16", 2)
+        assert answer_in_fork(state) == (True, False, str(torch.get_autocast_dtype("cpu")), 2)
     finally:
         torch.set_num_threads(threads)
 

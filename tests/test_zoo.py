@@ -442,3 +442,21 @@ def test_verify_compares_sparse_gradients(options):
         report = edgetrain.verify(model, opt, torch.nn.CrossEntropyLoss(), (x, y), tolerance=0.0,
                                   planning=edgetrain.PlanConfig(**options))
     assert report.passed and report.stages > 1, str(report)
+
+
+@pytest.mark.parametrize("name", ["llama", "swin", "bart"])
+def test_further_architectures_train_exactly_in_micro_batches(name):
+    """Three of models/zoo_more's 27 (bench/bench_zoo.py --models more measures them all): a decoder LLM with
+    rotary embeddings and grouped-query attention, shifted-window attention, and an encoder-decoder."""
+    pytest.importorskip("transformers")
+    from edgetrain.models.zoo_more import MORE
+
+    case = MORE[name]
+    model = case.build()
+    x, y = case.example(8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, case.loss_fn, (x, y), micro_batch_size=4, solver="recompute_all")
+    assert report.passed, str(report)
+    assert report.stages > 1 and report.recomputed == report.stages

@@ -8,6 +8,8 @@ mirrors its parent's resident pages so that what it measures is what this proces
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pickle
 import sys
@@ -15,7 +17,7 @@ from typing import Any, Callable
 
 from . import settings
 
-__all__ = ["fork_pipe", "write_all", "answer_in_fork"]
+__all__ = ["NoThreadError", "fork_pipe", "write_all", "answer_in_fork", "on_new_thread"]
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -62,22 +64,93 @@ def fork_pipe(child: Callable[[int], None]) -> tuple[bytes, int]:
     return b"".join(chunks), status
 
 
+def on_new_thread(fn: Callable[[], Any], threads: int) -> Any:
+    """``fn()`` run in this forked child with ``threads`` intra-op threads, on a thread of its own when more
+    than one; its value, or what it raised.
+
+    GNU OpenMP, PyTorch's CPU thread pool (oneDNN's and MKL's too), is not fork-safe: a forked child whose
+    thread starts a parallel region after the parent's same thread ran one waits for ever on the parent's
+    pool threads, which a fork does not copy. The pool belongs to the thread that started it, so a new
+    thread starts a pool of its own and runs parallel regions as the parent does (measured: a forked child's
+    new thread ran convolutions and matmuls at 1.8x one thread's speed, where the main thread hung). The
+    child then measures what this process's threads hold (each keeps its own scratch; oneDNN builds and
+    caches primitives per thread count) and times steps as they will run here.
+
+    The new thread starts with PyTorch's thread-local defaults; this one's grad mode, inference mode and
+    autocast regions are entered there again, so that ``fn`` runs under what the caller runs under. glibc
+    gives a new thread a malloc arena of its own; the child is held to one arena, as the parent's main
+    thread allocates from one.
+    """
+    import threading
+
+    import torch
+
+    from ._state import autocast_state
+
+    if threads <= 1:
+        torch.set_num_threads(1)
+        return fn()
+    grad, inference, regions = torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_state()
+    cache = torch.is_autocast_cache_enabled()
+    _one_arena()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            torch.set_num_threads(threads)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad))
+                if inference:
+                    stack.enter_context(torch.inference_mode())
+                for device, dtype in regions:
+                    stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype), cache_enabled=cache))
+                box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 -- raised again on the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="edgetrain-analysis", daemon=True)
+    try:
+        worker.start()
+    except RuntimeError as e:  # out of threads, or a sandbox that forbids them
+        raise NoThreadError(str(e)) from e
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class NoThreadError(RuntimeError):
+    """:func:`on_new_thread` could not start its thread (``fn`` did not run)."""
+
+
+#: glibc's mallopt parameter for the most malloc arenas
+_M_ARENA_MAX = -8
+
+
+def _one_arena() -> None:
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
+    except (OSError, AttributeError):  # not glibc: the allocator is left as it is
+        pass
+
+
 def answer_in_fork(fn: Callable[[], Any]) -> Any:
     """``fn()``'s value from a forked copy of this process, or None when it cannot come from one (no usable
-    fork here, more than one intra-op thread here, an error there, a value of None).
+    fork here, an error there, a value of None).
 
     For a kernel's self-check, whose answer matters and whose memory must not: the torch code and heap the
     check touches stay in the child (lean BatchNorm's check left 3.6 MiB resident, lean dropout's 2.0 MiB,
-    in every step and every budget's fixed bytes). The child runs one intra-op thread (GNU OpenMP deadlocks
-    in a fork that starts more), so only a process running one asks: the answer is then this process's.
+    in every step and every budget's fixed bytes). The child runs this process's intra-op threads
+    (:func:`on_new_thread`), so the answer is this process's.
     """
     import torch
 
     if (not settings.fork_enabled() or not hasattr(os, "fork") or sys.platform == "darwin"
-            or torch.get_num_threads() != 1 or (torch.cuda.is_available() and torch.cuda.is_initialized())):
+            or (torch.cuda.is_available() and torch.cuda.is_initialized())):
         return None
+    threads = torch.get_num_threads()
     try:
-        data, _ = fork_pipe(lambda fd: write_all(fd, pickle.dumps(fn())))
+        data, _ = fork_pipe(lambda fd: write_all(fd, pickle.dumps(on_new_thread(fn, threads))))
     except OSError:
         return None
     try:

@@ -153,8 +153,8 @@ def isolated(fn: Callable[[], Any], default: Any, run: Callable[[Callable[[], An
     measures (its predicted peaks came out 2% above the validation runs').
 
     ``run(fn)`` forks and returns ``fn()``'s value, or None where it could not (``prepare``'s analysis hands
-    in its own forking); without it, :func:`edgetrain.forking.answer_in_fork` (a process running one
-    intra-op thread). Where neither answers, ``fn`` runs here; ``default`` where it fails."""
+    in its own forking); without it, :func:`edgetrain.forking.answer_in_fork` (a child running this
+    process's intra-op threads). Where neither answers, ``fn`` runs here; ``default`` where it fails."""
     value = run(fn) if run is not None else answer_in_fork(fn)
     if value is not None:
         return value

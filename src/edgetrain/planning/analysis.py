@@ -180,7 +180,7 @@ class Analysis:
     def validator(self, chain: Any, isolated: bool = False, paged: bool = False,
                   fused: bool = False) -> Callable[[Plan], Measured]:
         """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process
-        (when it can: one intra-op thread, no pager), so that every run is measured as this process's first
+        (when it can: no pager, a child running this process's threads), so that every run is measured as this process's first
         step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave.
         ``paged``: the steps page the optimizer state out during the passes (the fork's steps do too);
         ``fused``: they update each parameter inside the backward."""

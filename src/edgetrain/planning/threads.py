@@ -1,7 +1,9 @@
 """Planning for a process that runs more intra-op threads than the analysing child.
 
-The child that profiles and validates plans runs one thread (GNU OpenMP cannot start more in a fork), and a
-step's memory grows with the threads: oneDNN's primitives built for more threads hold more, and its primitive
+The child that profiles and validates plans runs this process's intra-op threads on a thread of its own
+(:func:`edgetrain.forking.on_new_thread`); where no thread can be started there, it runs one on its main
+thread (GNU OpenMP cannot restart its pool there), and what follows applies. A step's memory grows with the
+threads: oneDNN's primitives built for more threads hold more, and its primitive
 cache keeps them (MobileViT, micro-batch 16: 50.9 MiB of activations at two threads, 44.6 at one; a small
 MobileNetV2 plan 38.9 against 35.0 MiB, and 35.7 with the cache off, at 2.9x plain's step time). A plan the
 child fitted can therefore measure over the budget in the process that will train. That process cannot validate

@@ -19,11 +19,14 @@ therefore releases its free heap (as ``prepare`` does before the first step) and
 the parent's file pages off its baseline (:func:`_settle`), so that every reading the analysis takes is the
 one the parent would take, whatever the parent did before forking.
 
-The child runs with one intra-op thread: GNU OpenMP, which PyTorch's CPU build uses, deadlocks in a
-forked child that starts a parallel region after the parent ran one. Times depend on the thread count, and
-memory does too (each thread keeps its own scratch): a process running more threads takes the child's costs
-and plan, runs the plan once itself and, when that measures over the budget, has a new child plan with the
-difference held back (:func:`edgetrain.planning.threads.train_here`).
+The child runs this process's intra-op threads, on a thread of its own (GNU OpenMP, which PyTorch's CPU
+build uses, deadlocks in a forked child whose thread starts a parallel region after the same thread in the
+parent ran one; a new thread starts its own pool: :func:`edgetrain.forking.on_new_thread`). Times depend on
+the thread count, and memory does too (each thread keeps its own scratch, oneDNN caches primitives per thread
+count), so what the child measures is what this process will. Where no thread can be started there, the
+child runs one intra-op thread; a process running more then takes the child's costs and plan, runs the plan
+once itself and, when that measures over the budget, has a new child plan with the difference held back
+(:func:`edgetrain.planning.threads.train_here`).
 
 ``EDGETRAIN_FORK=0`` turns the child off (the analysis then runs in this process, as without fork()).
 """
@@ -42,7 +45,7 @@ import torch
 
 from .. import settings
 from ..errors import BudgetError
-from ..forking import fork_pipe, write_all
+from ..forking import NoThreadError, fork_pipe, on_new_thread, write_all
 from ..units import format_bytes
 from . import memory
 
@@ -60,16 +63,14 @@ class ChildResult:
         budget_error: ``(message, budget_bytes, min_feasible_bytes)`` when it raised a BudgetError.
         error: ``"Type: message"`` of any other exception (the caller reruns the work here to raise it).
         peak_bytes: the child's peak resident memory above the import baseline.
+        threads: the intra-op threads it ran (the parent's, unless no thread could be started there).
     """
 
     value: Any = None
     budget_error: tuple[str, int | None, int | None] | None = None
     error: str | None = None
     peak_bytes: int = 0
-
-
-#: intra-op threads the child runs with (GNU OpenMP deadlocks in a forked child that starts more)
-CHILD_THREADS = 1
+    threads: int = 1
 
 
 def available() -> bool:
@@ -171,21 +172,29 @@ _LIST_IN_PARENT = False
 
 
 def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]] | None, parent: int, parent_file_rss: int,
-           parent_rss: int) -> None:
-    result = ChildResult()
-    try:
-        torch.set_num_threads(CHILD_THREADS)
+           parent_rss: int, threads: int) -> None:
+    result = ChildResult(threads=threads)
+
+    def run() -> None:
+        nonlocal pages
         if pages is None:  # listed here, while the parent waits: its page tables do not change meanwhile
             pages = resident_file_pages(parent)
         if pages is None:
             result.error = _NO_PAGE_MAP  # the parent lists them and forks again
-        else:
-            _touch(pages)
-            listed = bool(pages)
-            pages = None  # the list is freed before the child settles: the readings must not hold it
-            _settle(parent_file_rss if listed else 0, parent_rss)
-            memory.reset_peak()
-            result.value = fn()
+            return
+        _touch(pages)
+        listed = bool(pages)
+        pages = None  # the list is freed before the child settles: the readings must not hold it
+        _settle(parent_file_rss if listed else 0, parent_rss)
+        memory.reset_peak()
+        result.value = fn()
+
+    try:
+        try:
+            on_new_thread(run, threads)
+        except NoThreadError:  # one intra-op thread then, on this thread; the parent allows for more
+            result.threads = 1
+            on_new_thread(run, 1)
     except BudgetError as e:
         result.budget_error = (str(e), e.budget_bytes, e.min_feasible_bytes)
     except BaseException as e:  # noqa: BLE001 -- everything goes back to the parent, which decides
@@ -223,7 +232,8 @@ def _fork_and_run(fn: Callable[[], Any], pages: list[tuple[int, Any]] | None) ->
     parent_file_rss = file_rss_bytes()
     parent = os.getpid()
     try:
-        data, status = fork_pipe(lambda w: _child(fn, w, pages, parent, parent_file_rss, parent_rss))
+        threads = torch.get_num_threads()
+        data, status = fork_pipe(lambda w: _child(fn, w, pages, parent, parent_file_rss, parent_rss, threads))
     except OSError as e:
         log.info("could not fork for the analysis (%s); running it in this process", e)
         return None
@@ -327,23 +337,22 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
         # way of holding the optimizer state is tried first (the child validated the ways against each other)
         # and its plan run first: its run measured what the costs alone may rule out (activations below the
         # profile's), and this process re-planning from the costs took slower plans than the child's.
-        # A process running more intra-op threads than the child takes the child's costs too (their times
-        # are one thread's, see _thread_note): profiling and validating every size here left 8-16 MiB of
-        # kernels and heap in it for good (an LSTM refused at the 27.6 MiB its child named, then asked for
-        # 41.2), while its own run of the child's plan measures what its threads add.
-        if torch.get_num_threads() == CHILD_THREADS or more_threads is None:
-            return chain, _thread_note(analyse(chain, res.value.costs, res.value))
-        return chain, _thread_note(more_threads(chain, analyse, costs, res.value, budget))
+        # A child that could not run this process's intra-op threads (no thread could be started there) ran
+        # one: its costs are taken too (profiling and validating every size here left 8-16 MiB of kernels and
+        # heap in it for good), and its plan is run here once to measure what the threads add.
+        if res.threads == torch.get_num_threads() or more_threads is None:
+            return chain, _thread_note(analyse(chain, res.value.costs, res.value), res.threads)
+        return chain, _thread_note(more_threads(chain, analyse, costs, res.value, budget), res.threads)
     return chain, analyse(chain)
 
 
-def _thread_note(outcome: Any) -> Any:
-    """``outcome``, its plan noting that its predicted times are the single-threaded child's when this
-    process runs more intra-op threads (memory was measured here, at this process's thread count)."""
+def _thread_note(outcome: Any, child_threads: int) -> Any:
+    """``outcome``, its plan noting that its predicted times are for the child's fewer intra-op threads when
+    the child could not run this process's (memory was measured here, at this process's thread count)."""
     threads = torch.get_num_threads()
-    if threads == CHILD_THREADS or not is_dataclass(outcome) or not hasattr(outcome, "plan"):
+    if threads == child_threads or not is_dataclass(outcome) or not hasattr(outcome, "plan"):
         return outcome
-    note = (f"predicted times are for {CHILD_THREADS} intra-op thread (the analysis ran in a single-threaded child); "
+    note = (f"predicted times are for {child_threads} intra-op thread (the analysing child could start no more); "
             f"this process runs {threads}, so its steps are faster than predicted")
     return replace(outcome, plan=outcome.plan.replace(notes=(*outcome.plan.notes, note)))
 
@@ -359,12 +368,14 @@ def measure_in_child(fn: Callable[[], Any]) -> Any:
 
     Used for validation runs: a fork starts from this process's exact memory, so what ``fn`` measures is
     what this process would measure on its first run, and nothing ``fn`` builds (kernels for a new
-    micro-batch size, allocator heap) stays behind to inflate the next measurement. Only a process running
-    the child's single intra-op thread forks for this (memory can depend on the thread count).
+    micro-batch size, allocator heap) stays behind to inflate the next measurement. The child runs this
+    process's intra-op threads (memory depends on the thread count); one that could not is not taken.
     """
-    if not available() or torch.get_num_threads() != CHILD_THREADS:
+    if not available():
         return None
     res = run_in_child(fn)
+    if res is not None and res.threads != torch.get_num_threads():
+        return None
     if res is None or res.error is not None or res.budget_error is not None:
         if res is not None:
             log.debug("validation in a child failed (%s); running it in this process", res.error)
