@@ -19,10 +19,14 @@ import pytest
 pytest.importorskip("transformers")
 
 _SCRIPT = r"""
-import sys, warnings, torch, edgetrain
+import sys, threading, warnings, torch, edgetrain
 from edgetrain.models.zoo import ZOO
 warnings.simplefilter("ignore")
 torch.set_num_threads(2)
+if len(sys.argv) > 3:  # no thread can be started (in the analysing child either: it is a copy of this process)
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+    threading.Thread.start = refuse
 case = ZOO[sys.argv[1]]
 model = case.build()
 x, y = case.example(16)
@@ -39,8 +43,8 @@ print("TRAINED", peak.above_baseline_bytes, step.plan.notes)
 """
 
 
-def _run(model: str, budget: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, model, budget], capture_output=True, text=True,
+def _run(model: str, budget: str, *flags: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, model, budget, *flags], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("REFUSED", "TRAINED"))]
     assert lines, out.stderr[-2000:]
@@ -54,6 +58,18 @@ def test_the_named_budget_trains_in_a_process_with_two_threads():
     assert kind == "TRAINED", f"refused again at the {int(named) / 2**20:.1f} MiB named: {peak}"
     assert int(peak) <= int(named)
     assert "intra-op thread" not in notes  # the child ran this process's two: its times are for them
+
+
+def test_a_child_that_can_start_no_thread_runs_one_and_the_process_runs_its_plan_once():
+    # Where no thread can be started, the child runs one intra-op thread on its main thread (where GNU OpenMP
+    # cannot start more) and the process takes that plan as before: it runs it once at its own two threads
+    # and trains inside the budget; the plan says its times are one thread's.
+    kind, named = _run("bert", "1MiB", "no-threads")[:2]
+    assert kind == "REFUSED"
+    kind, peak, notes = _run("bert", str(int(int(named) * 1.1)), "no-threads")
+    assert kind == "TRAINED", peak
+    assert int(peak) <= int(int(named) * 1.1)
+    assert "1 intra-op thread" in notes
 
 
 def test_a_refusal_never_names_a_budget_at_or_under_the_one_refused():
