@@ -24,7 +24,7 @@ def report_command(args: argparse.Namespace) -> int:
         model, batch, loss, budget, name, opt = config_example(args.config)
         budget = args.budget or budget
     else:
-        memory.record_baseline()
+        memory.record_baseline(release=True)
         model, x, y = spec_model_and_batch(args.model, parse_kwargs(args.model_kwargs), parse_shape(args.input_shape),
                                            args.batch_size)
         batch, loss, budget, name = (x, y), torch.nn.CrossEntropyLoss(), args.budget, args.model

@@ -109,7 +109,7 @@ def config_example(path: str) -> tuple[Any, Any, Any, str | None, str, torch.opt
     torch.manual_seed(cfg.seed)
     data, train, _ = config_data(cfg)
     x, y = next(iter(DataLoader(train, batch_size=cfg.batch_size)))
-    memory.record_baseline()  # as in `edgetrain train`: the data is not training memory, the model is
+    memory.record_baseline(release=True)  # as in `edgetrain train`: the data is not training memory, the model is
     model, loss = config_model(cfg, data)
     return model, (x, y), loss, cfg.memory_budget, cfg.model, _optimizer(cfg, model)
 
@@ -125,8 +125,9 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     torch.manual_seed(cfg.seed)
     data, train, val = config_data(cfg)
     lm = data.task == TASK
-    # The data in memory is not training memory: the budget's zero point is here, as for `edgetrain demo`.
-    memory.record_baseline()
+    # The data in memory is not training memory (nor what loading it left free in the heap, handed back first):
+    # the budget's zero point is here, as for `edgetrain demo`.
+    memory.record_baseline(release=True)
     memory.reset_peak()
     model, loss_fn = config_model(cfg, data)
     opt = _optimizer(cfg, model)
