@@ -30,3 +30,15 @@ def context(node_config: dict[str, Any], run_config: dict[str, Any] | None = Non
 
     return Context(run_id=1, node_id=node_id, node_config=dict(node_config), state=RecordDict(),
                    run_config=dict(run_config or {}))
+
+
+def train_partitions(app: Any, arrays: Any, partitions: int, budget: str) -> list[Any]:
+    """``app``'s reply to one train message per partition of ``partitions``, each within ``budget``; every reply
+    is checked to carry no error."""
+    replies = []
+    for pid in range(partitions):
+        reply = app(train_message(arrays), context({"partition-id": pid, "num-partitions": partitions,
+                                                    "memory-budget": budget}))
+        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+        replies.append(reply)
+    return replies

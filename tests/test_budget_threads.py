@@ -51,10 +51,16 @@ def _run(model: str, budget: str, *flags: str) -> list[str]:
     return lines[-1].split(" ", 2)
 
 
-def test_the_named_budget_trains_in_a_process_with_two_threads():
-    kind, named = _run("bert", "1MiB")[:2]
+def _at_named(model: str, *flags: str, scale: float = 1.0) -> tuple[int, list[str]]:
+    """The budget a refusal of 1 MiB names (times ``scale``) and what a fresh process prepared at it says."""
+    kind, named = _run(model, "1MiB", *flags)[:2]
     assert kind == "REFUSED"
-    kind, peak, notes = _run("bert", named)
+    budget = int(int(named) * scale)
+    return budget, _run(model, str(budget), *flags)
+
+
+def test_the_named_budget_trains_in_a_process_with_two_threads():
+    named, (kind, peak, notes) = _at_named("bert")
     assert kind == "TRAINED", f"refused again at the {int(named) / 2**20:.1f} MiB named: {peak}"
     assert int(peak) <= int(named)
     assert "intra-op thread" not in notes  # the child ran this process's two: its times are for them
@@ -64,11 +70,9 @@ def test_a_child_that_can_start_no_thread_runs_one_and_the_process_runs_its_plan
     # Where no thread can be started, the child runs one intra-op thread on its main thread (where GNU OpenMP
     # cannot start more) and the process takes that plan as before: it runs it once at its own two threads
     # and trains inside the budget; the plan says its times are one thread's.
-    kind, named = _run("bert", "1MiB", "no-threads")[:2]
-    assert kind == "REFUSED"
-    kind, peak, notes = _run("bert", str(int(int(named) * 1.1)), "no-threads")
+    budget, (kind, peak, notes) = _at_named("bert", "no-threads", scale=1.1)
     assert kind == "TRAINED", peak
-    assert int(peak) <= int(int(named) * 1.1)
+    assert int(peak) <= budget
     assert "1 intra-op thread" in notes
 
 
@@ -90,9 +94,7 @@ def test_a_cnns_named_budget_trains_at_two_threads_the_first_time():
     # A CNN's convolutions keep more scratch at two threads than at one (oneDNN's primitives), which a
     # single-threaded child never measured: this model's named 27.6 MiB was refused at two threads, naming
     # 29.5. The child runs the two threads now, so the first number named trains, inside itself.
-    kind, named = _run("hf-resnet", "1MiB")[:2]
-    assert kind == "REFUSED"
-    kind, got, notes = _run("hf-resnet", named)
+    named, (kind, got, notes) = _at_named("hf-resnet")
     assert kind == "TRAINED", f"refused at the {int(named) / 2**20:.1f} MiB named: {got}"
     assert int(got) <= int(named)
 

@@ -13,7 +13,7 @@ pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 
-from tests._fl import context, train_message  # noqa: E402
+from tests._fl import train_partitions  # noqa: E402
 from tests._lm import make_lm  # noqa: E402
 
 
@@ -47,10 +47,7 @@ def test_nodes_fine_tune_a_causal_lm_on_their_shards_of_the_text_within_their_bu
                      settings=ClientSettings(batch_size=4, lr=0.5, local_epochs=2), loss_fn=spec_loss_fn(task))
     arrays = ArrayRecord(model.state_dict())
     seen = []
-    for pid in range(2):
-        reply = app(train_message(arrays), context({"partition-id": pid, "num-partitions": 2,
-                                                    "memory-budget": "400MiB"}))
-        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    for reply in train_partitions(app, arrays, 2, "400MiB"):
         m = reply.content["metrics"]
         assert m["within-budget"] == 1 and m["num-examples"] > 0
         seen.append(m["num-examples"])

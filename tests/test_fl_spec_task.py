@@ -12,7 +12,7 @@ pytest.importorskip("flwr")
 
 import torch  # noqa: E402
 
-from tests._fl import context, train_message  # noqa: E402
+from tests._fl import context, train_message, train_partitions  # noqa: E402
 
 FACTORY = textwrap.dedent("""
     from torch import nn
@@ -57,10 +57,7 @@ def test_nodes_train_their_own_shards_of_your_data_within_their_budgets(task):
                      settings=ClientSettings(batch_size=8, lr=0.1), loss_fn=spec_loss_fn(task))
     arrays = ArrayRecord(model.state_dict())
     seen = []
-    for pid in range(3):
-        reply = app(train_message(arrays), context({"partition-id": pid, "num-partitions": 3,
-                                                    "memory-budget": "64MiB"}))
-        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    for reply in train_partitions(app, arrays, 3, "64MiB"):
         m = reply.content["metrics"]
         assert m["within-budget"] == 1 and m["num-examples"] % 8 == 0 and m["num-examples"] > 0
         seen.append(m["num-examples"])

@@ -9,7 +9,6 @@ mirrors its parent's resident pages so that what it measures is what this proces
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pickle
 import sys
@@ -77,9 +76,7 @@ def on_new_thread(fn: Callable[[], Any], threads: int) -> Any:
     caches primitives per thread count) and times steps as they will run here.
 
     The new thread starts with PyTorch's thread-local defaults; this one's grad mode, inference mode and
-    autocast regions are entered there again, so that ``fn`` runs under what the caller runs under. glibc
-    gives a new thread a malloc arena of its own; the child is held to one arena, as the parent's main
-    thread allocates from one.
+    autocast regions are entered there again, so that ``fn`` runs under what the caller runs under.
     """
     import threading
 
@@ -92,7 +89,6 @@ def on_new_thread(fn: Callable[[], Any], threads: int) -> Any:
         return fn()
     grad, inference, regions = torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_state()
     cache = torch.is_autocast_cache_enabled()
-    _one_arena()
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -121,17 +117,6 @@ def on_new_thread(fn: Callable[[], Any], threads: int) -> Any:
 
 class NoThreadError(RuntimeError):
     """:func:`on_new_thread` could not start its thread (``fn`` did not run)."""
-
-
-#: glibc's mallopt parameter for the most malloc arenas
-_M_ARENA_MAX = -8
-
-
-def _one_arena() -> None:
-    try:
-        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
-    except (OSError, AttributeError):  # not glibc: the allocator is left as it is
-        pass
 
 
 def answer_in_fork(fn: Callable[[], Any]) -> Any:

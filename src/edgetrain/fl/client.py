@@ -20,7 +20,6 @@ profile), ``predicted-energy-j`` (per round, on the device profile; -1 without o
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import time
@@ -83,14 +82,10 @@ def _start_clean() -> None:
     A simulation runs many virtual nodes in one process: what one left behind (freed heap glibc keeps,
     the tensor pool's cache) is not the next one's memory.
     """
-    gc.collect()
+    gc.collect()  # first, so that the tensors it frees go back to the pool before the pool is released
     if pool.installed():
         pool.release()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    memory.record_baseline()
+    memory.record_baseline(release=True)
 
 
 @contextlib.contextmanager

@@ -190,6 +190,8 @@ def _child(fn: Callable[[], Any], w: int, pages: list[tuple[int, Any]] | None, p
         result.value = fn()
 
     try:
+        if threads > 1:
+            memory.one_arena()  # the new thread allocates as the parent's main thread does
         try:
             on_new_thread(run, threads)
         except NoThreadError:  # one intra-op thread then, on this thread; the parent allows for more
@@ -231,8 +233,8 @@ def _fork_and_run(fn: Callable[[], Any], pages: list[tuple[int, Any]] | None) ->
     parent_rss = memory.rss_bytes()
     parent_file_rss = file_rss_bytes()
     parent = os.getpid()
+    threads = torch.get_num_threads()
     try:
-        threads = torch.get_num_threads()
         data, status = fork_pipe(lambda w: _child(fn, w, pages, parent, parent_file_rss, parent_rss, threads))
     except OSError as e:
         log.info("could not fork for the analysis (%s); running it in this process", e)

@@ -37,6 +37,7 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 # mallopt parameter numbers from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 DEFAULT_MMAP_THRESHOLD_BYTES = 64 * 1024
 
 
@@ -217,6 +218,15 @@ def tune_allocator(mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES) -> 
         _TUNED = mmap_threshold_bytes
         log.debug("glibc mmap threshold fixed at %d bytes", mmap_threshold_bytes)
     return ok
+
+
+def one_arena() -> None:
+    """Serve every thread's allocations from one glibc heap (``M_ARENA_MAX=1``). For a forked child that runs
+    its work on a new thread: glibc would give that thread an arena of its own, where the parent's main
+    thread allocates from the main heap, and the child's readings would not be the parent's."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_ARENA_MAX, 1)
 
 
 def release_heap() -> None:
