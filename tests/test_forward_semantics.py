@@ -260,3 +260,38 @@ def test_prepare_leaves_an_example_the_forward_writes_into_as_it_was():
     x_plain = x0.clone()
     assert_same_state(plain_step(model, x_plain, y), m)
     assert torch.equal(x, x_plain)  # divided once, by each
+
+
+class _ScriptedMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.mid = torch.jit.script(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(torch.relu(self.a(x))))
+
+
+def test_a_torchscript_submodule_is_recomputed_to_its_end():
+    """A checkpoint stops its replay by raising from a saved-tensor hook; inside the TorchScript interpreter the
+    exception became a RuntimeError the checkpoint did not know, and every step recomputing a scripted
+    submodule failed in backward. The chain now replays such stages to their end."""
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    torch.manual_seed(0)
+    ref = _ScriptedMiddle()  # scripted modules do not deep-copy: each model is built from the same seed
+    torch.manual_seed(0)
+    model = _ScriptedMiddle()
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=(x, y),
+                                 planning=edgetrain.PlanConfig(solver="recompute_all"))
+    assert len(step.chain) > 1 and "recompute" in step.plan.policies and not step.chain.early_stop
+    for i in range(2):
+        torch.manual_seed(i)
+        opt_ref.zero_grad()
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        opt_ref.step()
+        torch.manual_seed(i)
+        step(x, y)
+    assert_same_state(ref, model)

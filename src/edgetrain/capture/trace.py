@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from .._state import preserved_model_state, rng_state, set_rng_state
 from ..errors import CaptureError
-from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers
+from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers, torchscript_in
 from .checks import HOOKED, graph_checks, hooked_traced_modules, isolated, reproducible, same
 from .modules import blocks_behind, module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
@@ -400,6 +400,11 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
     if chain.method != "fx" and chain.replayable:  # a traced chain was checked with its graph (_capture)
         _replay_to_the_end(chain, list(writers) if writers is not None else
                            isolated(lambda: graph_checks(model, None, env), ([], ""), isolate)[0])
+    scripted = torchscript_in(model, chain)
+    if scripted and chain.early_stop:
+        chain.early_stop = False
+        log.info("%s runs TorchScript (%s): recomputations replay each stage to its end", type(model).__name__,
+                 scripted)
     return chain
 
 

@@ -88,7 +88,7 @@ class RecomputeGuard:
             with torch.no_grad():
                 self._after = [b.detach().clone() for b in self.buffers]
                 for b, v in zip(self.buffers, self._before):
-                    b.copy_(v)
+                    _put_back(b, v)
             self._gen_after = [g.get_state() for g in self.generators]
             for g, st in zip(self.generators, self._gen_before):
                 g.set_state(st)
@@ -113,7 +113,7 @@ class RecomputeGuard:
                 if nbt is not None:
                     b.num_batches_tracked.copy_(nbt)
             for b, v in zip(self.buffers, self._after):
-                b.copy_(v)
+                _put_back(b, v)
         for g, st in zip(self.generators, self._gen_after):
             g.set_state(st)
         if self._host_after is not None:
@@ -121,6 +121,14 @@ class RecomputeGuard:
         self._after, self._gen_after, self._host_after = [], [], None
         if self.owner is not None:
             self.owner.recomputing -= 1
+
+
+def _put_back(b: torch.Tensor, v: torch.Tensor) -> None:
+    """Write ``v`` into buffer ``b`` in place, resizing it first where the forward resized it (an observer's
+    per-channel statistics are empty until its first batch)."""
+    if b.shape != v.shape:
+        b.resize_(v.shape)
+    b.copy_(v)
 
 
 class FullBatchStats:
