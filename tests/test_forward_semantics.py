@@ -9,6 +9,7 @@ import itertools
 import warnings
 from typing import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -295,3 +296,38 @@ def test_a_torchscript_submodule_is_recomputed_to_its_end():
         torch.manual_seed(i)
         step(x, y)
     assert_same_state(ref, model)
+
+
+class _OwnCheckpoint(nn.Module):
+    """A model that checkpoints a block itself, the reentrant way (torch.utils.checkpoint's old default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.2), nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, torch.relu(self.a(x)), use_reentrant=True)
+        return self.head(torch.tanh(self.c(h)))
+
+
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
+def test_a_models_own_reentrant_checkpoint_trains_exactly(solver):
+    """The model's reentrant checkpoint runs its block again inside the backward, through the block's hooks:
+    profiling counted that as a second call of the block and refused the model ("block block.0 ran 2
+    time(s)"), and capture's forwards without gradients made torch warn five times."""
+    torch.manual_seed(0)
+    model = _OwnCheckpoint()
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plain = plain_step(model, x, y)
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = edgetrain.prepare(m, opt, nn.CrossEntropyLoss(), example=(x, y),
+                                 planning=edgetrain.PlanConfig(solver=solver))
+    assert not [w for w in caught if "requires_grad" in str(w.message)], [str(w.message) for w in caught]
+    assert step.chain.method != "single" and ("recompute" in step.plan.policies) == (solver == "recompute_all")
+    torch.manual_seed(5)
+    step(x, y)
+    assert_same_state(plain, m)

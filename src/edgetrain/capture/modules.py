@@ -205,10 +205,18 @@ def module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
     return chain
 
 
+def in_backward() -> bool:
+    """Whether this code runs inside a backward pass: a block called there is the model's own reentrant
+    ``torch.utils.checkpoint`` running it again, not a call of the forward (edgetrain's replays call the
+    block's ``forward`` directly, never through its hooks or its patched ``forward``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class BlockCalls:
     """Which stage of a ``"modules"`` chain each call of a block module is, counted over one forward.
 
-    Call :meth:`reset` before each forward of the model; :meth:`stage` on each call of a block.
+    Call :meth:`reset` before each forward of the model; :meth:`stage` on each call of a block. Calls made
+    inside a backward (:func:`in_backward`) are not the forward's and must not be counted.
     """
 
     def __init__(self, chain: Chain) -> None:

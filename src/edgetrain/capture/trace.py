@@ -15,6 +15,7 @@ becomes a single stage (micro-batching still applies), unless ``strict=True``.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -387,6 +388,15 @@ def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, stri
     Raises:
         CaptureError: the example batch does not run through the model, or (``strict``) no cut is possible.
     """
+    with warnings.catch_warnings():
+        # a model's own reentrant torch.utils.checkpoint says this on every forward without gradients, as
+        # capture runs it; training forwards have them
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
+        return _capture_checked(model, example_inputs, max_stages, strict, carry_cuts, writers, isolate)
+
+
+def _capture_checked(model: nn.Module, example_inputs: Any, max_stages: int, strict: bool, carry_cuts: bool,
+                     writers: Sequence[str] | None, isolate: Callable[[Callable[[], Any]], Any] | None) -> Chain:
     env = bind_inputs(model, example_inputs)
     with preserved_model_state(model), torch.no_grad():
         state = rng_state()

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..batch import slice_batch, tensors_in
-from ..capture.modules import BlockCalls
+from ..capture.modules import BlockCalls, in_backward
 from . import memory
 
 __all__ = ["run_blocks"]
@@ -155,10 +155,14 @@ def _run_once(chain: Any, inputs_env: dict[str, Any], targets: Any, loss_fn: Cal
     current: dict[int, int] = {}
 
     def pre_any(mod: Any, args: Any, kwargs: Any) -> None:
+        if in_backward():  # the model's own reentrant checkpoint: part of the backward being measured
+            return
         current[id(mod)] = i = calls.stage(mod)
         pres[i](mod, args, kwargs)
 
     def post_any(mod: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if in_backward():
+            return
         posts[current.pop(id(mod))](mod, args, kwargs, out)
 
     pres, posts = [pre(i) for i in range(n)], [post(i) for i in range(n)]

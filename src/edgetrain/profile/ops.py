@@ -254,12 +254,14 @@ def _block_inputs(chain: Any, inputs_env: dict[str, Any], m: int) -> list[tuple[
     """Per block of a module-tree chain: the ``(args, kwargs)`` the model's forward calls it with at ``m``
     (detached; tensors that required gradients become gradient leaves)."""
     from ..batch import slice_batch
-    from ..capture.modules import BlockCalls
+    from ..capture.modules import BlockCalls, in_backward
 
     calls = BlockCalls(chain)
     seen: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * len(chain.stages)
 
     def pre(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if in_backward():
+            return
         i = calls.stage(mod)
         if seen[i] is None:
             seen[i] = (args, kwargs)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from ..capture.modules import BlockCalls, check_calls, replay_kwargs
+from ..capture.modules import BlockCalls, check_calls, in_backward, replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
 from ..errors import InputError
 from ..graph import PAGE, RECOMPUTE, selective_name
@@ -246,6 +246,8 @@ class ModuleExecutor:
             return None if only is forward else only
 
         def run(*args: Any, **kwargs: Any) -> Any:
+            if in_backward():  # the model's own reentrant checkpoint running the block again
+                return forward(*args, **kwargs)
             return runs[self._calls.stage(block)](*args, **kwargs)
         return run
 
