@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -79,3 +80,34 @@ def test_a_zero_point_after_loading_data_hands_back_the_heap_the_loader_left_fre
         del kept
     finally:
         memory._BASELINE_RSS = before
+
+
+ONE_HEAP = """
+import ctypes, os, sys, tempfile
+import torch
+import edgetrain  # tunes the allocator: one glibc heap for every thread
+torch.set_num_threads(2)
+x = torch.randn(8, 16, 32, 32, requires_grad=True)
+conv = torch.nn.Conv2d(16, 16, 3, padding=1)
+for _ in range(3):
+    conv(x).square().sum().backward()  # oneDNN's parallel regions: a worker thread that allocates
+libc = ctypes.CDLL("libc.so.6")
+libc.fdopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = libc.fclose.argtypes = None
+fd, path = tempfile.mkstemp()
+f = ctypes.c_void_p(libc.fdopen(fd, b"w"))
+libc.malloc_info(0, f)
+libc.fclose(f)
+print(open(path).read().count("<heap nr="))
+os.unlink(path)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_info")
+def test_every_thread_allocates_from_one_heap():
+    """glibc gives each OpenMP worker thread that allocates an arena of its own, whose free memory is held
+    apart; the analysing child, which validates plans, allocates from one. At two threads `edgetrain train
+    data=mnist memory_budget=80MiB` ran in two to three heaps; the process now has one, as the child does."""
+    out = subprocess.run([sys.executable, "-c", ONE_HEAP], capture_output=True, text=True, check=True,
+                         env={**os.environ, "EDGETRAIN_ALLOCATOR": ""})
+    assert int(out.stdout.split()[-1]) == 1, out.stdout

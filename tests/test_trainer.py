@@ -139,6 +139,37 @@ def test_evaluation_calls_the_model_as_the_step_does_and_keeps_each_modules_mode
     assert history[-1]["val_loss"] == pytest.approx(expect)
 
 
+def test_evaluation_runs_in_the_steps_micro_batches_with_the_whole_batchs_loss():
+    """A validation batch larger than the step's micro-batch runs in slices of that size (a forward at a size
+    training never ran built kernels and activations outside the budget: `edgetrain train data=mnist
+    memory_budget=80MiB` evaluated to 81.5 MiB after training inside it); the loss is the whole batch's, a
+    token-weighted mean included (the slices' ignored targets differ), and metrics are sample-weighted."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
+    g = torch.Generator().manual_seed(4)
+    val = []
+    for _ in range(2):
+        y = torch.randint(0, 5, (12,), generator=g)
+        y[:5] = -100  # the first slice of 4 counts no target at all, the second one
+        val.append((torch.randn(12, 16, generator=g), y))
+    acc = lambda out, y: (out.argmax(1) == y).float().mean()  # noqa: E731
+    trainer = edgetrain.Trainer(model, opt, loss_fn, list(DataLoader(_data(24), batch_size=12)), val,
+                                metrics={"accuracy": acc}, prepare_options={"micro_batch_size": 4}, progress=False)
+    sizes = []
+    handle = model.register_forward_hook(lambda m, a, o: sizes.append(a[0].shape[0]) if not m.training else None)
+    metrics = trainer.evaluate()
+    handle.remove()
+    assert sizes == [4, 4, 4] * 2
+    with torch.no_grad():
+        counted = sum(int((y != -100).sum()) for _, y in val)
+        loss = sum(float(loss_fn(model(x), y)) * int((y != -100).sum()) for x, y in val) / counted
+        accuracy = sum(float(acc(model(x), y)) * 12 for x, y in val) / 24
+    assert metrics["val_loss"] == pytest.approx(loss, rel=1e-6)
+    assert metrics["val_accuracy"] == pytest.approx(accuracy)
+
+
 def test_budget_change_goes_through_the_step_budget_source():
     torch.manual_seed(0)
     model = mlp(n_blocks=2)

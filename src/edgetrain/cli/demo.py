@@ -30,14 +30,16 @@ def _progress(iterable: Any, total: int, desc: str, enabled: bool) -> Any:
     return tqdm(iterable, total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True)
 
 
-def _evaluate(model: Any, digits: Any, image_size: int, channels: int, layout: str) -> float:
+def _evaluate(model: Any, digits: Any, image_size: int, channels: int, layout: str, batch_size: int = 100) -> float:
+    """Test accuracy, in batches no larger than the step's micro-batch (``batch_size``): a forward at a shape
+    training never runs builds kernels and activations outside the budget."""
     import torch
 
     was_training = model.training
     model.eval()
     correct = total = 0
     with torch.no_grad():
-        for x, y in digits.batches("test", batch_size=100, image_size=image_size, channels=channels,
+        for x, y in digits.batches("test", batch_size=batch_size, image_size=image_size, channels=channels,
                                    shuffle=False, drop_last=False, layout=layout):
             correct += int((model(x).argmax(dim=1) == y).sum())
             total += int(y.numel())
@@ -163,7 +165,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{sum(run_loss[-20:]) / len(run_loss[-20:]):.3f}")
         used = _precise_bn(model, batches(10_000 + epoch), args.precise_bn)
-        acc = _evaluate(model, digits, args.image_size, channels, layout)
+        acc = _evaluate(model, digits, args.image_size, channels, layout, min(100, step.plan.micro_batch_size))
         note = f" (BatchNorm statistics averaged over {used} training batches first)" if used else ""
         out(f"epoch {epoch + 1}: mean loss {sum(run_loss) / max(len(run_loss), 1):.4f}, test accuracy {acc:.2%}"
             + note)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._state import modes_kept
-from ..batch import batch_signature, batch_size_of, call_model, describe_signature, larger_per_sample
+from ..batch import batch_signature, batch_size_of, call_model, describe_signature, larger_per_sample, slice_batch
 from ..errors import ConfigError
 from ..plan import Plan
 from ._checkpoints import CheckpointDir, TrainerState
@@ -235,7 +235,11 @@ class Trainer:
     def evaluate(self, data: Iterable[Any] | None = None) -> dict[str, float]:
         """Mean loss and metrics over ``data`` (default ``val_data``), without gradients, in eval mode.
 
-        Runs under a forked torch RNG, so evaluating never changes what training draws.
+        Runs under a forked torch RNG, so evaluating never changes what training draws. A batch larger than
+        the step's micro-batch is run in slices of that size (the loss combined as training combines its
+        micro-batches', metrics weighted by samples): a forward at the batch's size would build kernels and
+        activations for a shape training never runs, outside the budget (``edgetrain train data=mnist
+        memory_budget=80MiB`` trained in micro-batches of 8 inside it, then evaluated at 32 to 81.5 MiB).
         """
         data = self.val_data if data is None else data
         if data is None:
@@ -245,25 +249,43 @@ class Trainer:
         loss_total = 0.0  # a mean over the targets that count (tokens) is weighted by their count, as training does
         norm = self.step.loss_norm
         by_targets = norm is not None and norm.kind == "weighted"
+        size = self.step.plan.micro_batch_size
         # every module's own flag comes back (a frozen part left in eval mode stays so)
         with modes_kept(self.model):
             self.model.eval()
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 for batch in data:
                     x, y = as_pair(batch)
-                    out = call_model(self.model, x)
                     n = len(y) if hasattr(y, "__len__") else 1
-                    w = norm.weight(y, n) if by_targets else n
-                    if w:  # a batch with no target that counts has a loss of 0/0 and adds nothing
-                        sums["val_loss"] += float(self.loss_fn(out, y)) * w
+                    losses, w = [], 0.0
+                    for start in range(0, n, size) if isinstance(y, torch.Tensor) and n > size else (None,):
+                        xs, ys = (x, y) if start is None else (slice_batch(x, start, start + size),
+                                                               slice_batch(y, start, start + size))
+                        m = n if start is None else min(size, n - start)
+                        out = call_model(self.model, xs)
+                        wc = norm.weight(ys, m) if by_targets else m
+                        if wc:  # a slice with no target that counts has a loss of 0/0 and adds nothing
+                            losses.append((float(self.loss_fn(out, ys)), wc))
+                        w += wc
+                        for k, fn in self.metrics.items():
+                            sums[f"val_{k}"] += float(fn(out, ys)) * m
+                    if w:
+                        sums["val_loss"] += self._batch_loss(losses, w) * w
                     loss_total += w
-                    for k, fn in self.metrics.items():
-                        sums[f"val_{k}"] += float(fn(out, y)) * n
                     total += n
         metrics = {k: v / max(total, 1) for k, v in sums.items()}
         metrics["val_loss"] = sums["val_loss"] / loss_total if loss_total else 0.0
         self._call("on_eval_end", metrics)
         return metrics
+
+    def _batch_loss(self, losses: list[tuple[float, float]], weight: float) -> float:
+        """A batch's loss from its slices' ``(loss, weight)``, as the step combines its micro-batches'."""
+        if len(losses) == 1:
+            return losses[0][0]
+        norm = self.step.loss_norm
+        if norm is not None:
+            return norm.combine(losses, weight)
+        return sum(v * w for v, w in losses) / weight
 
     def _improved(self, logs: dict[str, float]) -> bool:
         value = logs.get(self.config.monitor)
