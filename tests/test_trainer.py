@@ -227,3 +227,62 @@ def test_clipping_moves_old_planning_keywords_with_their_deprecation_warning(mon
         trainer = edgetrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
                                     loader, grad_clip_norm=1.0, prepare_options={"solver": "recompute_all"})
     assert trainer.step.plan.solver == "recompute_all"
+
+
+def _convnet():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+
+
+def test_an_epochs_short_last_batch_is_run_ahead_and_planned_for():
+    """A short last batch runs new tensor shapes, whose kernels stay resident; the plan, validated at the
+    example's size, did not hold them (`edgetrain train` on 40 samples in batches of 32 went to 81-82 MiB in
+    an 80 MiB budget after the batch of 8). The Trainer runs that size once before training and plans the
+    budget again from what the process then holds; training stays exact."""
+    g = torch.Generator().manual_seed(2)
+    ds = TensorDataset(torch.randn(20, 3, 16, 16, generator=g), torch.randint(0, 4, (20,), generator=g))
+    torch.manual_seed(0)
+    ref = _convnet()
+    ours = copy.deepcopy(ref)
+    opt_r, opt_o = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(ours.parameters(), lr=0.05)
+    trainer = edgetrain.Trainer(ours, opt_o, nn.CrossEntropyLoss(), DataLoader(ds, batch_size=8, shuffle=True),
+                                memory_budget="1GiB", progress=False)
+    step = trainer.step
+    assert 4 in step.budget.seen_micro  # 20 = 8 + 8 + 4: the 4 ran ahead
+    assert step.budget.table is None  # and 1 GiB has room for what it left: the plan stands
+    torch.manual_seed(7)
+    trainer.fit(2)
+    torch.manual_seed(7)
+    loader = DataLoader(ds, batch_size=8, shuffle=True)
+    for epoch in range(2):
+        loader.sampler.generator = torch.Generator().manual_seed(shuffle_seed(0, epoch))
+        loader.generator = torch.Generator()
+        for x, y in loader:
+            opt_r.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(ref(x), y).backward()
+            opt_r.step()
+    for (name, a), b in zip(ref.state_dict().items(), ours.state_dict().values()):
+        assert torch.equal(a, b), name
+    model = _convnet()
+    without = edgetrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), nn.CrossEntropyLoss(),
+                                DataLoader(ds, batch_size=4), memory_budget="1GiB", progress=False)
+    assert without.step.budget.seen_micro == {4}  # no short batch: nothing run ahead
+
+
+def test_a_short_last_batch_without_room_plans_again_or_names_the_budget(monkeypatch):
+    """Where what the short batch's first run left does not fit beside the plan, the budget is planned again
+    as a budget change is, which refuses before training with the budget that would fit."""
+    from edgetrain.adaptation.controller import BudgetController
+
+    g = torch.Generator().manual_seed(2)
+    ds = TensorDataset(torch.randn(20, 3, 16, 16, generator=g), torch.randint(0, 4, (20,), generator=g))
+    model = _convnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), next(iter(DataLoader(ds, batch_size=8))),
+                             memory_budget="1GiB")
+    readings = iter([0, 2**30])  # the run ahead "leaves" 1 GiB resident
+    monkeypatch.setattr(BudgetController, "held", staticmethod(lambda: next(readings, 2**30)))
+    with pytest.raises(edgetrain.BudgetError, match="short last batch.*Raise it to at least") as e:
+        step.expect_batch_size(4)
+    assert e.value.min_feasible_bytes > 2**30

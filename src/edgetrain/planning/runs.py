@@ -14,7 +14,8 @@ from torch import nn
 from ..profile import memory
 from .budgets import Measured, predicted_activations
 from .._state import backward_outside_autocast, preserved_model_state
-from ..batch import slice_batch
+from ..batch import batch_size_of, slice_batch
+from ..errors import InputError
 from ..graph import run_micro_batch_sizes
 from ..plan import Plan
 from ..runtime import pool
@@ -26,13 +27,21 @@ __all__ = ["run_plan", "run_steps", "first_run_cost"]
 log = logging.getLogger("edgetrain.api")
 
 
+def _samples(env: dict[str, Any], targets: Any) -> int | None:
+    try:
+        return batch_size_of(targets, *env.values())
+    except InputError:
+        return None
+
+
 def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets: Any,
                    loss_fn: Callable[..., torch.Tensor], fused: Any = None) -> None:
     """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share of samples;
     ``fused`` (a :class:`~edgetrain.runtime.fused.FusedUpdate`): armed around a whole batch's backward."""
     start = 0
+    given = _samples(env_full, targets)  # a plan for fewer samples than the example runs its first ones
     for size in run_micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
-        whole = size == plan.batch_size  # not sliced, as the step does not slice it (measured alike)
+        whole = size == plan.batch_size and given in (None, size)  # not sliced, as the step does not slice it (measured alike)
         env = dict(env_full) if whole else {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
         loss = loss_fn(executor.forward(env), targets if whole else slice_batch(targets, start, start + size))
         with backward_outside_autocast(), fused.armed() if fused is not None and whole else contextlib.nullcontext():

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from ..batch import split_batch
+from ..batch import batch_size_of, split_batch
 from ..errors import InputError
 
 __all__ = ["shuffle_seed", "epoch_batches", "num_batches", "as_pair"]
@@ -65,6 +65,26 @@ def num_batches(data: Any) -> int | None:
         return len(data)
     except TypeError:
         return None
+
+
+def short_batch_size(data: Any, full: int) -> int | None:
+    """The size of the short last batch of an epoch of ``data`` (a DataLoader keeping its last batch, or a
+    list of batches), where it can be known without drawing a batch; None otherwise or when there is none."""
+    if isinstance(data, DataLoader):
+        if data.batch_size != full or data.drop_last:
+            return None
+        try:
+            rest = len(data.dataset) % full  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        return rest or None
+    if isinstance(data, (list, tuple)) and data:
+        try:
+            n = batch_size_of(*as_pair(data[-1]))
+        except Exception:  # noqa: BLE001 - a batch the step will refuse with its own message
+            return None
+        return n if n < full else None
+    return None
 
 
 def as_pair(batch: Any) -> tuple[Any, Any]:

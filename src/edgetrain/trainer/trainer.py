@@ -23,7 +23,7 @@ from ..batch import batch_signature, batch_size_of, call_model, describe_signatu
 from ..errors import ConfigError
 from ..plan import Plan
 from ._checkpoints import CheckpointDir, TrainerState
-from .data import as_pair, epoch_batches, num_batches
+from .data import as_pair, epoch_batches, num_batches, short_batch_size
 from ._rng import capture_rng, restore_rng
 from .callbacks import CSVLogger, TensorBoardLogger, progress_bar, progress_enabled
 from .config import TrainerConfig
@@ -114,6 +114,9 @@ class Trainer:
         self.step = prepare(model, optimizer, loss_fn, self.example, memory_budget=static_budget, **options)
         self.step.before_optimizer_step = self._clip if (self.config.grad_clip_norm or
                                                          self.config.grad_clip_value) else None
+        short = short_batch_size(train_data, self.step.plan.batch_size)
+        if short is not None:  # its kernels stay resident once it has run: room is made for them now
+            self.step.expect_batch_size(short)
         self._pending_budget: int | str | None = None
         self._user_source = memory_budget if callable(memory_budget) else None
         if self._user_source is not None:
