@@ -41,7 +41,8 @@ def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets:
     start = 0
     given = _samples(env_full, targets)  # a plan for fewer samples than the example runs its first ones
     for size in run_micro_batch_sizes(plan.batch_size, plan.micro_batch_size):
-        whole = size == plan.batch_size and given in (None, size)  # not sliced, as the step does not slice it (measured alike)
+        # not sliced, as the step does not slice it (measured alike)
+        whole = size == plan.batch_size and given in (None, size)
         env = dict(env_full) if whole else {k: slice_batch(v, start, start + size) for k, v in env_full.items()}
         loss = loss_fn(executor.forward(env), targets if whole else slice_batch(targets, start, start + size))
         with backward_outside_autocast(), fused.armed() if fused is not None and whole else contextlib.nullcontext():
