@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["preserved_model_state", "rng_state", "set_rng_state", "host_rng_state", "set_host_rng_state",
-           "host_rng_moved", "batchnorm_modules", "autocast_state", "describe_autocast", "backward_outside_autocast"]
+__all__ = ["preserved_model_state", "put_back", "rng_state", "set_rng_state", "host_rng_state",
+           "set_host_rng_state", "host_rng_moved", "batchnorm_modules", "autocast_state", "describe_autocast", "backward_outside_autocast"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -99,6 +99,14 @@ def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm.
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
 
+def put_back(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` into ``buffer`` in place, resizing it first where it was resized in place since (an
+    observer's per-channel statistics are empty until its first batch). Call under ``torch.no_grad()``."""
+    if buffer.shape != value.shape:
+        buffer.resize_(value.shape)
+    buffer.copy_(value)
+
+
 @contextlib.contextmanager
 def preserved_model_state(model: nn.Module, *, grads: bool = True, host_rngs: bool = True) -> Iterator[None]:
     """Run code on ``model`` and restore its buffers, gradients and the RNG (the global generators and those
@@ -124,9 +132,7 @@ def preserved_model_state(model: nn.Module, *, grads: bool = True, host_rngs: bo
             for m, name, b, copy in buffers:
                 if m._buffers.get(name) is not b:  # reassigned, not written in place
                     m._buffers[name] = b
-                if b.shape != copy.shape:  # resized in place (an observer's statistics on first use)
-                    b.resize_(copy.shape)
-                b.copy_(copy)
+                put_back(b, copy)
         for p, g in saved_grads:
             p.grad = g
         set_rng_state(rng)

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from .._state import batchnorm_modules, host_rng_state, module_generators, set_host_rng_state
+from .._state import batchnorm_modules, host_rng_state, module_generators, put_back, set_host_rng_state
 
 __all__ = ["RecomputeGuard", "FullBatchStats"]
 
@@ -88,7 +88,7 @@ class RecomputeGuard:
             with torch.no_grad():
                 self._after = [b.detach().clone() for b in self.buffers]
                 for b, v in zip(self.buffers, self._before):
-                    _put_back(b, v)
+                    put_back(b, v)
             self._gen_after = [g.get_state() for g in self.generators]
             for g, st in zip(self.generators, self._gen_before):
                 g.set_state(st)
@@ -113,7 +113,7 @@ class RecomputeGuard:
                 if nbt is not None:
                     b.num_batches_tracked.copy_(nbt)
             for b, v in zip(self.buffers, self._after):
-                _put_back(b, v)
+                put_back(b, v)
         for g, st in zip(self.generators, self._gen_after):
             g.set_state(st)
         if self._host_after is not None:
@@ -121,14 +121,6 @@ class RecomputeGuard:
         self._after, self._gen_after, self._host_after = [], [], None
         if self.owner is not None:
             self.owner.recomputing -= 1
-
-
-def _put_back(b: torch.Tensor, v: torch.Tensor) -> None:
-    """Write ``v`` into buffer ``b`` in place, resizing it first where the forward resized it (an observer's
-    per-channel statistics are empty until its first batch)."""
-    if b.shape != v.shape:
-        b.resize_(v.shape)
-    b.copy_(v)
 
 
 class FullBatchStats:

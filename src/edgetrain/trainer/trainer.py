@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 from .._state import modes_kept
 from ..batch import batch_signature, batch_size_of, call_model, describe_signature, larger_per_sample, slice_batch
 from ..errors import ConfigError
+from ..graph import run_micro_batch_sizes
 from ..plan import Plan
 from ._checkpoints import CheckpointDir, TrainerState
 from .data import as_pair, epoch_batches, num_batches, short_batch_size
@@ -33,6 +34,18 @@ __all__ = ["Trainer"]
 log = logging.getLogger(__name__)
 
 Metric = Callable[[Any, Any], "float | torch.Tensor"]
+
+
+def _slices(x: Any, y: Any, n: int, size: int) -> Iterator[tuple[Any, Any, int]]:
+    """``(inputs, targets, samples)`` of a batch of ``n`` in the micro-batch sizes a step of ``size`` runs (the
+    whole batch unsliced when it fits, as the step does)."""
+    if n <= size:
+        yield x, y, n
+        return
+    start = 0
+    for m in run_micro_batch_sizes(n, size):
+        yield slice_batch(x, start, start + m), slice_batch(y, start, start + m), m
+        start += m
 
 
 class Trainer:
@@ -261,10 +274,7 @@ class Trainer:
                     x, y = as_pair(batch)
                     n = len(y) if hasattr(y, "__len__") else 1
                     losses, w = [], 0.0
-                    for start in range(0, n, size) if isinstance(y, torch.Tensor) and n > size else (None,):
-                        xs, ys = (x, y) if start is None else (slice_batch(x, start, start + size),
-                                                               slice_batch(y, start, start + size))
-                        m = n if start is None else min(size, n - start)
+                    for xs, ys, m in _slices(x, y, n, size if isinstance(y, torch.Tensor) else n):
                         out = call_model(self.model, xs)
                         wc = norm.weight(ys, m) if by_targets else m
                         if wc:  # a slice with no target that counts has a loss of 0/0 and adds nothing
