@@ -177,7 +177,8 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
     if not plain.ok:
         rep.error = f"plain PyTorch failed at batch {B}: {plain.error}"
         return rep
-    rep.plain_mmap = run(_job(spec, s, mode="plain"), f"plain+mmap b={B}")
+    rep.plain_mmap = run(_job(spec, s, mode="plain", env={"EDGETRAIN_ALLOCATOR": "tuned"}),  # threshold, no pool
+                         f"plain+mmap b={B}")
     rep.budgets = [(f, int(f * plain.peak_bytes)) for f in s.budgets]
 
     plain_by_mb = {B: plain}  # each micro-batch measured once, reused at every budget
