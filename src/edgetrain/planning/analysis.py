@@ -33,6 +33,8 @@ __all__ = ["Analysis", "ChainSummary", "FUSED_KEY", "Outcome", "block_solver_opt
 
 log = logging.getLogger("edgetrain.api")
 
+SLOW_PLAN = 1.5  #: a validated plan this much slower than the step without a budget: the other ways are run too
+
 
 @dataclass(frozen=True)
 class ChainSummary:
@@ -347,7 +349,15 @@ class Analysis:
                 fallback = fallback or outcome
                 continue
             if fallback is not None and fallback.plan.step_time_s < outcome.plan.step_time_s:
-                return fallback  # validated, that way needed more: the fused plan is the faster after all
+                outcome = fallback  # validated, that way needed more: the earlier plan is the faster after all
+            if i + 1 < len(modes) and chosen != (paged, fused) and \
+                    outcome.plan.step_time_s >= SLOW_PLAN * planner_for(False).plan(None).step_time_s:
+                # the ways are ordered by the cost model, before any run (MobileNetV2 at 80 MiB, state paged: micro-
+                # batches of 2, 1157 ms, in 2 runs of 4, before the fused update, which fitted the batch at 220 ms)
+                log.info("%s validated a plan predicted at %.0f ms, far slower than without a budget: trying the other "
+                         "ways too", _mode_name(outcome.page_state, outcome.fused), outcome.plan.step_time_s * 1e3)
+                fallback = outcome
+                continue
             return outcome
         if fallback is not None:
             return fallback
