@@ -185,6 +185,23 @@ def _cls_loss(out, y):
     return F.cross_entropy(out.logits, y)
 
 
+def _train_alike(step, ref, ref_opt, x, y, steps, grads_dropped=False):
+    """``steps`` steps of ``step`` and of plain PyTorch on ``ref``: the same losses and parameters, bit for bit
+    (``grads_dropped``: the fused update left no gradient on the step's model)."""
+    for _ in range(steps):
+        torch.manual_seed(3)
+        loss = step(x, y)
+        torch.manual_seed(3)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = _cls_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert loss == ref_loss.item()
+        if grads_dropped:
+            assert all(p.grad is None for p in step.model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(step.model.parameters(), ref.parameters()))
+
+
 def test_prepare_with_the_fused_update_trains_as_plain_pytorch_and_reuses_its_plan():
     model = _bert_cls()
     ref = copy.deepcopy(model)
@@ -197,17 +214,7 @@ def test_prepare_with_the_fused_update_trains_as_plain_pytorch_and_reuses_its_pl
     assert step.plan.metadata.get(FUSED_KEY) is True and step.fused is not None
     assert any("fused into the backward" in n for n in step.plan.notes)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for _ in range(3):
-        torch.manual_seed(3)
-        loss = step(x, y)
-        torch.manual_seed(3)
-        ref_opt.zero_grad(set_to_none=True)
-        ref_loss = _cls_loss(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert loss == ref_loss.item()
-        assert all(p.grad is None for p in model.parameters())
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    _train_alike(step, ref, ref_opt, x, y, 3, grads_dropped=True)
     assert _states_equal(opt, ref_opt)
 
     # a plan kept from that step (a federated client's next round) runs fused again, without planning
@@ -439,14 +446,4 @@ def test_a_way_of_holding_the_state_whose_validated_plan_is_far_slower_has_the_o
     step = edgetrain.prepare(model, opt, _cls_loss, (x, y), memory_budget="1GiB",
                              planning=PlanConfig(fused_update="auto", page_optimizer_state=False, use_cache=False))
     assert (step.fused is not None) == slow
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(2):
-        torch.manual_seed(3)
-        loss = step(x, y)
-        torch.manual_seed(3)
-        ref_opt.zero_grad(set_to_none=True)
-        ref_loss = _cls_loss(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert loss == ref_loss.item()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    _train_alike(step, ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), x, y, 2)
