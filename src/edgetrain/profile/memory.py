@@ -304,8 +304,9 @@ def _tune_at_import() -> None:
     afresh and page-faulted in, and plain PyTorch code that runs before ``prepare`` (an evaluation, a
     baseline, a model that is only verified) paid that. Plain training steps of a Hugging Face ResNet and of
     MobileNetV2 (batch 32 at 64x64, one thread) took 1.2-1.9x as long after ``import edgetrain`` as
-    without it; with the pool, 0.9-1.1x, and their peaks 60 MiB lower. The pool is compiled on the first
-    import on a machine (seconds, cached); without a compiler the threshold alone stays (a warning says so).
+    without it; with the pool, 0.8-1.2x, and their peaks 54-85 MiB lower (bench/RESULTS.md, 2026-12-06).
+    The pool is compiled on the first import on a machine (seconds, cached); without a compiler the threshold
+    alone stays (a warning says so).
     """
     if settings.allocator() != "system":
         tune_allocator()
