@@ -26,12 +26,15 @@ def test_rrelu_recomputed_on_its_own_gets_exact_gradients():
     model = nn.Sequential(nn.Linear(16, 32), nn.RReLU(), nn.Linear(32, 32), nn.RReLU(), nn.Linear(32, 3))
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
     plain = plain_step(model, x, y)
-    base, step = prepared(model, x, y, solver="no_saving")
+    m, step = prepared(model, x, y, solver="no_saving")
     assert len(step.chain) == 5
+    start = copy.deepcopy(m.state_dict())
     for policies in itertools.product(("keep", "recompute"), repeat=5):
         if "recompute" not in policies:
             continue
-        m, step = prepared(model, x, y, solver="no_saving")
+        m.load_state_dict(start)  # every plan takes the same step from the same weights
+        for p in m.parameters():
+            p.grad = None
         step.set_plan(step.plan.replace(policies=policies))
         torch.manual_seed(5)
         step(x, y)

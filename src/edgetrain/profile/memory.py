@@ -248,6 +248,35 @@ def release_heap() -> None:
         libc.malloc_trim(0)
 
 
+_FROZEN = False
+
+
+@contextlib.contextmanager
+def objects_frozen() -> Iterator[None]:
+    """Collect garbage once, then leave every Python object alive now out of later collections
+    (``gc.freeze``) until the block ends; nested uses are one.
+
+    Forked children collect garbage before they measure (:func:`release_heap`). A full collection visits
+    every tracked object: 150-190 ms with torch imported, more with ``transformers`` or a dataset of Python
+    objects, and in a fork it writes each object's header and so copies every page of objects. Collected and
+    frozen here first, the children collect only what was made since, and their readings start from the
+    same heap. The block's end unfreezes: what died meanwhile is collected as usual."""
+    import gc
+
+    global _FROZEN
+    if _FROZEN or not hasattr(gc, "freeze"):
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    _FROZEN = True
+    try:
+        yield
+    finally:
+        _FROZEN = False
+        gc.unfreeze()
+
+
 def allocator_tuned() -> bool:
     """Whether :func:`tune_allocator` (or ``MALLOC_MMAP_THRESHOLD_``) is in force in this process."""
     return _TUNED is not None or "MALLOC_MMAP_THRESHOLD_" in os.environ
