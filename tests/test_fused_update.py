@@ -423,7 +423,8 @@ def test_a_way_of_holding_the_state_whose_validated_plan_is_far_slower_has_the_o
     """The ways of holding the optimizer state and the gradients are ordered by the cost model before any run.
     MobileNetV2 at 80 MiB (edgetrain train data=mnist) validated micro-batches of 2 with the state paged (1157 ms)
     in 2 runs of 4 and took them, where the update fused into the backward, tried next, fitted the whole batch
-    (220 ms). Here the way tried first is made to validate a plan 3x slower than its model's: the fused way is
+    (220 ms); with a rule of 1.5x, micro-batches of 8 (210 ms, 1.49x) where the fused update fits the whole batch at
+    148 ms. Here the way tried first is made to validate a plan 1.4x slower than its model's: the fused way is
     then run too, and taken as the faster; a first way that validates at its model's speed stands alone."""
     from edgetrain.planning.analysis import Analysis
     from edgetrain.planning.planner import Planner
@@ -433,7 +434,7 @@ def test_a_way_of_holding_the_state_whose_validated_plan_is_far_slower_has_the_o
     def validated(self, *args, **kwargs):
         plan, costs = validate(self, *args, **kwargs)
         if slow and not self.whole_batch_only:  # the update after the backward (the fused way: whole batch only)
-            plan = plan.replace(step_time_s=plan.step_time_s * 3)
+            plan = plan.replace(step_time_s=plan.step_time_s * 1.4)
         return plan, costs
 
     monkeypatch.setattr(Planner, "plan_validated", validated)
