@@ -33,6 +33,10 @@ def test_configs_are_frozen_and_checked():
         PagingConfig(objective="speed")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="time_budget"):
         PagingConfig(time_budget=0.5)
+    # solver=None is the default (it raised AttributeError from deep in prepare: 'NoneType' has no 'startswith')
+    assert PlanConfig(solver=None).solver == "dp"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="solver"):
+        PlanConfig(solver=3)  # type: ignore[arg-type]
 
 
 def test_legacy_keywords_map_to_the_groups(monkeypatch):

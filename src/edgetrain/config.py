@@ -35,8 +35,8 @@ class PlanConfig:
 
     Attributes:
         micro_batch_size: fix the micro-batch size; None lets the planner choose.
-        solver: planner name (``edgetrain.planners.PLANNERS``): ``"dp"`` (exact, default), ``"no_saving"``,
-            ``"recompute_all"``, ``"chen_sqrt"``, ``"checkpoint_sequential"``; the POET planners
+        solver: planner name (``edgetrain.planners.PLANNERS``): ``"dp"`` (exact, default; None means it),
+            ``"no_saving"``, ``"recompute_all"``, ``"chen_sqrt"``, ``"checkpoint_sequential"``; the POET planners
             (``"poet"``, ``"poet-milp"``) take a :class:`PagingConfig` (this field selects them too).
         max_stages: upper bound on the number of stages the model is cut into.
         exact_batchnorm: for models with BatchNorm in training mode, prefer plans without micro-batching
@@ -77,6 +77,10 @@ class PlanConfig:
     fused_update: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.solver is None:  # "the default", as a flat option list or a config file passes it
+            object.__setattr__(self, "solver", "dp")
+        if not isinstance(self.solver, str):
+            raise ValueError(f"solver must be a planner name such as 'dp', got {self.solver!r}")
         if self.page_optimizer_state not in (True, False, "auto"):
             raise ValueError(f"page_optimizer_state must be True, False or 'auto', got {self.page_optimizer_state!r}")
         if self.fused_update not in (True, False, "auto"):
