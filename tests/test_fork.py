@@ -192,6 +192,14 @@ def test_prepares_children_collect_only_what_was_made_after_its_start_and_nothin
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert later() is None
+    gc.freeze()  # the process's own freeze (a server's before it forks workers) is never undone
+    try:
+        mine = gc.get_freeze_count()
+        with memory.objects_frozen():
+            pass
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.unfreeze()
 
 
 def test_capturing_a_model_without_batchnorm_or_dropout_loads_no_native_kernel():

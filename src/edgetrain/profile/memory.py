@@ -260,11 +260,12 @@ def objects_frozen() -> Iterator[None]:
     every tracked object: 150-190 ms with torch imported, more with ``transformers`` or a dataset of Python
     objects, and in a fork it writes each object's header and so copies every page of objects. Collected and
     frozen here first, the children collect only what was made since, and their readings start from the
-    same heap. The block's end unfreezes: what died meanwhile is collected as usual."""
+    same heap. The block's end unfreezes: what died meanwhile is collected as usual. A process that froze
+    objects itself (a server's pre-fork ``gc.freeze()``) is left as it is: unfreezing would undo its freeze."""
     import gc
 
     global _FROZEN
-    if _FROZEN or not hasattr(gc, "freeze"):
+    if _FROZEN or not hasattr(gc, "freeze") or gc.get_freeze_count():
         yield
         return
     gc.collect()
