@@ -334,3 +334,49 @@ def test_a_models_own_reentrant_checkpoint_trains_exactly(solver):
     torch.manual_seed(5)
     step(x, y)
     assert_same_state(plain, m)
+
+
+class _ScriptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.lin(x))
+
+
+class _WithScriptModules(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.blocks = nn.ModuleList(torch.jit.script(_ScriptedBlock()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_torchscript_blocks_are_stages_of_their_own_and_prepare_prints_nothing(capfd):
+    """A TorchScript module is one opaque call to the trace; the selective policy cannot run inside it, and each
+    refused option made torch.fx print a traceback to stderr (8 for this model) while prepare went on."""
+    torch.manual_seed(0)
+    model = _WithScriptModules()
+    torch.manual_seed(0)
+    twin = _WithScriptModules()  # deepcopy of a scripted module gives parameters that are not leaves
+    x, y = torch.randn(16, 16), torch.randint(0, 3, (16,))
+    capfd.readouterr()
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y),
+                             planning=edgetrain.PlanConfig(solver="recompute_all", micro_batch_size=8, use_cache=False))
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.err and "Traceback" not in printed.out, printed.err[-2000:]
+    assert len(step.chain) >= 5 and set(step.plan.policies) == {"recompute"}
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for _ in range(2):
+        step(x, y)
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(twin(x), y).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)  # two micro-batches: the sum's rounding only
