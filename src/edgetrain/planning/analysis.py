@@ -182,8 +182,8 @@ class Analysis:
     def validator(self, chain: Any, isolated: bool = False, paged: bool = False,
                   fused: bool = False) -> Callable[[Plan], Measured]:
         """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process
-        (when it can: no pager, a child running this process's threads), so that every run is measured as this process's first
-        step will be, without the kernels and heap earlier trial runs of other micro-batch sizes leave.
+        (when it can: no pager, a child running this process's threads), so that every run is measured as this
+        process's first step will be, without the kernels and heap earlier runs of other micro-batch sizes leave.
         ``paged``: the steps page the optimizer state out during the passes (the fork's steps do too);
         ``fused``: they update each parameter inside the backward."""
         def run(p: Plan) -> Measured:
@@ -314,7 +314,9 @@ class Analysis:
         if chosen in modes:
             modes.remove(chosen)
             modes.insert(0, chosen)
+        unbudgeted_s = planner_for(False).plan(None).step_time_s
         for i, (paged, fused) in enumerate(modes):
+            more = i + 1 < len(modes) and chosen != (paged, fused)  # another way is left to validate
             planner = planner_for(paged, fused)
             try:
                 first = tried.validated if tried is not None and (paged, fused) == chosen else None
@@ -340,8 +342,7 @@ class Analysis:
                 update = self.update_bytes + (self.pageable_state if paged else 0)
             outcome = Outcome(_noted(plan, reasons), costs_v, first_run, planner_for(paged).sizes(),
                               page_state=paged, update_bytes=update, fused=fused, validated=validated)
-            if fused and self.fuse == "auto" and i + 1 < len(modes) and chosen != (paged, fused) and \
-                    plan.step_time_s >= 0.98 * self._unfused_best_s:
+            if more and fused and self.fuse == "auto" and plan.step_time_s >= 0.98 * self._unfused_best_s:
                 # validation corrected the fused model into a plan no faster than holding the gradients promised:
                 # that way is validated too, and the faster of the two validated plans taken
                 log.info("the update fused into the backward validated a plan predicted at %.0f ms, no faster than "
@@ -350,8 +351,7 @@ class Analysis:
                 continue
             if fallback is not None and fallback.plan.step_time_s < outcome.plan.step_time_s:
                 outcome = fallback  # validated, that way needed more: the earlier plan is the faster after all
-            if i + 1 < len(modes) and chosen != (paged, fused) and not (fused and self.fuse is True) and \
-                    outcome.plan.step_time_s >= SLOW_PLAN * planner_for(False).plan(None).step_time_s:
+            if more and not (fused and self.fuse is True) and outcome.plan.step_time_s >= SLOW_PLAN * unbudgeted_s:
                 # ways are ordered by the model before any run (MobileNetV2, 80 MiB: state paged, micro-batches of 8 at
                 # 1.49x, 210 ms; the fused update fits the batch at 148 ms); a way asked for is not traded for speed
                 log.info("%s validated a plan predicted at %.0f ms, far slower than without a budget: trying the other "

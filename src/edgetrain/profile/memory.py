@@ -248,9 +248,6 @@ def release_heap() -> None:
         libc.malloc_trim(0)
 
 
-_FROZEN = False
-
-
 @contextlib.contextmanager
 def objects_frozen() -> Iterator[None]:
     """Collect garbage once, then leave every Python object alive now out of later collections
@@ -264,17 +261,14 @@ def objects_frozen() -> Iterator[None]:
     objects itself (a server's pre-fork ``gc.freeze()``) is left as it is: unfreezing would undo its freeze."""
     import gc
 
-    global _FROZEN
-    if _FROZEN or not hasattr(gc, "freeze") or gc.get_freeze_count():
+    if not hasattr(gc, "freeze") or gc.get_freeze_count():  # frozen already: an outer block, or the process
         yield
         return
     gc.collect()
     gc.freeze()
-    _FROZEN = True
     try:
         yield
     finally:
-        _FROZEN = False
         gc.unfreeze()
 
 
