@@ -169,6 +169,24 @@ def test_shared_batchnorm_micro_batched_gets_one_update_per_call(solver):
     torch.testing.assert_close(bn.running_var, var, rtol=1e-5, atol=1e-6)
 
 
+def test_micro_batch_statistics_are_one_tensor_per_layer_call_order_kept():
+    """Each layer's per-micro-batch statistics live in one tensor of a row per call, allocated once (as 2 small
+    tensors per row they took 3.9 MiB resident for MobileNetV2's 16 micro-batches of 2, 2.1 MiB of data); a
+    layer called twice per forward grows it once, and the rows stay for the next step."""
+    torch.manual_seed(0)
+    model = SharedBatchNorm()
+    x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 5, (12,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="micro-batch"):
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), solver="no_saving", micro_batch_size=4)
+    step(x, y)
+    rows = step._bn._scratch[id(model.bn)]
+    assert isinstance(rows, torch.Tensor) and rows.shape == (6, 2, 8)  # 3 micro-batches, 2 calls each
+    first = rows.data_ptr()
+    step(x, y)
+    assert step._bn._scratch[id(model.bn)].data_ptr() == first  # kept, not made again
+
+
 def test_inputs_as_dict_and_tuple():
     class TwoIn(nn.Module):
         def __init__(self):
