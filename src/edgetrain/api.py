@@ -214,5 +214,5 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             probe = (slice_batch(inputs, 0, plan.micro_batch_size), slice_batch(targets, 0, plan.micro_batch_size))
             step.elastic = ElasticSelector(elastic_cfg).attach(model, optimizer, probe, loss_fn)
             step.replan_for_selection()
-        memory.release_heap()  # what prepare made and dropped; what was alive at its start is left to Python's gc
+        memory.release_cached()  # what prepare made and dropped; what was alive at its start is left to Python's gc
     return step

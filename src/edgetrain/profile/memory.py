@@ -26,7 +26,8 @@ from .. import settings
 
 __all__ = [
     "rss_bytes", "peak_rss_bytes", "process_peak_rss_bytes", "reset_peak", "can_reset_peak", "baseline_rss_bytes",
-    "tune_allocator", "allocator_tuned", "release_heap", "PeakMeter", "measure_peak", "available_bytes",
+    "tune_allocator", "allocator_tuned", "release_heap", "release_cached", "PeakMeter", "measure_peak",
+    "available_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,15 @@ def release_heap() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def release_cached() -> None:
+    """:func:`release_heap`, and the tensor pool's cached blocks unmapped: everything a run in this process left
+    free, so that the process holds its live memory only."""
+    from ..runtime import pool
+
+    pool.release()
+    release_heap()
 
 
 @contextlib.contextmanager
