@@ -230,6 +230,12 @@ def run_in_child(fn: Callable[[], Any]) -> ChildResult | None:
 
 
 def _fork_and_run(fn: Callable[[], Any], pages: list[tuple[int, Any]] | None) -> ChildResult | None:
+    from ..runtime import pool
+
+    # The child unmaps the pool's cached blocks before it measures, and its readings then start below this
+    # process's resident memory, which :func:`_settle` takes as a heap given back and counts against the run:
+    # the cache goes here first, so that the child starts from this process's live memory
+    pool.release()
     parent_rss = memory.rss_bytes()
     parent_file_rss = file_rss_bytes()
     parent = os.getpid()
