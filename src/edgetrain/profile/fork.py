@@ -318,6 +318,7 @@ def analyse_safely(capture_chain: Callable[[], Any], analyse: Callable[..., Any]
                 return chain, analyse(chain, res.value)
         chain = capture_chain()
         return chain, analyse(chain)
+
     def captured() -> Any:
         chain = capture_chain()
         # Capture ran the model, and the tensor pool and the heap keep what it freed: handed back before the
