@@ -253,8 +253,7 @@ class TrainStep:
                              "there are no gradients to act on before the update: prepare it with "
                              "PlanConfig(fused_update=False) to clip or read gradients")
         self._fused_last = fused is not None
-        accumulate = self._plan.micro_batch_size < n and self._bn.has_batchnorm
-        self._bn.begin(accumulate, len(run_micro_batch_sizes(n, self._plan.micro_batch_size)))
+        self._bn.begin_step(n, self._plan.micro_batch_size)
         norm = self.loss_norm
         total_weight = norm.weight(targets, n) if self._plan.micro_batch_size < n else 1.0
         losses: list[tuple[float, float]] = []

@@ -58,14 +58,6 @@ def _micro_batches(executor: Any, plan: Plan, env_full: dict[str, Any], targets:
             executor.pager.reset()
 
 
-def _begin_batchnorm(bn: FullBatchStats, plan: Plan) -> None:
-    """Start a step's BatchNorm bookkeeping as the step does. A micro-batched step keeps each layer's statistics
-    of each micro-batch until the update combines them (2 MiB for MobileNetV2's 16 micro-batches of 2): a run
-    measured without them read 1.5-2 MiB less than the steps that followed."""
-    bn.begin(plan.micro_batch_size < plan.batch_size and bn.has_batchnorm,
-             len(run_micro_batch_sizes(plan.batch_size, plan.micro_batch_size)))
-
-
 def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any], targets: Any,
               loss_fn: Callable[..., torch.Tensor], pager: Any = None, fused: bool = False) -> Measured:
     """Run one forward/backward of every micro-batch of ``plan`` (model state restored) and measure it;
@@ -81,7 +73,7 @@ def run_plan(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any],
             base = memory.baseline_rss_bytes()
             memory.reset_peak()
             before = memory.rss_bytes()
-            _begin_batchnorm(bn, plan)
+            bn.begin_step(plan.batch_size, plan.micro_batch_size)  # the statistics a micro-batched step keeps
             _micro_batches(executor, plan, env_full, targets, loss_fn, bn=bn)
             peak = memory.peak_rss_bytes()
             bn.abort()  # no update: the statistics as they were
@@ -127,7 +119,7 @@ def run_steps(chain: Any, plan: Plan, model: nn.Module, env_full: dict[str, Any]
             # from here: the previous update's high-water mark (a paged state read back, the gradients) is
             # the update's, not the passes'
             memory.reset_peak()
-            _begin_batchnorm(bn, plan)
+            bn.begin_step(plan.batch_size, plan.micro_batch_size)  # the statistics a micro-batched step keeps
             _micro_batches(executor, plan, env_full, targets, loss_fn, fu, bn)
             peak = max(peak, memory.peak_rss_bytes())
             memory.reset_peak()  # the update's transients are the optimizer's, measured apart from activations

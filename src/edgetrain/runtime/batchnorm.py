@@ -241,6 +241,14 @@ class FullBatchStats:
                               None if b.num_batches_tracked is None else b.num_batches_tracked.clone())
                       for b in self.bns if b.training}
 
+    def begin_step(self, batch: int, micro_batch_size: int) -> None:
+        """:meth:`begin` for a step of ``batch`` samples in micro-batches of ``micro_batch_size``, as the step
+        and the planner's validation runs both start one."""
+        from ..graph import run_micro_batch_sizes
+
+        self.begin(micro_batch_size < batch and self.has_batchnorm,
+                   len(run_micro_batch_sizes(batch, micro_batch_size)))
+
     def abort(self) -> None:
         """Put the running statistics back as they were at :meth:`begin`."""
         for b in self.bns:  # a forward that raised inside a BatchNorm: give the layer its buffers back
