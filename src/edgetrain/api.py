@@ -20,6 +20,7 @@ from .errors import InputError
 from .graph import CostChain, run_micro_batch_sizes
 from .plan import Plan
 from .planning.analysis import FUSED_KEY, Analysis, Outcome
+from .planning.compiled import compile_step, why_not_compiled
 from .planning.holding import fusing_fields, state_paging_fields
 from .planning.budgets import safety_margin_bytes
 from .planning.threads import train_here
@@ -215,4 +216,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             step.elastic = ElasticSelector(elastic_cfg).attach(model, optimizer, probe, loss_fn)
             step.replan_for_selection()
         memory.release_cached()  # what prepare made and dropped; what was alive at its start is left to Python's gc
+        if cfg.compile:  # last: its trial forks from the state the first step starts from
+            compile_step(step, inputs, targets, why_not_compiled(
+                step.plan, has_batchnorm=has_bn, paging=paging_cfg is not None, elastic=speedup is not None,
+                grad_filter=grad_filter is not None))
     return step

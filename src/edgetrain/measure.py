@@ -59,6 +59,7 @@ class Job:
             ``warmup_rss_bytes``: the resident bytes right after it, compiled code and state included).
         page_optimizer_state: for edgetrain, ``PlanConfig(page_optimizer_state=)``.
         fused_update: for edgetrain, ``PlanConfig(fused_update=)``.
+        compile: for edgetrain, ``PlanConfig(compile=)`` (the step runs compiled where a measured trial fits).
     """
 
     model: str
@@ -82,6 +83,7 @@ class Job:
     activation_memory_budget: float | None = None
     page_optimizer_state: bool | str = "auto"
     fused_update: bool | str = "auto"
+    compile: bool = False
 
 
 @dataclass
@@ -210,7 +212,7 @@ def _worker(job: Job) -> JobResult:
                                                paging=job.paging, objective=job.objective,
                                                exact_batchnorm=job.exact_batchnorm,
                                                page_optimizer_state=job.page_optimizer_state,
-                                               fused_update=job.fused_update))
+                                               fused_update=job.fused_update, compile=job.compile))
         except BudgetError as e:
             res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
             res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())

@@ -27,6 +27,7 @@ from .planning.guards import (attribute_key, changed_attributes, check_autocast,
                               describe_change, model_key, raise_for_one_sample)
 from .planning.loss import LossNorm
 from .runtime.batchnorm import FullBatchStats
+from .runtime.compiled import CompiledExecutor
 from .runtime.executor import PlainExecutor, make_executor, needs_stages
 
 __all__ = ["TrainStep"]
@@ -85,6 +86,9 @@ class TrainStep:
         self._fused_last = False  # whether the last step updated inside its backward
         self._traced_attributes: dict[str, Any] | None = None  # set by _make_executor for traced code
         self._retraced = False
+        #: the compiled forward and its measured peak (``PlanConfig(compile=True)``, :mod:`.planning.compiled`):
+        #: plans it fits run compiled
+        self.compiled: Any = None
         self._executor = self._make_executor(plan)
         self._defer_shared()
         self.page_dir: str | None = None
@@ -140,11 +144,19 @@ class TrainStep:
         self._traced_attributes = None
         if self.budget_bytes is None and self._pager is None and not needs_stages(plan):
             # no budget and nothing recomputed: plain PyTorch's own forward, with no graph captured here
-            return PlainExecutor(self.model)
-        executor = make_executor(self.chain, plan, self._bn, self._pager)
-        if self.chain.method == "fx":  # traced code: plain attributes are baked in (see _retrace_if_changed)
-            self._traced_attributes = attribute_key(self.model)
+            executor: Any = PlainExecutor(self.model)
+        else:
+            executor = make_executor(self.chain, plan, self._bn, self._pager)
+            if self.chain.method == "fx":  # traced code: plain attributes are baked in (see _retrace_if_changed)
+                self._traced_attributes = attribute_key(self.model)
+        if self.compiled is not None and self.compiled.fits(plan, self.budget_bytes, self.margin_bytes):
+            return self.compiled.executor(self.model, executor)
         return executor
+
+    @property
+    def runs_compiled(self) -> bool:
+        """Whether the plan in force runs compiled (``PlanConfig(compile=True)`` and a plan it fits)."""
+        return isinstance(self._executor, CompiledExecutor)
 
     def _retrace_if_changed(self) -> None:
         """Re-trace the model where a plain attribute its traced code froze has changed since the capture (a
@@ -163,6 +175,13 @@ class TrainStep:
                              f"model traced again is cut otherwise ({len(chain)} {chain.method} stages, not "
                              f"{len(self._chain)}): the plan no longer fits it. Call edgetrain.prepare again.")
         self._chain = chain
+        if self.compiled is not None:  # compiled code would compile again for the new values, unmeasured
+            log.warning("model attribute(s) %s changed since the step was compiled: it runs eagerly from now on",
+                        ", ".join(changed))
+            self.compiled = None
+            self._plan = self._plan.replace(peak_bytes=self._plan.metadata.get("eager_peak_bytes",
+                                                                               self._plan.peak_bytes),
+                                            metadata={**self._plan.metadata, "compiled": False})
         self._executor = self._make_executor(self._plan)
         if not self._retraced:
             log.warning("model attribute(s) %s changed since the model was traced: traced again (%.0f ms), and again "
@@ -327,6 +346,8 @@ class TrainStep:
             self._pager = Pager(self.page_dir, keep=list(self.model.parameters()))
         self._plan = plan  # before the executor: it is chosen for the plan in force
         self._executor = self._make_executor(plan)
+        if self.runs_compiled:
+            self._plan = self.compiled.mark(plan)
         self._defer_shared()
 
     def _defer_shared(self) -> None:

@@ -1,0 +1,118 @@
+"""``PlanConfig(compile=True)``: the step runs as torch.compile code only where its plan keeps everything and a
+measured compiled trial fits the budget, and then trains as the eager step does (up to rounding)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import edgetrain
+from edgetrain.config import PlanConfig
+
+transformers = pytest.importorskip("transformers")
+
+MIB = 2**20
+
+
+def _resnet() -> torch.nn.Module:
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                    layer_type="basic", num_labels=5)
+    torch.manual_seed(0)
+    return transformers.ResNetForImageClassification(cfg).train()
+
+
+def _resnet_loss(out, t):
+    return F.cross_entropy(out.logits, t)
+
+
+def _close(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        if p.dtype.is_floating_point:
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+        else:
+            assert torch.equal(p, q), name  # num_batches_tracked: counted once a step
+
+
+def test_compiled_step_trains_as_the_eager_step_and_follows_the_budget(caplog):
+    model = _resnet()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    step = edgetrain.prepare(model, opt, _resnet_loss, (x, y), memory_budget="1GiB",
+                             planning=PlanConfig(compile=True, use_cache=False))
+    ref = edgetrain.prepare(eager, eager_opt, _resnet_loss, (x, y), memory_budget="1GiB",
+                            planning=PlanConfig(use_cache=False))
+    assert step.runs_compiled and not ref.runs_compiled
+    meta = step.plan.metadata
+    assert meta["compiled"] is True and meta["eager_peak_bytes"] > 0
+    compiled_peak = step.plan.peak_bytes  # the trial's measured peak, compiler included
+    assert compiled_peak == step.compiled.peak_bytes > meta["eager_peak_bytes"]
+    for _ in range(2):
+        assert step(x, y) == pytest.approx(ref(x, y), rel=1e-4)
+    _close(model, eager)
+    assert int(model.resnet.embedder.embedder.normalization.num_batches_tracked) == 2
+
+    # a smaller batch (an epoch's last) was not measured compiled: it runs eagerly, nothing compiles again
+    graphs = step.compiled.module._orig_mod is model and torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert step(x[:5], y[:5]) == pytest.approx(ref(x[:5], y[:5]), rel=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    _close(model, eager)
+
+    # a budget the compiled step does not fit runs the eager plan; a larger one runs compiled again
+    below = int((compiled_peak - MIB) / (1 - step.margin_share))
+    plan = step.set_memory_budget(below)
+    assert not step.runs_compiled and plan.peak_bytes < compiled_peak
+    step(x, y), ref(x, y)
+    _close(model, eager)
+    assert step.set_memory_budget("1GiB").peak_bytes == compiled_peak and step.runs_compiled
+
+
+@pytest.mark.parametrize("options, reason", [({"solver": "recompute_all"}, "recomputes or pages 2 of 2 stages"),
+                                             ({"micro_batch_size": 4}, "splits the batch of a model with BatchNorm")])
+def test_compile_is_refused_with_the_reason_where_the_plan_is_not_one_compiled_code_runs(caplog, options, reason):
+    model = _resnet()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="edgetrain.api"):
+        step = edgetrain.prepare(model, opt, _resnet_loss, (x, y), memory_budget="1GiB",
+                                 planning=PlanConfig(compile=True, use_cache=False, max_stages=2, **options))
+    assert not step.runs_compiled and step.compiled is None
+    assert step.plan.metadata["compiled"] is False and reason in step.plan.metadata["not_compiled"]
+    assert any("compile=True: the step runs eagerly" in r.getMessage() and reason in r.getMessage()
+               for r in caplog.records)
+
+
+def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_of_the_eager_step():
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, num_labels=3,
+                                  hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg).train()
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    ids, y = torch.randint(0, 64, (8, 12), generator=g), torch.randint(0, 3, (8,), generator=g)
+
+    def loss(out, t):
+        return F.cross_entropy(out.logits, t)
+
+    step = edgetrain.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3), loss, (ids, y),
+                             memory_budget="1GiB", planning=PlanConfig(compile=True, micro_batch_size=4,
+                                                                       use_cache=False))
+    ref = edgetrain.prepare(eager, torch.optim.Adam(eager.parameters(), lr=1e-3), loss, (ids, y),
+                            memory_budget="1GiB", planning=PlanConfig(micro_batch_size=4, use_cache=False))
+    assert step.runs_compiled and step.plan.micro_batch_size == 4
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        got = step(ids, y)
+        torch.manual_seed(seed)
+        assert got == pytest.approx(ref(ids, y), rel=1e-4)
+    _close(model, eager)
+
+
+def test_compile_option_is_checked():
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        PlanConfig(compile="yes")
