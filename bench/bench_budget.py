@@ -94,15 +94,15 @@ QUICK = Settings(budgets=(0.5, 1.0), steps=2, repeats=0, versus_repeats=0, quick
 
 _KEY_FIELDS = ("model", "input_shape", "batch_size", "mode", "model_kwargs", "budget", "micro_batch_size",
                "segments", "solver", "steps", "optimizer", "seed", "threads", "env", "exact_batchnorm",
-               "activation_memory_budget")
+               "activation_memory_budget", "compile")
+#: the value a field had in logs written before it existed
+_KEY_DEFAULTS = {"exact_batchnorm": True, "compile": False}
 
 
 def job_key(job: Job | dict[str, Any]) -> str:
     """Identity of a job for the run's cache and for ``--replay`` (the fields this bench sets)."""
     d = asdict(job) if isinstance(job, Job) else job
-    # logs written before exact_batchnorm existed ran with its default
-    return json.dumps({k: d.get(k, True if k == "exact_batchnorm" else None) for k in _KEY_FIELDS},
-                      sort_keys=True)
+    return json.dumps({k: d.get(k, _KEY_DEFAULTS.get(k)) for k in _KEY_FIELDS}, sort_keys=True)
 
 
 class Runner:

@@ -336,3 +336,23 @@ def test_bench_fused_rounds_and_table(monkeypatch) -> None:
     assert fp[3] == "240.0" and fp[4] == "0.60x" and fp[7] == "4/4 kept, fused, state paged"
     assert rows["update fused into the backward"][3] == "failed" and "boom" in rows["update fused into the backward"][7]
     assert "update fused into the backward" in t.to_markdown()
+
+
+def test_job_key_tells_a_compiled_edgetrain_job_from_an_eager_one() -> None:
+    from edgetrain.measure import Job
+
+    eager = Job(model="resnet18", input_shape=(3, 32, 32), batch_size=8, budget=100)
+    compiled = Job(model="resnet18", input_shape=(3, 32, 32), batch_size=8, budget=100, compile=True)
+    assert bb.job_key(eager) != bb.job_key(compiled)
+    logged = {k: v for k, v in bb.asdict(eager).items() if k != "compile"}  # a log from before the field
+    assert bb.job_key(logged) == bb.job_key(eager)
+
+
+def test_compiled_edgetrain_entry_says_what_compile_did() -> None:
+    plan = {"micro_batch_size": 8, "policies": ["keep"] * 4,
+            "metadata": {"compiled": True, "eager_peak_bytes": 100 * 2**20}}
+    e = bb.edgetrain_entry(JobResult(peak_bytes=1, step_time_s=0.1, plan=plan), 2**30, 8, 4, bb.EDGE_COMPILED)
+    assert e.config.endswith("compiled (eager plan 100.0 MiB)")
+    plan["metadata"] = {"compiled": False, "not_compiled": "the plan for this budget recomputes or pages 2 of 4"}
+    e = bb.edgetrain_entry(JobResult(peak_bytes=1, step_time_s=0.1, plan=plan), 2**30, 8, 4, bb.EDGE_COMPILED)
+    assert e.config.endswith("eager: plan recomputes")

@@ -207,7 +207,8 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
         warnings.warn(f"edgetrain was given a torch.compile'd {type(inner).__name__}: it trains the module the "
                       "compiled wrapper holds (the same parameters), running it eagerly; pass the model before "
-                      "torch.compile to silence this", stacklevel=3)
+                      "torch.compile to silence this, with PlanConfig(compile=True) to run the step compiled where "
+                      "a measured compiled step fits the budget", stacklevel=3)
         return inner
     return model
 

@@ -78,6 +78,9 @@ class TrainConfig:
                                     "soon as its gradient is complete and free that gradient (exact; whole-batch "
                                     "steps, off with grad_clip_norm): auto (when the planner finds that faster, "
                                     "or the only way to fit), true or false")
+    compile: bool = _opt(False, "run the step as torch.compile code where the plan keeps every activation and a "
+                         "measured compiled trial fits the memory_budget (results equal up to rounding; the first "
+                         "step compiles); eager, with a warning saying why, elsewhere")
     grad_clip_norm: float | None = _opt(None, "clip the gradient norm to this before each step (null: no clipping)")
     early_stopping_patience: int | None = _opt(None, "stop after this many epochs without a better val_loss")
     checkpoint_dir: str | None = _opt(None, "directory of crash-safe checkpoints (null: none)")
