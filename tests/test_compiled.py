@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import edgetrain
+import edgetrain.units
 from edgetrain.config import PlanConfig
 
 transformers = pytest.importorskip("transformers")
@@ -69,6 +70,26 @@ def test_compiled_step_trains_as_the_eager_step_and_follows_the_budget(caplog):
     step(x, y), ref(x, y)
     _close(model, eager)
     assert step.set_memory_budget("1GiB").peak_bytes == compiled_peak and step.runs_compiled
+
+
+def test_a_compiled_trial_over_the_budget_runs_eagerly_naming_the_budget_that_runs_it_compiled(caplog):
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+
+    def prepare(budget):
+        model = _resnet()
+        return edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _resnet_loss, (x, y),
+                                 memory_budget=budget, planning=PlanConfig(compile=True, use_cache=False))
+
+    roomy = prepare("1GiB")
+    compiled, eager = roomy.plan.peak_bytes, roomy.plan.metadata["eager_peak_bytes"]
+    with caplog.at_level(logging.WARNING, logger="edgetrain.api"):
+        step = prepare(int((compiled + eager) / 2 / (1 - roomy.margin_share)))
+    assert not step.runs_compiled and step.plan.peak_bytes < compiled
+    why = step.plan.metadata["not_compiled"]
+    assert "A budget of at least" in why and any(why in r.getMessage() for r in caplog.records)
+    named = edgetrain.units.parse_bytes(why.rsplit("A budget of at least ", 1)[1].split(" runs")[0])
+    assert named < compiled * 1.05  # tight: the trial's peak, its slack and the margin
+    assert prepare(named).runs_compiled
 
 
 @pytest.mark.parametrize("options, reason", [({"solver": "recompute_all"}, "recomputes or pages 2 of 2 stages"),
