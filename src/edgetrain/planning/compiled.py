@@ -126,6 +126,7 @@ def compile_step(step: Any, inputs: Any, targets: Any, reason: str | None) -> No
         step.set_plan(plan)
         return
     why = None
+    log.info("compile=True: two compiled trial steps in a fork, the first compiling (seconds to minutes)")
     res = fork.run_in_child(lambda: _trial(step, inputs, targets, shapes)) if fork.available() else None
     if res is None:
         why = ("a compiled trial step could not run in a forked child (fork unavailable, EDGETRAIN_FORK=0, or the "
