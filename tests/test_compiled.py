@@ -137,3 +137,34 @@ def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_
 def test_compile_option_is_checked():
     with pytest.raises(ValueError, match="compile must be True or False"):
         PlanConfig(compile="yes")
+
+
+def test_a_trial_that_compiled_afresh_is_measured_again_from_the_cache(monkeypatch, tmp_path):
+    """The process compiles after its trials, from the compiler's on-disk cache they filled: a trial that
+    missed the cache is run again, and the second, which finds it as the process will, is the one taken."""
+    from edgetrain.planning import compiled as planning_compiled
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    forks = []
+    real = planning_compiled.fork.run_in_child
+
+    def counted(fn):
+        res = real(fn)
+        if fn.__qualname__.startswith("_measure."):  # a compiled trial (not one of the planner's validations)
+            forks.append(res.value[2])  # its cache misses
+        return res
+
+    monkeypatch.setattr(planning_compiled.fork, "run_in_child", counted)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    peaks = []
+    for _ in range(2):
+        model = _resnet()
+        step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _resnet_loss, (x, y),
+                                 memory_budget="1GiB", planning=PlanConfig(compile=True, use_cache=False))
+        assert step.runs_compiled
+        peaks.append(step.plan.peak_bytes)
+    ratios = len(planning_compiled.RATIOS)
+    # first prepare: each setting compiled afresh, then again from the cache; second: from the cache at once
+    assert len(forks) == 3 * ratios and all(m > 0 for m in forks[0:2 * ratios:2])
+    assert all(m == 0 for m in forks[1:2 * ratios:2] + forks[2 * ratios:])
+    assert abs(peaks[0] - peaks[1]) < 2 * MIB

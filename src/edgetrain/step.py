@@ -277,34 +277,37 @@ class TrainStep:
         total_weight = norm.weight(targets, n) if self._plan.micro_batch_size < n else 1.0
         losses: list[tuple[float, float]] = []
         start = size = 0
+        # compiled: the compiler's settings around forward and backward (each compiles at its first run)
+        compiler = self._executor.context() if self.runs_compiled else nullcontext()
         try:
-            while start < n:
-                size = run_micro_batch_sizes(n - start, self._plan.micro_batch_size)[0]  # a budget may change m
-                # the whole batch is not sliced: a process's first slice faults in indexing code (up to 0.6 MiB
-                # of pages, 0.1 MiB on a small transformer that slices itself) plain PyTorch's loop never runs
-                env = dict(env_full) if size == n else {k: slice_batch(v, start, start + size)
-                                                        for k, v in env_full.items()}
-                part = targets if size == n else slice_batch(targets, start, start + size)
-                self._bn.micro_batch()
-                # the output is not held through backward (plain PyTorch's loop frees it once the loss is made)
-                loss = self.loss_fn(self._executor.forward(env), part)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise InputError("loss_fn must return a scalar tensor (the mean loss over the batch it is "
-                                     f"given), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-                weight = total_weight if size == n else norm.weight(part, size)
-                scale = norm.scale(weight, total_weight)
-                if weight or scale:  # a slice whose targets all weigh 0 adds nothing (its mean is 0/0)
-                    with backward_outside_autocast(), (fused.armed() if fused is not None else nullcontext()):
-                        (loss if scale == 1.0 else loss * scale).backward()  # autocast: PyTorch's recipe
-                    losses.append((float(loss.detach()), weight))
-                del loss, env, part
-                start += size
-                if self._pager is not None:
-                    self._pager.reset()  # raises PagingError (e.g. disk full) before the optimizer steps
-                if start < n:
-                    self.budget.poll()  # a budget change re-plans the samples still to run
-            if self.before_optimizer_step is not None:
-                self.before_optimizer_step()
+            with compiler:
+                while start < n:
+                    size = run_micro_batch_sizes(n - start, self._plan.micro_batch_size)[0]  # a budget may change m
+                    # the whole batch is not sliced: a process's first slice faults in indexing code (up to 0.6 MiB
+                    # of pages, 0.1 MiB on a small transformer that slices itself) plain PyTorch's loop never runs
+                    env = dict(env_full) if size == n else {k: slice_batch(v, start, start + size)
+                                                            for k, v in env_full.items()}
+                    part = targets if size == n else slice_batch(targets, start, start + size)
+                    self._bn.micro_batch()
+                    # the output is not held through backward (plain PyTorch's loop frees it once the loss is made)
+                    loss = self.loss_fn(self._executor.forward(env), part)
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                        raise InputError("loss_fn must return a scalar tensor (the mean loss over the batch it is "
+                                         f"given), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+                    weight = total_weight if size == n else norm.weight(part, size)
+                    scale = norm.scale(weight, total_weight)
+                    if weight or scale:  # a slice whose targets all weigh 0 adds nothing (its mean is 0/0)
+                        with backward_outside_autocast(), (fused.armed() if fused is not None else nullcontext()):
+                            (loss if scale == 1.0 else loss * scale).backward()  # autocast: PyTorch's recipe
+                        losses.append((float(loss.detach()), weight))
+                    del loss, env, part
+                    start += size
+                    if self._pager is not None:
+                        self._pager.reset()  # raises PagingError (e.g. disk full) before the optimizer steps
+                    if start < n:
+                        self.budget.poll()  # a budget change re-plans the samples still to run
+                if self.before_optimizer_step is not None:
+                    self.before_optimizer_step()
         except BaseException as e:
             self._bn.abort()
             self.optimizer.zero_grad(set_to_none=True)
