@@ -168,3 +168,37 @@ def test_a_trial_that_compiled_afresh_is_measured_again_from_the_cache(monkeypat
     assert len(forks) == 3 * ratios and all(m > 0 for m in forks[0:2 * ratios:2])
     assert all(m == 0 for m in forks[1:2 * ratios:2] + forks[2 * ratios:])
     assert abs(peaks[0] - peaks[1]) < 2 * MIB
+
+
+class _Scaled(torch.nn.Module):
+    """A model whose forward reads a plain attribute (a temperature annealed by assignment)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.body(x) / self.temperature
+
+
+def test_an_attribute_changed_after_compiling_runs_the_step_eagerly_from_then_on(caplog):
+    torch.manual_seed(0)
+    model = _Scaled()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, (x, y),
+                             memory_budget="1GiB", planning=PlanConfig(compile=True, use_cache=False))
+    ref = edgetrain.prepare(eager, torch.optim.SGD(eager.parameters(), lr=0.1), F.cross_entropy, (x, y),
+                            memory_budget="1GiB", planning=PlanConfig(use_cache=False))
+    assert step.runs_compiled
+    assert step(x, y) == pytest.approx(ref(x, y), rel=1e-5)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model.temperature = eager.temperature = 2.0
+    with caplog.at_level(logging.WARNING, logger="edgetrain.api"):
+        assert step(x, y) == pytest.approx(ref(x, y), rel=1e-5)
+    assert not step.runs_compiled and step.compiled is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+    assert step.plan.peak_bytes == step.plan.metadata["eager_peak_bytes"]
+    assert any("temperature" in r.getMessage() and "runs eagerly" in r.getMessage() for r in caplog.records)
+    _close(model, eager)

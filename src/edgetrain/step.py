@@ -175,19 +175,29 @@ class TrainStep:
                              f"model traced again is cut otherwise ({len(chain)} {chain.method} stages, not "
                              f"{len(self._chain)}): the plan no longer fits it. Call edgetrain.prepare again.")
         self._chain = chain
-        if self.compiled is not None:  # compiled code would compile again for the new values, unmeasured
-            log.warning("model attribute(s) %s changed since the step was compiled: it runs eagerly from now on",
-                        ", ".join(changed))
-            self.compiled = None
-            self._plan = self._plan.replace(peak_bytes=self._plan.metadata.get("eager_peak_bytes",
-                                                                               self._plan.peak_bytes),
-                                            metadata={**self._plan.metadata, "compiled": False})
         self._executor = self._make_executor(self._plan)
         if not self._retraced:
             log.warning("model attribute(s) %s changed since the model was traced: traced again (%.0f ms), and again "
                         "whenever they change, so that the step computes with the values set",
                         ", ".join(changed), 1e3 * (time.perf_counter() - t0))
         self._retraced = True
+
+    def _uncompile_if_changed(self) -> None:
+        """Run eagerly from now on where a plain attribute of the model changed since it was compiled: its compiled
+        code would compile again for the new value, and that compile's memory was never measured."""
+        c = self.compiled
+        if c is None:
+            return
+        now = attribute_key(self.model)
+        if now == c.attributes:
+            return
+        log.warning("model attribute(s) %s changed since the step was compiled: it runs eagerly from now on (its "
+                    "compiled code would compile again, unmeasured)", ", ".join(changed_attributes(c.attributes, now)))
+        self.compiled = None
+        meta = self._plan.metadata
+        self.set_plan(self._plan.replace(peak_bytes=meta.get("eager_peak_bytes", self._plan.peak_bytes),
+                                         metadata={**meta, "compiled": False,
+                                                   "not_compiled": "model attributes changed after compiling"}))
 
     @property
     def budget_source(self) -> Callable[[], int | str | None] | None:
@@ -215,6 +225,7 @@ class TrainStep:
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
         self._retrace_if_changed()
+        self._uncompile_if_changed()
         check_autocast(self._autocast)
         if self.budget_bytes is not None and self.elastic is None:  # elastic selection sets its own flags
             check_trainable(self.model, self._trainable, self.budget_bytes)

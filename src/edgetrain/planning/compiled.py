@@ -28,6 +28,7 @@ from ..profile import fork
 from ..runtime.compiled import CompiledExecutor, compiled_forward, shape_key
 from ..units import format_bytes
 from .budgets import budget_for
+from .guards import attribute_key
 
 __all__ = ["CompiledStep", "why_not_compiled", "compile_step"]
 
@@ -56,12 +57,16 @@ class CompiledStep:
             no budget).
         micro_batch_size: the plan's micro-batch size it was measured with.
         shapes: :func:`~edgetrain.runtime.compiled.shape_key` of each micro-batch the trial ran.
+        ratio: the ``activation_memory_budget`` it was measured at (None: PyTorch's default).
     """
 
     def __init__(self, module: Any, peak_bytes: int | None, micro_batch_size: int,
                  shapes: set[tuple[Any, ...]], ratio: float | None = None) -> None:
         self.module = module
         self.ratio = ratio
+        #: the model's plain attributes when compiled (:func:`~edgetrain.planning.guards.attribute_key`): a change
+        #: would compile again, unmeasured, and the step then runs eagerly
+        self.attributes = attribute_key(module._orig_mod)
         self.peak_bytes = peak_bytes
         self.micro_batch_size = micro_batch_size
         self.shapes = shapes
