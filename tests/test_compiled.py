@@ -88,8 +88,9 @@ def test_a_compiled_trial_over_the_budget_runs_eagerly_naming_the_budget_that_ru
     why = step.plan.metadata["not_compiled"]
     assert "A budget of at least" in why and any(why in r.getMessage() for r in caplog.records)
     named = edgetrain.units.parse_bytes(why.rsplit("A budget of at least ", 1)[1].split(" runs")[0])
-    assert named < compiled * 1.05  # tight: the trial's peak, its slack and the margin
-    assert prepare(named).runs_compiled
+    assert named < compiled * 1.1  # the trial's peak, the margin and 5% for a retry, as a BudgetError names one
+    again = prepare(named)
+    assert again.runs_compiled, again.plan.metadata.get("not_compiled")
 
 
 @pytest.mark.parametrize("options, reason", [({"solver": "recompute_all"}, "recomputes or pages 2 of 2 stages"),
@@ -126,12 +127,38 @@ def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_
     ref = edgetrain.prepare(eager, torch.optim.Adam(eager.parameters(), lr=1e-3), loss, (ids, y),
                             memory_budget="1GiB", planning=PlanConfig(micro_batch_size=4, use_cache=False))
     assert step.runs_compiled and step.plan.micro_batch_size == 4
+    # PyTorch's default setting only: below it the compiled backward's partitioner redrew the dropout masks
+    assert step.plan.metadata["compiled_ratio"] is None
+    assert step.plan.metadata["compile_trials"].count("peak") == 1
     for seed in (5, 6):
         torch.manual_seed(seed)
         got = step(ids, y)
         torch.manual_seed(seed)
         assert got == pytest.approx(ref(ids, y), rel=1e-4)
     _close(model, eager)
+
+
+def test_a_compiled_step_that_would_train_otherwise_than_the_eager_step_is_refused(monkeypatch, caplog):
+    """Below PyTorch's default setting the compiled backward of a BERT with dropout drew other masks than the eager
+    step: forced to that setting, the check that compares one compiled step with one eager step refuses it."""
+    from edgetrain.planning import compiled as planning_compiled
+
+    monkeypatch.setattr(planning_compiled, "RATIOS", (0.5,))
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, num_labels=3,
+                                  hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg).train()
+    g = torch.Generator().manual_seed(2)
+    ids, y = torch.randint(0, 64, (8, 12), generator=g), torch.randint(0, 3, (8,), generator=g)
+    with caplog.at_level(logging.WARNING, logger="edgetrain.api"):
+        step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 lambda out, t: F.cross_entropy(out.logits, t), (ids, y), memory_budget="1GiB",
+                                 planning=PlanConfig(compile=True, use_cache=False))
+    assert not step.runs_compiled
+    why = step.plan.metadata["not_compiled"]
+    assert "did not train as the eager step does" in why and "activation_memory_budget 0.5" in why
+    assert any(why in r.getMessage() for r in caplog.records)
 
 
 def test_compile_option_is_checked():
