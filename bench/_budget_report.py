@@ -181,10 +181,10 @@ def budget_table(rep: ModelReport) -> Table:
                        "and edgetrain re-measured in turn at each budget where both fit); peak MiB: the largest.")
     if EDGE_COMPILED in rep.methods():
         t.notes.append(f"{EDGE_COMPILED}: prepare(planning=PlanConfig(compile=True)): the step runs as torch.compile "
-                       "code where the plan keeps everything and two compiled steps measured in a fork (compiling "
-                       "included) fit the budget; elsewhere it runs the eager plan, the config saying why. Its peak "
-                       "is the whole process's, the compiling step's included (torch.compile's rows leave that step "
-                       "out).")
+                       "code where the plan keeps everything and compiled trial steps measured in a fork (compiling "
+                       "included) fit the budget, at the faster of two compiler settings; elsewhere it runs the "
+                       "eager plan, the config saying why. Its peak is the whole process's, the compiling step's "
+                       "included (torch.compile's rows leave that step out).")
     if EDGE_MBN in rep.methods():
         t.notes.append(f"{EDGE_MBN}: prepare(exact_batchnorm=False), free to micro-batch BatchNorm layers as plain's "
                        "and checkpoint_sequential's gradient accumulation do (each micro-batch normalised with its "

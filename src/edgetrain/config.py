@@ -65,9 +65,10 @@ class PlanConfig:
             reads or clips gradients before the update, e.g. ``Trainer``'s ``grad_clip_norm``, needs this).
         compile: opt-in: run the step's forward and backward as ``torch.compile`` (TorchInductor) code where
             the plan keeps every activation (the batch in one piece, or micro-batches of a model without
-            BatchNorm), after two compiled steps in a fork measured a peak, compiler and code included, that fits
-            the budget; the step runs eagerly otherwise, with a warning saying why. Results equal the eager
-            step's up to floating-point rounding; the first step compiles (seconds to minutes).
+            BatchNorm), at the fastest compiler setting whose compiled trial steps, measured in a fork with the
+            compiler and its code, fit the budget, and whose step agreed with the eager step in a check; the step
+            runs eagerly otherwise, with a warning saying why. Results equal the eager step's up to floating-point
+            rounding; prepare and the first step compile (seconds to minutes).
     """
 
     micro_batch_size: int | None = None
