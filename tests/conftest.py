@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -7,6 +10,14 @@ import torch
 
 # Profiles measured by one test must not leak into another through the on-disk cache.
 os.environ.setdefault("EDGETRAIN_NO_CACHE", "1")
+
+# TorchInductor's on-disk cache (compile=True tests) is one directory per test process: a process running compiled
+# code from the shared default cache while another process compiled the same kernel into it crashed (SIGSEGV in
+# the generated code, once in a `make test` with two workers).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR_DIR = tempfile.mkdtemp(prefix="edgetrain-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_DIR
+    atexit.register(shutil.rmtree, _INDUCTOR_DIR, ignore_errors=True)
 
 # Under pytest-xdist (`make test` runs one worker per core) each worker gets its share of the cores, and so do
 # the fresh processes tests start (OMP_NUM_THREADS): workers that each start a thread per core oversubscribe
