@@ -10,6 +10,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from _common import ModelSpec, Table, mib, rate, ratio, render, secs
 
@@ -195,6 +196,38 @@ def budget_table(rep: ModelReport) -> Table:
                        "gradient is complete and frees it (PlanConfig(fused_update=\"auto\"), the default; the "
                        "same update as one optimizer.step()).")
     return t
+
+
+def _compiled_note(meta: dict[str, Any]) -> str:
+    """What compile=True did: compiled (and the eager plan's peak), or why not, shortened."""
+    if meta.get("compiled") is True:
+        return f", compiled (eager plan {mib(meta.get('eager_peak_bytes', 0))} MiB)"
+    if meta.get("compiled") is False:
+        why = meta.get("not_compiled", "")
+        if "compiled_peak_bytes" in meta:
+            return f", eager: compiled trial {mib(meta['compiled_peak_bytes'])} MiB over budget"
+        return ", eager: " + ("plan recomputes" if "recomputes" in why else "BN split" if "BatchNorm" in why
+                              else why[:60])
+    return ""
+
+
+def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int, method: str = "edgetrain") -> Entry:
+    """The table entry of one edgetrain job (a BudgetError is an entry, not a failure of the bench)."""
+    e = Entry(method, budget, batch_size, result=r)
+    if r.ok and r.plan:
+        rec = sum(p == "recompute" for p in r.plan.get("policies", ()))
+        sel = sum(p.startswith("selective:") for p in r.plan.get("policies", ()))
+        e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp" \
+            + (f", {sel} selective" if sel else "") \
+            + (", update in backward" if "optimizer_update_fused" in r.plan.get("metadata", {}) else "") \
+            + _compiled_note(r.plan.get("metadata", {}))
+    elif r.error_type == "BudgetError":
+        e.note = f"infeasible, min {mib(r.min_feasible_bytes)} MiB"
+        if r.peak_bytes > budget:  # prepare() must stay inside the budget even when it gives up
+            e.note += f"; prepare peaked at {mib(r.peak_bytes)} MiB, over the budget"
+    elif not r.ok:
+        e.note = f"failed: {r.error_type}"
+    return e
 
 
 def versus_line(rep: ModelReport, method: str = "edgetrain", against: str = "checkpoint_sequential") -> str:

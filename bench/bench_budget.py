@@ -46,8 +46,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: tests and --replay read them here)
     CLAIM_FRACTION, COMPILE, EDGE_COMPILED, EDGE_MBN, Claim, Entry, MaxBatchReport, ModelReport, budget_table,
-    build_report, claims_table, compile_table, fits, maxbatch_table, plans_table, reference_table, versus_line,
-    versus_lines,
+    build_report, claims_table, compile_table, edgetrain_entry, fits, maxbatch_table, plans_table, reference_table,
+    versus_line, versus_lines,
 )
 from _budget_search import (  # noqa: E402,F401  (re-exported: tests read them here)
     compile_best, compile_next_ratio, fastest_fitting, hopeless, largest_fitting, max_batch_search,
@@ -329,38 +329,6 @@ def bench_compile(spec: ModelSpec, s: Settings, run: Runner, rep: ModelReport) -
             e.result = runs[best]
             e.config = f"ratio={best:g}" + (f" (over at {over} MiB)" if over else "")
         rep.entries[(frac, COMPILE)] = e
-
-
-def _compiled_note(meta: dict[str, Any]) -> str:
-    """What compile=True did: compiled (and the eager plan's peak), or why not, shortened."""
-    if meta.get("compiled") is True:
-        return f", compiled (eager plan {mib(meta.get('eager_peak_bytes', 0))} MiB)"
-    if meta.get("compiled") is False:
-        why = meta.get("not_compiled", "")
-        if "compiled_peak_bytes" in meta:
-            return f", eager: compiled trial {mib(meta['compiled_peak_bytes'])} MiB over budget"
-        return ", eager: " + ("plan recomputes" if "recomputes" in why else "BN split" if "BatchNorm" in why
-                              else why[:60])
-    return ""
-
-
-def edgetrain_entry(r: JobResult, budget: int, batch_size: int, n_stages: int, method: str = "edgetrain") -> Entry:
-    """The table entry of one edgetrain job (a BudgetError is an entry, not a failure of the bench)."""
-    e = Entry(method, budget, batch_size, result=r)
-    if r.ok and r.plan:
-        rec = sum(p == "recompute" for p in r.plan.get("policies", ()))
-        sel = sum(p.startswith("selective:") for p in r.plan.get("policies", ()))
-        e.config = f"mb={r.plan.get('micro_batch_size')}, {rec}/{len(r.plan.get('policies', ())) or n_stages} recomp" \
-            + (f", {sel} selective" if sel else "") \
-            + (", update in backward" if "optimizer_update_fused" in r.plan.get("metadata", {}) else "") \
-            + _compiled_note(r.plan.get("metadata", {}))
-    elif r.error_type == "BudgetError":
-        e.note = f"infeasible, min {mib(r.min_feasible_bytes)} MiB"
-        if r.peak_bytes > budget:  # prepare() must stay inside the budget even when it gives up
-            e.note += f"; prepare peaked at {mib(r.peak_bytes)} MiB, over the budget"
-    elif not r.ok:
-        e.note = f"failed: {r.error_type}"
-    return e
 
 
 def bench_maxbatch(s: Settings, run: Runner, reports: Sequence[ModelReport]) -> MaxBatchReport:
