@@ -9,6 +9,7 @@ from _models import convnet, mlp
 from torch import nn
 
 import edgetrain
+from edgetrain.runtime.batchnorm import FullBatchStats
 
 
 def plain_step(model, opt, loss_fn, x, y, seed):
@@ -136,28 +137,31 @@ class SharedBatchNorm(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
-@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
-def test_shared_batchnorm_micro_batched_gets_one_update_per_call(solver):
+@pytest.mark.parametrize("solver,micro", [("no_saving", 4), ("recompute_all", 4), ("no_saving", 1),
+                                          ("recompute_all", 3)])
+def test_shared_batchnorm_micro_batched_gets_one_update_per_call(solver, micro):
     """A layer called twice per forward: each call's statistics are combined over the micro-batches on their
     own and applied in call order, as a full-batch forward would (before: the calls were merged into one
-    update, and num_batches_tracked counted one)."""
+    update, and num_batches_tracked counted one). Micro-batches of one (12 of them, 24 calls) and of three
+    (an odd count of rows) overflow the layer's scratch rows, which are then folded into totals and reused."""
     torch.manual_seed(0)
     model = SharedBatchNorm()
     ref = copy.deepcopy(model)
     x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 5, (12,))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with pytest.warns(UserWarning, match="micro-batch"):
-        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), solver=solver, micro_batch_size=4)
-    assert step.plan.bn_micro_batched
+        step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y), solver=solver, micro_batch_size=micro)
+    assert step.plan.bn_micro_batched and step.plan.micro_batch_size == micro
     seen = []  # per micro-batch: call 1's input, call 2's input (no replay: the reference runs plain)
     hook = ref.bn.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
     with torch.no_grad():
-        for i in range(0, 12, 4):
+        for i in range(0, 12, micro):
             ref.bn.momentum = 0.0  # the reference only collects the inputs each call sees
-            ref(x[i:i + 4])
+            ref(x[i:i + micro])
     hook.remove()
     bn = model.bn
     step(x, y)
+    assert step._bn._scratch[id(bn)].shape[0] <= FullBatchStats.ROWS
     mean, var = ref.bn.running_mean.clone(), ref.bn.running_var.clone()
     for call in (0, 1):
         inp = torch.cat(seen[call::2])

@@ -25,7 +25,7 @@ from .planning.holding import fusing_fields, state_paging_fields
 from .planning.budgets import safety_margin_bytes
 from .planning.threads import train_here
 from .planning.guards import (check_materialized, check_optimizer, draws_random, example_copy, loss_norm_safely,
-                              mark_micro_batched)
+                              mark_micro_batched, one_sample_trains)
 from .profile import memory
 from .profile.fork import analyse_safely
 from .profile.stages import optimizer_costs
@@ -131,7 +131,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             inputs = example_copy(model, inputs, loss_norm.written_inputs)
             env = bind_inputs(model, inputs)
         has_bn = any(m.training for _, m in batchnorm_modules(model))
-        min_micro = 2 if has_bn and batch >= 2 else 1
+        # BatchNorm in training refuses one value per channel (after a global pooling): micro-batches of two then
+        min_micro = 2 if has_bn and batch >= 2 and not one_sample_trains(model, env) else 1
         solver_kw: dict[str, Any] = {}
         pager = None
         page_dir = None

@@ -12,6 +12,8 @@
 * :func:`attribute_key`: the plain attributes traced code froze (a temperature, a tensor set from outside),
   so that a step re-traces the model once one changes rather than train with the old value.
 * :func:`loss_norm_safely`: how the loss normalises (:mod:`edgetrain.planning.loss`), found in a forked child.
+* :func:`one_sample_trains`: whether a micro-batch of one sample trains (BatchNorm after a global pooling
+  refuses it), so that the planner may go down to one.
 * :func:`draws_random`: whether the forward draws random numbers (dropout): micro-batches then draw their
   own, as gradient accumulation does, and a split step is not bit for bit one full-batch step.
 """
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from typing import Any, Callable
 
@@ -31,9 +34,12 @@ from ..errors import InputError
 from ..units import format_bytes
 from .loss import LossNorm, loss_normalisation
 
+log = logging.getLogger("edgetrain.api")
+
 __all__ = ["model_key", "describe_change", "attribute_key", "changed_attributes", "check_optimizer",
            "check_materialized", "check_trainable", "check_autocast", "check_constants", "loss_norm_safely",
-           "draws_random", "mark_micro_batched", "example_copy", "raise_for_one_sample", "RANDOM_MICRO_BATCH_NOTE"]
+           "draws_random", "mark_micro_batched", "example_copy", "raise_for_one_sample", "one_sample_trains",
+           "RANDOM_MICRO_BATCH_NOTE"]
 
 #: The plan note (and warning) for a split batch whose forward draws random numbers.
 RANDOM_MICRO_BATCH_NOTE = ("the forward draws random numbers (dropout, noise): each micro-batch draws its own, "
@@ -247,6 +253,37 @@ def _draws_random(model: nn.Module, env: dict[str, Any], call_kwargs: dict[str, 
     return any(not torch.equal(a, b) if isinstance(a, torch.Tensor) else
                any(not torch.equal(x, y) for x, y in zip(a, b))  # type: ignore[arg-type]
                for a, b in ((before[k], after[k]) for k in before))
+
+
+def one_sample_trains(model: nn.Module, env: dict[str, Any]) -> bool:
+    """Whether a training-mode forward of ``model`` runs on one sample of ``env`` (BatchNorm in training refuses
+    a single value per channel, as after a global pooling; over spatial maps one sample has many).
+
+    Runs without gradients in a forked child where possible (a forward at a shape no step uses loads kernels
+    that would stay resident here); here, buffers and generators are put back.
+    """
+    from ..profile import fork as _fork
+
+    if _fork.available():
+        res = _fork.run_in_child(lambda: _one_sample_trains(model, env))
+        if res is not None and res.error is None and res.value is not None:
+            return bool(res.value)
+    return _one_sample_trains(model, env)
+
+
+def _one_sample_trains(model: nn.Module, env: dict[str, Any]) -> bool:
+    from .._state import preserved_model_state
+    from ..batch import slice_batch
+
+    part = {k: slice_batch(v, 0, 1) for k, v in env.items()}
+    with preserved_model_state(model, grads=False), torch.no_grad():
+        try:
+            model(**part)
+        except Exception as e:  # noqa: BLE001 - any failure means: never plan a micro-batch of one
+            log.info("a training-mode forward on one sample raised %s: %s; micro-batches of at least 2",
+                     type(e).__name__, e)
+            return False
+    return True
 
 
 def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool = False) -> Any:

@@ -17,8 +17,9 @@ Two problems, two mechanisms:
   and would update running statistics once per micro-batch (pytorch#46516). :class:`FullBatchStats`
   accumulates, per channel, the count, mean and squared deviations of every BatchNorm input over the
   logical batch (the statistics the BatchNorm kernel computes, written to one scratch row per micro-batch,
-  see :meth:`FullBatchStats._hook`; combined once per step in float64 by Chan et al.'s formula), and at the end
-  of the step sets the running statistics to exactly what one
+  see :meth:`FullBatchStats._hook`; combined in float64 by Chan et al.'s formula, once per step or, past
+  :attr:`FullBatchStats.ROWS` micro-batches, every that many), and at the end of the step sets the running
+  statistics to exactly what one
   full-batch forward would have set: ``running = (1 - momentum) * running + momentum * stat`` with the
   unbiased full-batch variance, and ``num_batches_tracked`` advanced once.
 """
@@ -129,6 +130,9 @@ class FullBatchStats:
     #: its forward hooks keep no reference to a layer's output (the graph rewrite may then let a reader
     #: write over that output, :mod:`edgetrain.capture.rewrite`)
     keeps_outputs = False
+    #: scratch rows a layer keeps: past them, the rows written are folded into float64 totals and reused (a row
+    #: per micro-batch took MobileNetV2 at 64x64, micro-batches of one, 4.4 MiB beside plain PyTorch's 61.6 MiB)
+    ROWS = 8
 
     def __init__(self, model: nn.Module) -> None:
         self.bns = [m for _, m in batchnorm_modules(model)]
@@ -142,6 +146,8 @@ class FullBatchStats:
         # few channels per row each cost more in allocator and object overhead than their data (MobileNetV2, 16
         # micro-batches: 3.9 MiB resident as 1,664 tensors, 2.1 MiB of it data)
         self._scratch: dict[int, torch.Tensor] = {}
+        # per layer and call slot: (count, mean, sum of squared deviations) of the rows folded so far this step
+        self._folded: dict[int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._swapped: dict[int, tuple[Any, ...]] = {}
         self._micro_batches = 1  # in the step begun: how many rows a layer's first call allocates
         self._handles = [b.register_forward_pre_hook(self._hook) for b in self.bns]
@@ -173,10 +179,13 @@ class FullBatchStats:
         rows = self._scratch.get(key)
         counts = self._acc.setdefault(key, [])
         k = len(counts)
-        if rows is None or k == rows.shape[0]:  # the rows are kept: only a step's first run (or more micro-batches)
+        if rows is not None and k == rows.shape[0] >= self.ROWS:  # full: fold the rows into the totals, reuse them
+            self._fold(key)
+            counts, k = self._acc[key], 0
+        elif rows is None or k == rows.shape[0]:  # the rows are kept: only a step's first run (or more micro-batches)
             # allocates them, all at once (grown a row at a time, the freed smaller tensors fragmented the heap: 1.3
             # MiB for MobileNetV2's 16 micro-batches); a layer called more than once per forward grows again
-            size = self._micro_batches if k < self._micro_batches else k + self._micro_batches
+            size = min(self.ROWS, self._micro_batches if k < self._micro_batches else k + self._micro_batches)
             new = torch.empty((size, 2, *mod.running_mean.shape),
                               dtype=mod.running_mean.dtype, device=mod.running_mean.device)
             new[:, 0] = 0  # momentum 1 multiplies the old value by 0: never leave NaN there
@@ -204,17 +213,25 @@ class FullBatchStats:
 
     def _combined(self, mod: _BN) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per call of the layer in one forward (one for a layer that is not shared), in call order:
-        (count, mean, sum of squared deviations) over the step's micro-batches, in float64.
+        (count, mean, sum of squared deviations) over the step's micro-batches, in float64."""
+        key = id(mod)
+        totals = dict(self._folded.get(key, {}))
+        for j, part in self._rows_combined(key).items():
+            totals[j] = _merge(totals[j], part) if j in totals else part
+        return [totals[j] for j in sorted(totals)]
+
+    def _rows_combined(self, key: int) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per call slot, the statistics of the layer's rows written since the last fold.
 
         Chan et al.'s combination of per-group statistics, for all groups at once:
         ``mean = sum(n_k mean_k) / N``, ``M2 = sum((n_k - 1) var_k) + sum(n_k (mean_k - mean)^2)``.
         """
-        counts = self._acc.get(id(mod))
+        counts = self._acc.get(key)
         if not counts:
-            return []
-        rows = self._scratch[id(mod)][:len(counts)]
-        slots = self._slot[id(mod)]
-        out = []
+            return {}
+        rows = self._scratch[key][:len(counts)]
+        slots = self._slot[key]
+        out = {}
         for j in sorted(set(slots)):
             mine = [k for k, s in enumerate(slots) if s == j]
             means = rows[mine, 0].to(torch.float64)
@@ -223,8 +240,16 @@ class FullBatchStats:
             total = int(n_k.sum().item())
             mean = (n_k * means).sum(0) / total
             m2 = ((n_k - 1).clamp_min(0) * variances).sum(0) + (n_k * (means - mean) ** 2).sum(0)
-            out.append((total, mean, m2))
+            out[j] = (total, mean, m2)
         return out
+
+    def _fold(self, key: int) -> None:
+        """Fold the layer's rows written so far into its totals and free them for the next micro-batches."""
+        totals = self._folded.setdefault(key, {})
+        with torch.no_grad():
+            for j, part in self._rows_combined(key).items():
+                totals[j] = _merge(totals[j], part) if j in totals else part
+        self._acc[key], self._slot[key] = [], []
 
     def micro_batch(self) -> None:
         """Before each micro-batch's forward: count each layer's calls from the first again."""
@@ -235,7 +260,7 @@ class FullBatchStats:
         ``micro_batches`` micro-batches."""
         self._active = accumulate
         self._micro_batches = max(1, micro_batches)
-        self._acc, self._slot, self._calls = {}, {}, {}
+        self._acc, self._slot, self._calls, self._folded = {}, {}, {}, {}
         self._snap = {id(b): (None if b.running_mean is None else b.running_mean.clone(),
                               None if b.running_var is None else b.running_var.clone(),
                               None if b.num_batches_tracked is None else b.num_batches_tracked.clone())
@@ -257,7 +282,7 @@ class FullBatchStats:
                 b._buffers["running_mean"], b._buffers["running_var"], b.momentum = swapped
         self._restore()
         self._active = False
-        self._acc, self._slot, self._calls = {}, {}, {}
+        self._acc, self._slot, self._calls, self._folded = {}, {}, {}, {}
 
     def _restore(self) -> None:
         with torch.no_grad():
@@ -291,4 +316,13 @@ class FullBatchStats:
                     if b.running_var is not None:
                         b.running_var.mul_(1 - momentum).add_(var.to(b.running_var.dtype), alpha=momentum)
         self._active = False
-        self._acc, self._slot, self._calls = {}, {}, {}
+        self._acc, self._slot, self._calls, self._folded = {}, {}, {}, {}
+
+
+def _merge(a: tuple[int, torch.Tensor, torch.Tensor],
+           b: tuple[int, torch.Tensor, torch.Tensor]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Chan et al.'s combination of two groups' (count, mean, sum of squared deviations)."""
+    (na, ma, m2a), (nb, mb, m2b) = a, b
+    n = na + nb
+    d = mb - ma
+    return n, ma + d * (nb / n), m2a + m2b + d * d * (na * nb / n)
