@@ -158,14 +158,11 @@ class TrainStep:
         """Whether the plan in force runs compiled (``PlanConfig(compile=True)`` and a plan it fits)."""
         return isinstance(self._executor, CompiledExecutor)
 
-    def _retrace_if_changed(self) -> None:
+    def _retrace_if_changed(self, now: Any) -> None:
         """Re-trace the model where a plain attribute its traced code froze has changed since the capture (a
         temperature annealed by assignment, a mask tensor replaced), so the step computes with the new value;
-        the plan stays (the same stages, the same costs)."""
-        if self._traced_attributes is None:
-            return
-        now = attribute_key(self.model)
-        if now == self._traced_attributes:
+        the plan stays (the same stages, the same costs). ``now``: the model's attribute key now."""
+        if self._traced_attributes is None or now == self._traced_attributes:
             return
         changed = changed_attributes(self._traced_attributes, now)
         t0 = time.perf_counter()
@@ -182,14 +179,11 @@ class TrainStep:
                         ", ".join(changed), 1e3 * (time.perf_counter() - t0))
         self._retraced = True
 
-    def _uncompile_if_changed(self) -> None:
+    def _uncompile_if_changed(self, now: Any) -> None:
         """Run eagerly from now on where a plain attribute of the model changed since it was compiled: its compiled
         code would compile again for the new value, and that compile's memory was never measured."""
         c = self.compiled
-        if c is None:
-            return
-        now = attribute_key(self.model)
-        if now == c.attributes:
+        if c is None or now == c.attributes:
             return
         log.warning("model attribute(s) %s changed since the step was compiled: it runs eagerly from now on (its "
                     "compiled code would compile again, unmeasured)", ", ".join(changed_attributes(c.attributes, now)))
@@ -224,8 +218,10 @@ class TrainStep:
                              "The prepared step runs the model as it was captured; put it back as it was "
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
-        self._retrace_if_changed()
-        self._uncompile_if_changed()
+        if self._traced_attributes is not None or self.compiled is not None:
+            now = attribute_key(self.model)  # once a step: it walks every module
+            self._retrace_if_changed(now)
+            self._uncompile_if_changed(now)
         check_autocast(self._autocast)
         if self.budget_bytes is not None and self.elastic is None:  # elastic selection sets its own flags
             check_trainable(self.model, self._trainable, self.budget_bytes)

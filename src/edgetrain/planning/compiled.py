@@ -133,12 +133,17 @@ def _cache_misses() -> int:
     return counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
 
 
+def _run_compiled(step: Any, shapes: set[tuple[Any, ...]], ratio: float | None) -> None:
+    """In a fork: let ``step`` run its model compiled at ``ratio`` for ``shapes``, its eager executor under it."""
+    step._executor = CompiledExecutor(step.model, compiled_forward(step.model), shapes, step._executor, ratio)
+
+
 def _trial(step: Any, inputs: Any, targets: Any, shapes: set[tuple[Any, ...]],
            ratio: float | None) -> tuple[float, float, int]:
     """In a fork: run the step compiled. Returns the first step's seconds (compiling included), the fastest
     later step's, and how many of the compiler's on-disk cache lookups missed."""
     missed = _cache_misses()
-    step._executor = CompiledExecutor(step.model, compiled_forward(step.model), shapes, step._executor, ratio)
+    _run_compiled(step, shapes, ratio)
     times = []
     for _ in range(TRIAL_STEPS):
         t = time.perf_counter()
@@ -163,7 +168,7 @@ def _disagreement(step: Any, inputs: Any, targets: Any, shapes: set[tuple[Any, .
     opt.load_state_dict(opt_state)
     set_rng_state(rng)
     set_host_rng_state(host)
-    step._executor = CompiledExecutor(model, compiled_forward(model), shapes, step._executor, ratio)
+    _run_compiled(step, shapes, ratio)
     losses.append(step(inputs, targets))
     if abs(losses[1] - losses[0]) > LOSS_RTOL * max(abs(losses[0]), 1e-6):
         return f"loss {losses[1]:.7g} against {losses[0]:.7g}"

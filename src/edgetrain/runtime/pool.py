@@ -147,9 +147,14 @@ def installed() -> bool:
     return _INSTALLED
 
 
+#: one array type for every stats() call: ``ctypes.c_int64 * 7`` makes a new type, a reference cycle, each time
+#: (a few KiB a step that only the collector's rare full passes freed)
+_Stats = ctypes.c_int64 * 7
+
+
 def stats() -> PoolStats:
     """The pool's counters (all zero when it is not installed)."""
-    buf = (ctypes.c_int64 * 7)()
+    buf = _Stats()
     if _LIB is not None:
         _LIB.et_pool_stats(buf)
     return PoolStats(*(int(v) for v in buf))
