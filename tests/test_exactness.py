@@ -300,3 +300,42 @@ def test_micro_batched_dropout_says_it_is_gradient_accumulation_not_one_full_bat
     model = mlp(d_in=16, dropout=0.3)
     whole = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y))
     assert whole.plan.num_micro_batches == 1 and not whole.plan.notes
+
+
+class PropertyMomentumBN(nn.BatchNorm2d):
+    """A BatchNorm whose momentum is a property over another attribute: the step must set it through the
+    property (a value put in the instance's __dict__ would be shadowed, and the statistics silently wrong)."""
+
+    @property
+    def momentum(self) -> float:
+        return self._mom
+
+    @momentum.setter
+    def momentum(self, value: float) -> None:
+        self.__dict__["_mom"] = value
+
+
+def test_batchnorm_momentum_set_through_a_property_when_micro_batched():
+    def build(bn):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3), bn(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(8, 5))
+
+    plain_bn = build(nn.BatchNorm2d)
+    prop_bn = build(PropertyMomentumBN)
+    prop_bn[1].momentum = 0.1
+    prop_bn.load_state_dict(plain_bn.state_dict())
+    x, y = torch.randn(20, 3, 8, 8), torch.randint(0, 5, (20,))
+    for model in (plain_bn, prop_bn):  # 20 micro-batches of one: the scratch rows are folded twice
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with pytest.warns(UserWarning, match="micro-batch"):
+            step = edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), (x, y),
+                                     planning=edgetrain.PlanConfig(micro_batch_size=1))
+        step(x, y)
+    assert prop_bn[1].momentum == 0.1 and "momentum" not in prop_bn[1].__dict__
+    torch.testing.assert_close(prop_bn[1].running_mean, plain_bn[1].running_mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(prop_bn[1].running_var, plain_bn[1].running_var, rtol=1e-6, atol=1e-7)
+    ref = build(nn.BatchNorm2d)  # and both are one full-batch forward's update
+    ref.train()(x)
+    torch.testing.assert_close(plain_bn[1].running_mean, ref[1].running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain_bn[1].running_var, ref[1].running_var, rtol=1e-5, atol=1e-6)

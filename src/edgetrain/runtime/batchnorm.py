@@ -146,6 +146,7 @@ class FullBatchStats:
         # few channels per row each cost more in allocator and object overhead than their data (MobileNetV2, 16
         # micro-batches: 3.9 MiB resident as 1,664 tensors, 2.1 MiB of it data)
         self._scratch: dict[int, torch.Tensor] = {}
+        self._views: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # per layer: its rows' (mean, variance) views
         # per layer and call slot: (count, mean, sum of squared deviations) of the rows folded so far this step
         self._folded: dict[int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._swapped: dict[int, tuple[Any, ...]] = {}
@@ -173,7 +174,9 @@ class FullBatchStats:
         """
         if not self._active or self.recomputing or not mod.training:
             return
-        if mod.running_mean is None or mod.running_var is None:
+        buffers = mod._buffers  # direct: nn.Module's __getattr__ / __setattr__ cost more than the swap itself
+        mean_buf, var_buf = buffers.get("running_mean"), buffers.get("running_var")
+        if mean_buf is None or var_buf is None:
             return
         key = id(mod)
         rows = self._scratch.get(key)
@@ -186,30 +189,30 @@ class FullBatchStats:
             # allocates them, all at once (grown a row at a time, the freed smaller tensors fragmented the heap: 1.3
             # MiB for MobileNetV2's 16 micro-batches); a layer called more than once per forward grows again
             size = min(self.ROWS, self._micro_batches if k < self._micro_batches else k + self._micro_batches)
-            new = torch.empty((size, 2, *mod.running_mean.shape),
-                              dtype=mod.running_mean.dtype, device=mod.running_mean.device)
+            new = torch.empty((size, 2, *mean_buf.shape), dtype=mean_buf.dtype, device=mean_buf.device)
             new[:, 0] = 0  # momentum 1 multiplies the old value by 0: never leave NaN there
             new[:, 1] = 1
             if rows is not None:
                 new[:k] = rows
             rows = self._scratch[key] = new
+            self._views[key] = [r.unbind() for r in new]  # (mean, variance) views of each row, made once
         counts.append(args[0].numel() // args[0].shape[1])
         # a layer called twice per forward (shared) updates its statistics twice in plain PyTorch: each call
         # of a micro-batch is combined with the same call of the other micro-batches, in call order
         j = self._calls.get(key, 0)
         self._calls[key] = j + 1
         self._slot.setdefault(key, []).append(j)
-        buffers = mod._buffers  # direct: nn.Module.__setattr__ costs more than the swap itself
-        self._swapped[key] = (buffers["running_mean"], buffers["running_var"], mod.momentum)
-        buffers["running_mean"], buffers["running_var"] = rows[k].unbind()
-        mod.momentum = 1.0
+        self._swapped[key] = (mean_buf, var_buf, mod.momentum)
+        buffers["running_mean"], buffers["running_var"] = self._views[key][k]
+        _set_momentum(mod, 1.0)
 
     def _post_hook(self, mod: _BN, args: tuple[Any, ...], output: Any) -> None:
         swapped = self._swapped.pop(id(mod), None)
         if swapped is None:
             return
         buffers = mod._buffers
-        buffers["running_mean"], buffers["running_var"], mod.momentum = swapped
+        buffers["running_mean"], buffers["running_var"] = swapped[:2]
+        _set_momentum(mod, swapped[2])
 
     def _combined(self, mod: _BN) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per call of the layer in one forward (one for a layer that is not shared), in call order:
@@ -229,15 +232,15 @@ class FullBatchStats:
         counts = self._acc.get(key)
         if not counts:
             return {}
-        rows = self._scratch[key][:len(counts)]
+        rows = self._scratch[key][:len(counts)].to(torch.float64)
         slots = self._slot[key]
         out = {}
         for j in sorted(set(slots)):
             mine = [k for k, s in enumerate(slots) if s == j]
-            means = rows[mine, 0].to(torch.float64)
-            variances = rows[mine, 1].to(torch.float64)  # the kernel stores unbiased ones
+            picked = rows if len(mine) == len(slots) else rows[mine]  # a layer called once per forward: all rows
+            means, variances = picked[:, 0], picked[:, 1]  # the kernel stores unbiased variances
             n_k = torch.tensor([counts[k] for k in mine], dtype=torch.float64).unsqueeze(1)
-            total = int(n_k.sum().item())
+            total = sum(counts[k] for k in mine)
             mean = (n_k * means).sum(0) / total
             m2 = ((n_k - 1).clamp_min(0) * variances).sum(0) + (n_k * (means - mean) ** 2).sum(0)
             out[j] = (total, mean, m2)
@@ -326,3 +329,14 @@ def _merge(a: tuple[int, torch.Tensor, torch.Tensor],
     n = na + nb
     d = mb - ma
     return n, ma + d * (nb / n), m2a + m2b + d * d * (na * nb / n)
+
+
+def _set_momentum(mod: _BN, value: Any) -> None:
+    """``mod.momentum = value``, into the instance's ``__dict__`` where it lives there (nn.Module.__setattr__ ends
+    there too for a plain value, after checks that cost more than the swap: 20 ms of a MobileNetV2 step of 32
+    micro-batches); through ``setattr`` where a subclass makes it a property or leaves it on the class."""
+    attrs = mod.__dict__
+    if "momentum" in attrs and not hasattr(getattr(type(mod), "momentum", None), "__set__"):
+        attrs["momentum"] = value
+    else:
+        mod.momentum = value
