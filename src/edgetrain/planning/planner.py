@@ -12,7 +12,8 @@ from ..graph import KEEP, CostChain, candidate_micro_batch_sizes, simulate
 from ..plan import Plan
 from ..profile import memory
 from ..units import format_bytes
-from .budgets import RETRY_SLACK, STALE_BYTES, Measured, RunOver, plan_key, predicted_activations, recomputes
+from .budgets import (RETRY_SLACK, STALE_BYTES, Measured, RunOver, later_growth, plan_key, predicted_activations,
+                      recomputes)
 from .smallest import SmallestPlanSearch
 
 #: keeping every stage at the full batch is run once where the model puts it at most this many times the
@@ -365,8 +366,8 @@ class Planner(SmallestPlanSearch):
         ``metadata["model_peak_bytes"]``."""
         note = (f"peak from the cost model corrected by a validation run ({format_bytes(measured_peak)}; a run "
                 "that skipped blocks measures less)" if self.runs_vary else
-                f"peak from the validation run ({format_bytes(measured_peak)}); the cost model predicted "
-                f"{format_bytes(model_peak)}")
+                f"peak from the validation run ({format_bytes(measured_peak)}, with later steps' growth); the cost "
+                f"model predicted {format_bytes(model_peak)}")
         earlier = tuple(n for n in plan.notes if not n.startswith(("peak from the validation run",
                                                                     "peak from the cost model corrected")))
         return plan.replace(peak_bytes=measured_peak, metadata={**plan.metadata, "model_peak_bytes": model_peak},
@@ -408,6 +409,7 @@ class Planner(SmallestPlanSearch):
         self._with_fixed(fixed - self.costs.fixed_bytes)
         self.update_bytes = update
         measured = max(run_peak, fixed + update)
+        measured += later_growth(measured)  # the steps after the run grow a little (see LATER_GROWTH_BYTES)
         model_peak = fixed + max(act_pred, update)
         if self.runs_vary:
             measured = max(measured, model_peak)
