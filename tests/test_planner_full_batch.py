@@ -187,7 +187,8 @@ def test_a_plan_validated_by_the_analysing_child_is_run_first_and_kept():
     plan, _ = Planner(_per_call(HELD), budget, 0, "dp", None, False, 1, 0).plan_validated(run, 0, 0,
                                                                                           first=child_plan)
     assert (plan.policies, plan.micro_batch_size) == (("keep",) * 6, 8)
-    assert len(runs) == 1 and plan.peak_bytes == HELD + int(keep_act * 0.5) + later_growth(HELD + int(keep_act * 0.5)) <= budget
+    run_peak = HELD + int(keep_act * 0.5)
+    assert len(runs) == 1 and plan.peak_bytes == run_peak + later_growth(run_peak) <= budget
     assert sum(n.startswith("peak from the validation run") for n in plan.notes) == 1  # the child's replaced
 
 
