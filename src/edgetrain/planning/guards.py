@@ -259,16 +259,13 @@ def one_sample_trains(model: nn.Module, env: dict[str, Any]) -> bool:
     """Whether a training-mode forward of ``model`` runs on one sample of ``env`` (BatchNorm in training refuses
     a single value per channel, as after a global pooling; over spatial maps one sample has many).
 
-    Runs without gradients in a forked child where possible (a forward at a shape no step uses loads kernels
-    that would stay resident here); here, buffers and generators are put back.
+    Runs without gradients in a forked copy of the process where possible (a forward at a shape no step uses
+    loads kernels that would stay resident here); here, buffers and generators are put back.
     """
-    from ..profile import fork as _fork
+    from ..forking import answer_in_fork
 
-    if _fork.available():
-        res = _fork.run_in_child(lambda: _one_sample_trains(model, env))
-        if res is not None and res.error is None and res.value is not None:
-            return bool(res.value)
-    return _one_sample_trains(model, env)
+    answer = answer_in_fork(lambda: _one_sample_trains(model, env))
+    return _one_sample_trains(model, env) if answer is None else bool(answer)
 
 
 def _one_sample_trains(model: nn.Module, env: dict[str, Any]) -> bool:

@@ -216,11 +216,10 @@ class FullBatchStats:
 
     def _combined(self, mod: _BN) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per call of the layer in one forward (one for a layer that is not shared), in call order:
-        (count, mean, sum of squared deviations) over the step's micro-batches, in float64."""
-        key = id(mod)
-        totals = dict(self._folded.get(key, {}))
-        for j, part in self._rows_combined(key).items():
-            totals[j] = _merge(totals[j], part) if j in totals else part
+        (count, mean, sum of squared deviations) over the step's micro-batches, in float64. Folds the rows
+        written since the last fold (the step ends after this)."""
+        self._fold(id(mod))
+        totals = self._folded[id(mod)]
         return [totals[j] for j in sorted(totals)]
 
     def _rows_combined(self, key: int) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
@@ -282,7 +281,8 @@ class FullBatchStats:
         for b in self.bns:  # a forward that raised inside a BatchNorm: give the layer its buffers back
             swapped = self._swapped.pop(id(b), None)
             if swapped is not None:
-                b._buffers["running_mean"], b._buffers["running_var"], b.momentum = swapped
+                b._buffers["running_mean"], b._buffers["running_var"] = swapped[:2]
+                _set_momentum(b, swapped[2])
         self._restore()
         self._active = False
         self._acc, self._slot, self._calls, self._folded = {}, {}, {}, {}
