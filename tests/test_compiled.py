@@ -21,6 +21,15 @@ transformers = pytest.importorskip("transformers")
 MIB = 2**20
 
 
+@pytest.fixture
+def fresh_compiler():
+    """The test compiles afresh: in one process TorchDynamo reuses a model class's compiled code for a later
+    instance whatever the compiler's settings then (a BERT compiled with edgetrain's joint-graph pass ran for a
+    BERT compiled without it)."""
+    torch._dynamo.reset()
+    yield
+
+
 def _resnet() -> torch.nn.Module:
     cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                     layer_type="basic", num_labels=5)
@@ -131,9 +140,7 @@ def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_
     ref = edgetrain.prepare(eager, torch.optim.Adam(eager.parameters(), lr=1e-3), loss, (ids, y),
                             memory_budget="1GiB", planning=PlanConfig(micro_batch_size=4, use_cache=False))
     assert step.runs_compiled and step.plan.micro_batch_size == 4
-    # PyTorch's default setting only: below it the compiled backward's partitioner redrew the dropout masks
-    assert step.plan.metadata["compiled_ratio"] is None
-    assert step.plan.metadata["compile_trials"].count("peak") == 1
+    assert step.plan.metadata["compile_trials"].count("peak") == 2  # both settings tried, dropout or not
     for seed in (5, 6):
         torch.manual_seed(seed)
         got = step(ids, y)
@@ -142,19 +149,53 @@ def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_
     _close(model, eager)
 
 
-def test_a_compiled_step_that_would_train_otherwise_than_the_eager_step_is_refused(monkeypatch, caplog):
-    """Below PyTorch's default setting the compiled backward of a BERT with dropout drew other masks than the eager
-    step: forced to that setting, the check that compares one compiled step with one eager step refuses it."""
-    from edgetrain.planning import compiled as planning_compiled
-
-    monkeypatch.setattr(planning_compiled, "RATIOS", (0.5,))
+def _dropout_bert() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=32, num_labels=3,
                                   hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(cfg).train()
     g = torch.Generator().manual_seed(2)
-    ids, y = torch.randint(0, 64, (8, 12), generator=g), torch.randint(0, 3, (8,), generator=g)
+    return model, torch.randint(0, 64, (8, 12), generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def test_below_the_default_setting_the_compiled_backward_reuses_the_forwards_dropout_masks(monkeypatch,
+                                                                                          fresh_compiler):
+    """At activation_memory_budget 0.5 PyTorch's partitioner may recompute a random draw in the backward (a new
+    mask); edgetrain's joint-graph pass forbids it, so the step runs compiled there and trains as the eager one."""
+    from edgetrain.planning import compiled as planning_compiled
+
+    monkeypatch.setattr(planning_compiled, "RATIOS", (0.5,))
+    model, ids, y = _dropout_bert()
+    eager = copy.deepcopy(model)
+
+    def loss(out, t):
+        return F.cross_entropy(out.logits, t)
+
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, (ids, y),
+                             memory_budget="1GiB", planning=PlanConfig(compile=True, use_cache=False))
+    ref = edgetrain.prepare(eager, torch.optim.SGD(eager.parameters(), lr=0.1), loss, (ids, y),
+                            memory_budget="1GiB", planning=PlanConfig(use_cache=False))
+    assert step.runs_compiled and step.plan.metadata["compiled_ratio"] == 0.5
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        got = step(ids, y)
+        torch.manual_seed(seed)
+        assert got == pytest.approx(ref(ids, y), rel=1e-4)
+    _close(model, eager)
+
+
+def test_a_compiled_step_that_would_train_otherwise_than_the_eager_step_is_refused(monkeypatch, caplog,
+                                                                                   fresh_compiler):
+    """Without edgetrain's joint-graph pass, the compiled backward of a BERT with dropout at activation_memory_budget
+    0.5 draws other masks than the eager step: the check that compares one compiled step with one eager step
+    refuses it."""
+    from edgetrain.planning import compiled as planning_compiled
+    from edgetrain.runtime import compiled as runtime_compiled
+
+    monkeypatch.setattr(planning_compiled, "RATIOS", (0.5,))
+    monkeypatch.setattr(runtime_compiled, "inductor_options", lambda: dict(runtime_compiled.INDUCTOR_OPTIONS))
+    model, ids, y = _dropout_bert()
     with caplog.at_level(logging.WARNING, logger="edgetrain.api"):
         step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  lambda out, t: F.cross_entropy(out.logits, t), (ids, y), memory_budget="1GiB",
@@ -249,3 +290,24 @@ def test_an_attribute_changed_after_compiling_runs_the_step_eagerly_from_then_on
     assert step.plan.peak_bytes == step.plan.metadata["eager_peak_bytes"]
     assert any("temperature" in r.getMessage() and "runs eagerly" in r.getMessage() for r in caplog.records)
     _close(model, eager)
+
+
+def test_the_joint_graph_pass_marks_every_random_draw_to_be_saved_and_nothing_else():
+    """DropPath's ``bernoulli_`` is not among the random ops PyTorch's partitioner knows, and dropout's ``rand_like``
+    may be recomputed below its default setting: the pass marks both (and only random draws) as must-save."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from edgetrain.runtime.compiled import inductor_options, random_draws_saved
+
+    def f(x):
+        keep = x.new_empty(x.shape[0], 1).bernoulli_(0.8)
+        return F.dropout(x * keep, 0.1, training=True).relu()
+
+    gm = make_fx(f)(torch.randn(4, 3))
+    random_draws_saved()(gm.graph)
+    marked = {str(n.target) for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE}
+    drawn = {str(n.target) for n in gm.graph.nodes if "bernoulli" in str(n.target) or "rand" in str(n.target)}
+    assert drawn and marked == drawn
+    assert random_draws_saved().uuid() == random_draws_saved().uuid()
+    assert inductor_options()["joint_custom_post_pass"] is random_draws_saved()

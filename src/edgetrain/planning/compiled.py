@@ -42,13 +42,14 @@ log = logging.getLogger("edgetrain.api")
 TRIAL_STEPS = 3
 #: the settings tried, each in its own trial: ``torch._functorch.config.activation_memory_budget`` None (PyTorch's
 #: default: the partitioner saves what it chooses) and 0.5 (it recomputes cheap ops until half the activations
-#: its default saves are left; MobileNetV2 at 64x64: 222 MiB against 284, and faster on a CPU). A model that
-#: draws random numbers gets the first only (see :func:`compile_step`).
+#: its default saves are left; MobileNetV2 at 64x64: 222 MiB against 284, and faster on a CPU). Random draws are
+#: never recomputed at either (:func:`~edgetrain.runtime.compiled.random_draws_saved`).
 RATIOS: tuple[float | None, ...] = (None, 0.5)
 #: trials this much slower than the fastest count as fast as it (the lowest peak among them is taken)
 TIE = 0.05
 #: how far a compiled step's loss may lie from the eager step's, relative: its kernels add in another order
 #: (MobileNetV2, ResNet-18, BERT: 1e-7 apart or less); a BERT whose compiled step drew other dropout masks: 3e-3
+#: (activation_memory_budget 0.5 without :func:`~edgetrain.runtime.compiled.random_draws_saved`)
 LOSS_RTOL = 1e-4
 #: how far its gradients may lie from the eager step's, as the relative L2 norm of the difference over every
 #: parameter: the same rounding, carried back through BatchNorm's backward, left MobileNetV2's 0.9-1.1% apart and
@@ -254,13 +255,11 @@ def compile_step(step: Any, inputs: Any, targets: Any, reason: str | None) -> No
         _not_compiled(step, plan, "compiled trial steps need a forked child (fork unavailable or EDGETRAIN_FORK=0), "
                                   "and a compiled step is not taken unmeasured")
         return
-    # a forward that draws random numbers (dropout) is compiled at PyTorch's default only: its partitioner never
-    # recomputes a random op, and the compiled step then draws the eager step's masks; below it the masks differed
-    # (a BERT with dropout 0.2: loss 1.0946 against 1.0984 in the first step, gradients 0.05 apart)
-    ratios = RATIOS[:1] if step.draws_random else RATIOS
+    # a forward that draws random numbers (dropout) is tried at every setting: random_draws_saved keeps its draws
+    # out of the compiled backward, where a partitioner saving less would redraw them
     log.info("compile=True: compiled trial steps in forks, %d setting(s), each compiling first (seconds to minutes)",
-             len(ratios))
-    trials = [_measure(step, inputs, targets, shapes, r) for r in ratios]
+             len(RATIOS))
+    trials = [_measure(step, inputs, targets, shapes, r) for r in RATIOS]
     room = step.budget_bytes - step.margin_bytes
     measured = [t for t in trials if t.error is None]
     fitting = [t for t in measured if t.peak_bytes <= room]

@@ -10,7 +10,8 @@ takes the compiled step only where their measured peak fits the budget.
 
 Compiled, a step computes what the eager step computes up to floating-point rounding (fused kernels sum in
 another order); dropout draws through PyTorch's own random functions (``fallback_random``), so masks are the
-eager step's. The compiler runs in this process (``compile_threads=1``) so that its memory is the process's
+eager step's, and every random draw is computed once, in the forward (:func:`random_draws_saved`: a partitioner
+told to save less recomputes what is cheap, random draws included, and a recomputed draw is a new mask). The compiler runs in this process (``compile_threads=1``) so that its memory is the process's
 and measured. Only the shapes the trial ran are compiled (``dynamic=False``): a micro-batch of another size
 (an epoch's short last batch) runs the step's eager executor, and nothing is compiled unmeasured.
 """
@@ -18,15 +19,59 @@ and measured. Only the shapes the trial ran are compiled (``dynamic=False``): a 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 from ..capture.modules import replay_kwargs
 
-__all__ = ["CompiledExecutor", "compiled_forward", "shape_key", "INDUCTOR_OPTIONS"]
+__all__ = ["CompiledExecutor", "compiled_forward", "shape_key", "INDUCTOR_OPTIONS", "random_draws_saved",
+           "inductor_options"]
 
 #: TorchInductor settings for every compiled step: the compiler in this process (its memory measured with the
-#: step's), dropout through PyTorch's own random functions (the eager step's masks)
+#: step's), dropout through PyTorch's own random functions (the eager step's masks); with
+#: :func:`random_draws_saved` as the joint graph's last pass (:func:`inductor_options`)
 INDUCTOR_OPTIONS = {"compile_threads": 1, "fallback_random": True}
+
+
+@functools.lru_cache(maxsize=1)
+def random_draws_saved() -> Any:
+    """A TorchInductor joint-graph pass that forbids recomputing a random draw in the backward.
+
+    PyTorch's partitioner keeps random ops out of the backward at its default setting, but below it
+    (``activation_memory_budget`` < 1) it may recompute any op it banned, dropout's ``rand_like`` or a
+    ``bernoulli_`` included, and the backward then draws other masks than the forward used (a BERT with dropout 0.2
+    at 0.5: gradients 78% apart from the eager step's; 2e-7 with this pass). The pass marks every op PyTorch tags
+    ``nondeterministic_seeded`` as one to save, the mark the partitioner itself gives ops it must not recompute;
+    the partitioner may still save what the draw feeds (a mask) instead. Its ``uuid`` is this file's hash, so the
+    compiler's caches tell compiles with it from compiles without it and from another version of it.
+    """
+    import torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    class RandomDrawsSaved(CustomGraphPass):
+        def __call__(self, graph: Any) -> None:
+            for node in graph.nodes:
+                target = node.target
+                if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+                        and torch.Tag.nondeterministic_seeded in target.tags):
+                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__,))
+
+    return RandomDrawsSaved()
+
+
+def inductor_options() -> dict[str, Any]:
+    """:data:`INDUCTOR_OPTIONS` and :func:`random_draws_saved` after any joint-graph pass already set, for
+    ``torch._inductor.config.patch``."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+    ours = random_draws_saved()
+    passes = tuple(p for p in get_custom_graph_passes(inductor_config.joint_custom_post_pass) if p is not ours)
+    return {**INDUCTOR_OPTIONS, "joint_custom_post_pass": list(passes + (ours,)) if passes else ours}
 
 
 def compiled_forward(model: Any) -> Any:
@@ -62,7 +107,7 @@ class CompiledExecutor:
         import torch._inductor.config as inductor_config
 
         stack = contextlib.ExitStack()
-        stack.enter_context(inductor_config.patch(INDUCTOR_OPTIONS))
+        stack.enter_context(inductor_config.patch(inductor_options()))
         if self.ratio is not None:
             stack.enter_context(functorch_config.patch(activation_memory_budget=self.ratio))
         return stack
