@@ -12,8 +12,9 @@ Compiled, a step computes what the eager step computes up to floating-point roun
 another order); dropout draws through PyTorch's own random functions (``fallback_random``), so masks are the
 eager step's, and every random draw is computed once, in the forward (:func:`random_draws_saved`: a partitioner
 told to save less recomputes what is cheap, random draws included, and a recomputed draw is a new mask). The
-compiler runs in this process (``compile_threads=1``) so that its memory is the process's and measured. Only the shapes the trial ran are compiled (``dynamic=False``): a micro-batch of another size
-(an epoch's short last batch) runs the step's eager executor, and nothing is compiled unmeasured.
+compiler runs in this process (``compile_threads=1``) so that its memory is the process's and measured. Only
+the shapes the trial ran are compiled (``dynamic=False``): a micro-batch of another size (an epoch's short last
+batch) runs the step's eager executor, and nothing is compiled unmeasured.
 """
 
 from __future__ import annotations
