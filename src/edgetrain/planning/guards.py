@@ -205,16 +205,15 @@ def loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..
                       batch: int) -> LossNorm:
     """:func:`loss_normalisation` in a forked child where possible: its forwards at 1-3 samples load kernels
     for shapes no step uses, which would stay resident here."""
-    from ..profile import fork as _fork
+    from ..forking import answer_in_fork
 
-    if _fork.available():
-        def kind_and_error() -> tuple[str, str, tuple[str, ...] | None, tuple[str, ...]]:
-            norm = loss_normalisation(model, env, loss_fn, targets, batch)
-            return norm.kind, norm.error, norm.writers, norm.written_inputs
+    def kind_and_error() -> tuple[str, str, tuple[str, ...] | None, tuple[str, ...]]:
+        norm = loss_normalisation(model, env, loss_fn, targets, batch)
+        return norm.kind, norm.error, norm.writers, norm.written_inputs
 
-        res = _fork.run_in_child(kind_and_error)
-        if res is not None and res.error is None and res.value is not None:
-            return LossNorm(res.value[0], loss_fn, res.value[1], res.value[2], res.value[3])
+    answer = answer_in_fork(kind_and_error)
+    if answer is not None:
+        return LossNorm(answer[0], loss_fn, answer[1], answer[2], answer[3])
     return loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
 
 
@@ -227,13 +226,10 @@ def draws_random(model: nn.Module, env: dict[str, Any], call_kwargs: dict[str, A
     Here, its buffers and the generators are put back. A forward that fails on the slice counts as drawing
     (the caller then says so).
     """
-    from ..profile import fork as _fork
+    from ..forking import answer_in_fork
 
-    if _fork.available():
-        res = _fork.run_in_child(lambda: _draws_random(model, env, call_kwargs))
-        if res is not None and res.error is None and res.value is not None:
-            return bool(res.value)
-    return _draws_random(model, env, call_kwargs)
+    answer = answer_in_fork(lambda: _draws_random(model, env, call_kwargs))
+    return _draws_random(model, env, call_kwargs) if answer is None else bool(answer)
 
 
 def _draws_random(model: nn.Module, env: dict[str, Any], call_kwargs: dict[str, Any] | None) -> bool:
