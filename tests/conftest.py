@@ -14,9 +14,12 @@ os.environ.setdefault("EDGETRAIN_NO_CACHE", "1")
 # TorchInductor's on-disk cache (compile=True tests) is one directory per test process: a process running compiled
 # code from the shared default cache while another process compiled the same kernel into it crashed (SIGSEGV in
 # the generated code, once in a `make test` with two workers).
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+# pytest-xdist's controller imports this file too, and its workers inherit its environment: a directory this file
+# set in a parent process is made anew here (both workers shared the controller's, and one crashed in compiled code
+# in 2 of 4 runs of tests/test_compiled.py with two workers).
+if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.environ.get("EDGETRAIN_TESTS_INDUCTOR_DIR")):
     _INDUCTOR_DIR = tempfile.mkdtemp(prefix="edgetrain-tests-inductor-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_DIR
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["EDGETRAIN_TESTS_INDUCTOR_DIR"] = _INDUCTOR_DIR
     atexit.register(shutil.rmtree, _INDUCTOR_DIR, ignore_errors=True)
 
 # Under pytest-xdist (`make test` runs one worker per core) each worker gets its share of the cores, and so do

@@ -121,15 +121,28 @@ def test_compile_is_refused_with_the_reason_where_the_plan_is_not_one_compiled_c
                for r in caplog.records)
 
 
-def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_of_the_eager_step():
+def _trains_as(step, ref, ids: torch.Tensor, y: torch.Tensor) -> None:
+    """Two steps of ``step`` and ``ref`` from the same random state (the same dropout masks) lose the same."""
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        got = step(ids, y)
+        torch.manual_seed(seed)
+        assert got == pytest.approx(ref(ids, y), rel=1e-4)
+
+
+def _dropout_bert() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=32, num_labels=3,
                                   hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(cfg).train()
-    eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(2)
-    ids, y = torch.randint(0, 64, (8, 12), generator=g), torch.randint(0, 3, (8,), generator=g)
+    return model, torch.randint(0, 64, (8, 12), generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_of_the_eager_step():
+    model, ids, y = _dropout_bert()
+    eager = copy.deepcopy(model)
 
     def loss(out, t):
         return F.cross_entropy(out.logits, t)
@@ -141,22 +154,8 @@ def test_micro_batched_model_without_batchnorm_runs_compiled_with_dropout_masks_
                             memory_budget="1GiB", planning=PlanConfig(micro_batch_size=4, use_cache=False))
     assert step.runs_compiled and step.plan.micro_batch_size == 4
     assert step.plan.metadata["compile_trials"].count("peak") == 2  # both settings tried, dropout or not
-    for seed in (5, 6):
-        torch.manual_seed(seed)
-        got = step(ids, y)
-        torch.manual_seed(seed)
-        assert got == pytest.approx(ref(ids, y), rel=1e-4)
+    _trains_as(step, ref, ids, y)
     _close(model, eager)
-
-
-def _dropout_bert() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, num_labels=3,
-                                  hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(cfg).train()
-    g = torch.Generator().manual_seed(2)
-    return model, torch.randint(0, 64, (8, 12), generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
 def test_below_the_default_setting_the_compiled_backward_reuses_the_forwards_dropout_masks(monkeypatch,
@@ -177,11 +176,7 @@ def test_below_the_default_setting_the_compiled_backward_reuses_the_forwards_dro
     ref = edgetrain.prepare(eager, torch.optim.SGD(eager.parameters(), lr=0.1), loss, (ids, y),
                             memory_budget="1GiB", planning=PlanConfig(use_cache=False))
     assert step.runs_compiled and step.plan.metadata["compiled_ratio"] == 0.5
-    for seed in (5, 6):
-        torch.manual_seed(seed)
-        got = step(ids, y)
-        torch.manual_seed(seed)
-        assert got == pytest.approx(ref(ids, y), rel=1e-4)
+    _trains_as(step, ref, ids, y)
     _close(model, eager)
 
 
