@@ -179,7 +179,8 @@ def budget_table(rep: ModelReport) -> Table:
                    "('-' where that one has nothing that fits).")
     if any(e.repeats for e in rep.entries.values()):
         t.notes.append("step s (k): median of k runs, the table's run and its interleaved repeats (checkpoint_sequential "
-                       "and edgetrain re-measured in turn at each budget where both fit); peak MiB: the largest.")
+                       "and edgetrain, and torch.compile and edgetrain (compile=True), re-measured in turn at each "
+                       "budget where both fit); peak MiB: the largest.")
     if EDGE_COMPILED in rep.methods():
         t.notes.append(f"{EDGE_COMPILED}: prepare(planning=PlanConfig(compile=True)): the step runs as torch.compile "
                        "code where the plan keeps everything and compiled trial steps measured in a fork (compiling "

@@ -257,7 +257,17 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             rep.entries[(frac, EDGE_COMPILED)] = edgetrain_entry(r, budget, B, n, EDGE_COMPILED)
 
     if s.compile:
-        bench_compile(spec, s, run, rep)
+        ratios = bench_compile(spec, s, run, rep)
+        for i in range(s.versus_repeats):  # torch.compile and compile=True in turn where both fit, as above
+            for frac, budget in rep.budgets:
+                ce, ee = rep.entries[(frac, COMPILE)], rep.entries.get((frac, EDGE_COMPILED))
+                if not ce.fits or ee is None or not ee.fits:
+                    continue
+                ce.repeats.append(run(_job(spec, s, mode="compile", activation_memory_budget=ratios[frac],
+                                           env=SYSTEM_ALLOC, seed=101 + i),
+                                      f"torch.compile activation_memory_budget={ratios[frac]:g} (versus repeat {i + 1})"))
+                ee.repeats.append(run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, compile=True,
+                                           seed=101 + i), f"{EDGE_COMPILED} budget {frac:.0%} (versus repeat {i + 1})"))
 
     edge_methods = ("edgetrain", EDGE_MBN) if spec.batchnorm else ("edgetrain",)
     for i in range(s.versus_repeats):  # each comparison again, in turn, so that load drift hits both alike
@@ -295,13 +305,15 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
     return rep
 
 
-def bench_compile(spec: ModelSpec, s: Settings, run: Runner, rep: ModelReport) -> None:
+def bench_compile(spec: ModelSpec, s: Settings, run: Runner, rep: ModelReport) -> dict[float, float]:
     """torch.compile with ``activation_memory_budget`` at each budget: the largest measured ratio that fits.
 
     Ratios 1 (its default) and 0 (recompute all it can) first, then up to ``compile_tries`` more per budget
-    from :func:`compile_next_ratio`; every ratio is measured once and reused at every budget.
+    from :func:`compile_next_ratio`; every ratio is measured once and reused at every budget. Returns the ratio
+    taken at each budget fraction where one fits.
     """
     B, runs = spec.batch_size, rep.compile_runs
+    taken: dict[float, float] = {}
 
     def measure(r: float) -> JobResult:
         if r not in runs:
@@ -328,7 +340,9 @@ def bench_compile(spec: ModelSpec, s: Settings, run: Runner, rep: ModelReport) -
         else:
             e.result = runs[best]
             e.config = f"ratio={best:g}" + (f" (over at {over} MiB)" if over else "")
+            taken[frac] = best
         rep.entries[(frac, COMPILE)] = e
+    return taken
 
 
 def bench_maxbatch(s: Settings, run: Runner, reports: Sequence[ModelReport]) -> MaxBatchReport:
@@ -375,7 +389,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per job (first is warm-up)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved re-measurements for the 50%% claim")
     p.add_argument("--versus-repeats", type=int, default=None,
-                   help="re-measurements of checkpoint_sequential and edgetrain, in turn, at each budget where both fit")
+                   help="re-measurements of checkpoint_sequential and edgetrain (and of torch.compile and "
+                   "compile=True), in turn, at each budget where both fit")
     p.add_argument("--threads", type=int, default=0, help="torch threads per job (0: torch's default)")
     p.add_argument("--skip-compile", action="store_true", help="leave out torch.compile with "
                    "activation_memory_budget (each ratio compiles in a fresh process: ~1-3 min a job on a CPU)")

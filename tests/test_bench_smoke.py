@@ -356,3 +356,38 @@ def test_compiled_edgetrain_entry_says_what_compile_did() -> None:
     plan["metadata"] = {"compiled": False, "not_compiled": "the plan for this budget recomputes or pages 2 of 4"}
     e = bb.edgetrain_entry(JobResult(peak_bytes=1, step_time_s=0.1, plan=plan), 2**30, 8, 4, bb.EDGE_COMPILED)
     assert e.config.endswith("eager: plan recomputes")
+
+
+def test_compiled_versus_torch_compile_is_interleaved(tmp_path: Path) -> None:
+    """With versus repeats, torch.compile (at the ratio it fits with) and compile=True are measured again in turn at
+    each budget where both fit, and the versus line compares the medians over the table's run and the repeats."""
+    s = bb.replace(bb.QUICK, budgets=(1.0,))
+    spec = bb.QUICK_MODELS["transformer"]
+    pl = {"policies": ["keep"] * 16, "micro_batch_size": 16, "batch_size": 16, "peak_bytes": 40 * MIB,
+          "step_time_s": 0.5}
+    et = dict(mode="edgetrain", budget=44 * MIB, env=bb.NO_CACHE)
+    jobs = [(bb._job(spec, s, mode="plain", env=bb.SYSTEM_ALLOC), ok(44, 0.5)),
+            (bb._job(spec, s, mode="plain"), ok(38, 0.5)),
+            (bb._job(spec, s, mode="checkpoint_sequential", segments=2, env=bb.SYSTEM_ALLOC), ok(40, 0.6)),
+            (bb._job(spec, s, mode="checkpoint_sequential", segments=4, env=bb.SYSTEM_ALLOC), ok(36, 0.7)),
+            (bb._job(spec, s, mode="checkpoint_sequential", segments=2, env=bb.SYSTEM_ALLOC, seed=101), ok(40, 0.6)),
+            (bb._job(spec, s, **et), ok(41, 0.55, pl)),
+            (bb._job(spec, s, **et, seed=101), ok(41, 0.55, pl)),
+            (bb._job(spec, s, **et, compile=True), ok(42, 0.30, pl)),
+            (bb._job(spec, s, **et, compile=True, seed=101), ok(42, 0.50, pl)),
+            (bb._job(spec, s, mode="compile", activation_memory_budget=1.0, env=bb.SYSTEM_ALLOC), ok(43, 0.45)),
+            (bb._job(spec, s, mode="compile", activation_memory_budget=0.0, env=bb.SYSTEM_ALLOC), ok(45, 0.6)),
+            (bb._job(spec, s, mode="compile", activation_memory_budget=1.0, env=bb.SYSTEM_ALLOC, seed=101),
+             ok(43, 0.35))]
+    log = {"meta": [], "jobs": [{"label": "x", "job": bb.asdict(j), "result": bb.asdict(r)} for j, r in jobs]}
+    src, out = tmp_path / "log.json", tmp_path / "out.md"
+    src.write_text(bb.json.dumps(log))
+    assert bb.main(["--quick", "--models", "transformer", "--budgets", "1", "--sections", "budgets", "--replay",
+                    str(src), "--versus-repeats", "1", "--out", str(out)]) == 0
+    md = out.read_text()
+    row = next(x for x in md.splitlines() if x.startswith("| 100%") and "| torch.compile |" in x)
+    assert "ratio=1" in row and "| 0.40 (2) |" in row  # median of 0.45 and its repeat's 0.35
+    row = next(x for x in md.splitlines() if x.startswith("| 100%") and "| edgetrain (compile=True) |" in x)
+    assert "| 0.40 (2) |" in row  # median of 0.30 and 0.50
+    assert "edgetrain (compile=True) vs torch.compile throughput -- 100%: 1.00x" in md
+    assert "NotMeasured" not in md and "NO |" not in md  # every repeat was in the log
