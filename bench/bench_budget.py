@@ -263,9 +263,10 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                 ce, ee = rep.entries[(frac, COMPILE)], rep.entries.get((frac, EDGE_COMPILED))
                 if not ce.fits or ee is None or not ee.fits:
                     continue
-                ce.repeats.append(run(_job(spec, s, mode="compile", activation_memory_budget=ratios[frac],
+                ratio = ratios[frac]
+                ce.repeats.append(run(_job(spec, s, mode="compile", activation_memory_budget=ratio,
                                            env=SYSTEM_ALLOC, seed=101 + i),
-                                      f"torch.compile activation_memory_budget={ratios[frac]:g} (versus repeat {i + 1})"))
+                                      f"torch.compile activation_memory_budget={ratio:g} (versus repeat {i + 1})"))
                 ee.repeats.append(run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, compile=True,
                                            seed=101 + i), f"{EDGE_COMPILED} budget {frac:.0%} (versus repeat {i + 1})"))
 

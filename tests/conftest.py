@@ -11,12 +11,13 @@ import torch
 # Profiles measured by one test must not leak into another through the on-disk cache.
 os.environ.setdefault("EDGETRAIN_NO_CACHE", "1")
 
-# TorchInductor's on-disk cache (compile=True tests) is one directory per test process: a process running compiled
-# code from the shared default cache while another process compiled the same kernel into it crashed (SIGSEGV in
-# the generated code, once in a `make test` with two workers).
+# TorchInductor's on-disk cache (compile=True tests) is one directory per test process, removed at its exit: no
+# test reads code another process compiled, and nothing is left in the user's default cache. (The SIGSEGV in
+# generated code first put down to a shared cache was TorchInductor's max-pool kernel reading past a buffer that
+# ended on a page with nothing mapped after it: the tensor pool now keeps bytes mapped past every tensor,
+# tests/test_pool.py::test_every_block_keeps_bytes_mapped_past_its_tensor.)
 # pytest-xdist's controller imports this file too, and its workers inherit its environment: a directory this file
-# set in a parent process is made anew here (both workers shared the controller's, and one crashed in compiled code
-# in 2 of 4 runs of tests/test_compiled.py with two workers).
+# set in a parent process is made anew here.
 if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.environ.get("EDGETRAIN_TESTS_INDUCTOR_DIR")):
     _INDUCTOR_DIR = tempfile.mkdtemp(prefix="edgetrain-tests-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["EDGETRAIN_TESTS_INDUCTOR_DIR"] = _INDUCTOR_DIR

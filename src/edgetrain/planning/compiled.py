@@ -208,8 +208,8 @@ class Trial:
 
 def _in_child(fn: Any) -> Any:
     """:func:`~edgetrain.profile.fork.run_in_child`, forked once more where the child died without an answer (a
-    child compiling in a process that compiled before died once in 1,100 tests, wait status 11): a second death is
-    the answer."""
+    child compiling died once in 1,100 tests, wait status 11, likely TorchInductor's kernel reading past a tensor
+    that the pool has since kept bytes mapped after, :mod:`edgetrain.runtime.pool`): a second death is the answer."""
     res = fork.run_in_child(fn)
     return fork.run_in_child(fn) if res is None else res
 

@@ -6,7 +6,8 @@
 // (best fit; a reused block's tail stays cached, freed neighbours merge, a miss grows the largest cached
 // block in place with mremap, blocks >= 2 MiB ask for transparent huge pages), and it unmaps cached bytes
 // whenever live + cached bytes would exceed the highest live bytes seen (or a lower cap): resident pool
-// memory never exceeds the peak of live tensor bytes, so there is no fragmentation above page rounding.
+// memory never exceeds the peak of live tensor bytes, so there is no fragmentation above page rounding. Every
+// block keeps kTailBytes mapped past its tensor's end, as malloc does (vector loads read past a tail).
 //
 // Built on first use by edgetrain/runtime/pool.py with the system C++ compiler against the installed torch;
 // loaded with ctypes; installed with c10::SetCPUAllocator. Small allocations go to the default allocator.
@@ -45,6 +46,14 @@ struct Stats {
 
 constexpr size_t kHuge = size_t(2) << 20;  // x86-64 transparent huge page
 
+// Bytes every block keeps mapped past the tensor's end. Vectorised kernels may load a whole vector where only
+// its first lanes are the tensor's: TorchInductor's CPU code for a max-pool over 8 channels loads 16 floats
+// (AVX-512) with an all-true mask at the last row and keeps 8, reading 32 bytes past a 64 KiB buffer. glibc's
+// malloc always leaves mapped bytes there; a block that ended on a page boundary with no mapping after it
+// crashed that step (SIGSEGV in the generated kernel, about one run in four). Only a block whose size ends
+// within these bytes of a page boundary takes one page more; read only, that page stays the shared zero page.
+constexpr size_t kTailBytes = 256;
+
 class Pool final : public c10::Allocator {
  public:
   Pool(size_t small_bytes, bool huge) : small_bytes_(small_bytes), huge_(huge) {}
@@ -53,7 +62,7 @@ class Pool final : public c10::Allocator {
     if (n < small_bytes_) {
       return fallback()->allocate(n);
     }
-    void* p = take(round_pages(n));
+    void* p = take(round_pages(n + kTailBytes));
     c10::profiledCPUMemoryReporter().New(p, n);  // torch.profiler's memory events, as the default allocator
     return {p, p, &Pool::deleter, c10::Device(c10::DeviceType::CPU)};
   }
@@ -86,6 +95,13 @@ class Pool final : public c10::Allocator {
   Stats stats() {
     std::lock_guard<std::mutex> g(mu_);
     return st_;
+  }
+
+  // The bytes of the live block at p (0: not a block of the pool's).
+  int64_t block_bytes(void* p) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = sizes_.find(p);
+    return it == sizes_.end() ? 0 : static_cast<int64_t>(it->second);
   }
 
   static Pool* instance;
@@ -287,6 +303,10 @@ void et_pool_release() {
 void et_pool_reset_peak() {
   if (Pool::instance != nullptr) Pool::instance->reset_peak();
 }
+
+int64_t et_pool_block_bytes(void* p) { return Pool::instance != nullptr ? Pool::instance->block_bytes(p) : 0; }
+
+int64_t et_pool_tail_bytes() { return static_cast<int64_t>(kTailBytes); }
 
 // live, cached, live_peak, hits, misses, evicted, split
 void et_pool_stats(int64_t* out) {

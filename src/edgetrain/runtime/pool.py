@@ -9,8 +9,9 @@ grows the largest in place (``mremap``: only the new pages fault), and blocks of
 transparent huge pages (:func:`huge_pages`). It unmaps cached bytes, only as many as needed, whenever live +
 cached bytes would pass its cap: by default the highest live bytes seen (since :func:`reset_peak`), so the
 pool never holds more than the peak of live tensors, and never more than an optional cap (a step sets it
-from its memory budget). The measured effect is in ``bench/RESULTS_ADAPT.md`` ("Allocator share",
-``python bench/bench_adapt.py --sections fragmentation``).
+from its memory budget). Every block keeps :func:`tail_bytes` mapped past its tensor's end, as malloc's
+chunks do: vectorised kernels load whole vectors at a tensor's tail. The measured effect is in
+``bench/RESULTS_ADAPT.md`` ("Allocator share", ``python bench/bench_adapt.py --sections fragmentation``).
 
 PyTorch has no Python hook for its CPU allocator, so the pool is C++: compiled on first use with the
 system's C++ compiler against the installed torch (seconds, once), cached under ``~/.cache/edgetrain/pool``,
@@ -30,11 +31,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import settings
 from ..native import build_library
 
-__all__ = ["PoolStats", "available", "huge_pages", "install", "installed", "stats", "set_cap", "release", "reset_peak"]
+__all__ = ["PoolStats", "available", "block_bytes", "huge_pages", "install", "installed", "stats", "set_cap", "release",
+           "reset_peak", "tail_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,9 @@ def _load() -> ctypes.CDLL | None:
         lib.et_pool_install.restype = ctypes.c_int
         lib.et_pool_set_cap.argtypes = [ctypes.c_int64]
         lib.et_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        lib.et_pool_block_bytes.argtypes = [ctypes.c_void_p]
+        lib.et_pool_block_bytes.restype = ctypes.c_int64
+        lib.et_pool_tail_bytes.restype = ctypes.c_int64
         _LIB = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _FAILED = str(e)
@@ -158,6 +164,21 @@ def stats() -> PoolStats:
     if _LIB is not None:
         _LIB.et_pool_stats(buf)
     return PoolStats(*(int(v) for v in buf))
+
+
+def block_bytes(tensor: Any) -> int:
+    """The mapped bytes of the pool's block under ``tensor``'s storage (0 where the pool did not allocate it):
+    its size rounded up to pages after :func:`tail_bytes` more."""
+    if _LIB is None:
+        return 0
+    return int(_LIB.et_pool_block_bytes(tensor.untyped_storage().data_ptr()))
+
+
+def tail_bytes() -> int:
+    """Bytes every block keeps mapped past its tensor's end (0 when the pool is not loaded): vectorised kernels
+    load whole vectors at a tensor's tail, TorchInductor's CPU code among them (a max-pool over 8 channels read 32
+    bytes past its 64 KiB buffer under AVX-512), and a block ending at a page with nothing mapped after it crashed."""
+    return 0 if _LIB is None else int(_LIB.et_pool_tail_bytes())
 
 
 def set_cap(cap_bytes: int | None) -> None:
