@@ -3,7 +3,7 @@
 The step is compiled only where its plan keeps every activation (nothing for edgetrain's stages to do) and
 the batch is trained in one piece or its model has no BatchNorm (whose statistics a split batch combines
 through hooks on every call). With a budget, each compiler setting of :data:`RATIOS` (how much the compiled
-backward recomputes) is tried in a fork of this process: three steps on the example, the first compiling.
+backward recomputes) is tried in a fork of this process: five steps on the example, the first compiling.
 A trial's peak, compiler and generated code included, is what the step's plan predicts if it is taken; of
 those that fit the budget less the margin the fastest is taken (the lowest peak among those about as fast),
 once one eager and one compiled step, run from the same state in another fork, agree (:func:`_disagreement`).
@@ -38,8 +38,10 @@ __all__ = ["CompiledStep", "why_not_compiled", "compile_step"]
 log = logging.getLogger("edgetrain.api")
 
 #: steps a trial runs compiled: the first compiles, the others run as every later step will (the fastest is
-#: its time)
-TRIAL_STEPS = 3
+#: its time). Two timed steps were too few to choose between settings 10% apart: MobileNetV2's trials read
+#: 0.188-0.238 s at setting 0.5 and 0.210-0.228 s at PyTorch's default, whose steps run 0.22-0.26 s, and took the
+#: default in 2 of 5 runs (bench/RESULTS.md, 2026-12-06 20:00)
+TRIAL_STEPS = 5
 #: the settings tried, each in its own trial: ``torch._functorch.config.activation_memory_budget`` None (PyTorch's
 #: default: the partitioner saves what it chooses) and 0.5 (it recomputes cheap ops until half the activations
 #: its default saves are left; MobileNetV2 at 64x64: 222 MiB against 284, and faster on a CPU). Random draws are
