@@ -45,9 +45,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: tests and --replay read them here)
-    CLAIM_FRACTION, COMPILE, EDGE_COMPILED, EDGE_MBN, Claim, Entry, MaxBatchReport, ModelReport, budget_table,
-    build_report, claims_table, compile_table, edgetrain_entry, fits, maxbatch_table, plans_table, reference_table,
-    versus_line, versus_lines,
+    CLAIM_FRACTION, COMPILE, EDGE_COMPILED, EDGE_LAYOUT, EDGE_MBN, EDGE_OPTIONS, Claim, Entry, MaxBatchReport,
+    ModelReport, budget_table, build_report, claims_table, compile_table, edgetrain_entry, fits, maxbatch_table,
+    plans_table, reference_table, versus_line, versus_lines,
 )
 from _budget_search import (  # noqa: E402,F401  (re-exported: tests read them here)
     compile_best, compile_next_ratio, fastest_fitting, hopeless, largest_fitting, max_batch_search,
@@ -251,6 +251,10 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             r = run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, exact_batchnorm=False),
                     f"{EDGE_MBN} budget {frac:.0%}")
             rep.entries[(frac, EDGE_MBN)] = edgetrain_entry(r, budget, B, n, EDGE_MBN)
+        if len(spec.input_shape) == 3:  # images: the layout can change the kernels (a convolutional model)
+            r = run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, layout="auto"),
+                    f"{EDGE_LAYOUT} budget {frac:.0%}")
+            rep.entries[(frac, EDGE_LAYOUT)] = edgetrain_entry(r, budget, B, n, EDGE_LAYOUT)
         if s.compile:  # compiled where the plan keeps everything and a compiled trial fits; eager (and why) elsewhere
             r = run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, compile=True),
                     f"{EDGE_COMPILED} budget {frac:.0%}")
@@ -270,7 +274,8 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                 ee.repeats.append(run(_job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, compile=True,
                                            seed=101 + i), f"{EDGE_COMPILED} budget {frac:.0%} (versus repeat {i + 1})"))
 
-    edge_methods = ("edgetrain", EDGE_MBN) if spec.batchnorm else ("edgetrain",)
+    edge_methods = ("edgetrain",) + ((EDGE_MBN,) if spec.batchnorm else ()) + (
+        (EDGE_LAYOUT,) if len(spec.input_shape) == 3 else ())
     for i in range(s.versus_repeats):  # each comparison again, in turn, so that load drift hits both alike
         for frac, budget in rep.budgets:
             ck_e = rep.entries[(frac, "checkpoint_sequential")]
@@ -282,9 +287,8 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                                          micro_batch_size=None if m == B else m, seed=101 + i),
                                     f"checkpoint_sequential seg={seg} mb={m} (versus repeat {i + 1})"))
             for meth in ets:
-                kw = {} if meth == "edgetrain" else {"exact_batchnorm": False}
                 rep.entries[(frac, meth)].repeats.append(run(
-                    _job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=101 + i, **kw),
+                    _job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=101 + i, **EDGE_OPTIONS[meth]),
                     f"{meth} budget {frac:.0%} (versus repeat {i + 1})"))
 
     if CLAIM_FRACTION in s.budgets:

@@ -23,6 +23,7 @@ from .planning.analysis import FUSED_KEY, Analysis, Outcome
 from .planning.compiled import compile_step, why_not_compiled
 from .planning.holding import fusing_fields, state_paging_fields
 from .planning.budgets import safety_margin_bytes
+from .planning.layout import LAYOUT_KEY, choose_layout, convolutional, with_layout
 from .planning.threads import train_here
 from .planning.guards import (check_materialized, check_optimizer, draws_random, example_copy, loss_norm_safely,
                               mark_micro_batched, one_sample_trains)
@@ -37,6 +38,20 @@ from .units import parse_bytes
 __all__ = ["prepare", "TrainStep"]
 
 log = logging.getLogger(__name__)
+
+
+def _layout(cfg: PlanConfig, plan: Plan | None, model: nn.Module, inputs: Any, *, paging: bool, approx: bool) -> str:
+    """The layout to feed the model in (``PlanConfig.layout``, or the given plan's), as far as it can matter:
+    "keep" for a model without 2-D convolutions or a batch without images, and "auto" only where the plan
+    will be made afresh by the recompute planner (not with paging, an approximation or compilation)."""
+    if plan is not None:
+        return plan.metadata.get(LAYOUT_KEY, "keep")
+    if cfg.layout == "keep" or not convolutional(model, inputs):
+        return "keep"
+    if cfg.layout == "auto" and (paging or approx or cfg.compile):
+        log.info("layout='auto' compares layouts for the recompute planner only; the batch runs as given")
+        return "keep"
+    return cfg.layout
 
 
 def _split_example(example: Any) -> tuple[Any, Any]:
@@ -158,6 +173,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             optimizer=optimizer, margin_share=safety_margin, **state,
             whole_batch_reasons=() if loss_norm.splittable else (loss_norm.why_unsplittable,),
             argument_writers=loss_norm.writers)
+        layout = _layout(cfg, plan, model, inputs, paging=paging_cfg is not None, approx=speedup is not None or
+                         grad_filter is not None)
+        if layout == "auto":
+            analysis, why = choose_layout(analysis)
+            log.info("layout: %s", why)
+        elif layout == "channels_last":
+            analysis = with_layout(analysis, layout)
+        layout = "keep" if analysis.inputs is inputs else "channels_last"
+        inputs, env = analysis.inputs, analysis.env
         if plan is not None:
             chain = analysis.capture_chain()
             if costs is None or plan.num_stages != len(chain) or batch not in (plan.batch_size, costs.batch_size) \
@@ -182,6 +206,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                                             profile=analysis.profile, summary=analysis.profile_summary,
                                             memo=analysis.profiles, more_threads=train_here)
         plan, costs = outcome.plan, outcome.costs
+        if layout != "keep":
+            plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: layout})
         random = draws_random(model, env, replay_kwargs(model, env))
         plan = mark_micro_batched(plan, has_bn, random, warn=True)
         log.info("edgetrain plan:\n%s", plan.summary())
@@ -199,7 +225,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         step = TrainStep(model, optimizer, loss_fn, chain, costs, plan, budget_bytes=budget, margin_bytes=margin,
                          margin_share=0.0 if budget is None else safety_margin,
                          signature=batch_signature((inputs, targets)), solver=solver, pager=pager,
-                         loss_norm=loss_norm, capture=analysis.capture_chain, state_pager=state_pager, fused=fused)
+                         loss_norm=loss_norm, capture=analysis.capture_chain, state_pager=state_pager, fused=fused,
+                         layout=layout)
         step.budget.micro_sizes = outcome.sizes
         step.draws_random = random
         if budget is not None:

@@ -9,7 +9,8 @@ import torch
 from .errors import InputError
 
 __all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature",
-           "larger_per_sample", "tensors_in", "clone_tensors", "call_model", "split_batch"]
+           "larger_per_sample", "tensors_in", "clone_tensors", "call_model", "split_batch", "channels_last_images",
+           "has_images"]
 
 
 def call_model(model: Any, inputs: Any) -> Any:
@@ -112,6 +113,27 @@ def slice_batch(x: Any, start: int, stop: int) -> Any:
         return {k: slice_batch(v, start, stop) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
         return type(x)(slice_batch(v, start, stop) for v in x)
+    return x
+
+
+def _image(t: torch.Tensor) -> bool:
+    return t.dim() == 4 and t.is_floating_point()
+
+
+def has_images(x: Any) -> bool:
+    """Whether a batch (tensor, dict, tuple or list of them) holds a 4-D floating-point tensor."""
+    return any(_image(t) for t in _leaves(x))
+
+
+def channels_last_images(x: Any) -> Any:
+    """``x`` with every 4-D floating-point tensor stored channels-last (a copy where it is not already;
+    shapes and values unchanged); other values pass through."""
+    if isinstance(x, torch.Tensor):
+        return x.contiguous(memory_format=torch.channels_last) if _image(x) else x
+    if isinstance(x, Mapping):
+        return {k: channels_last_images(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(channels_last_images(v) for v in x)
     return x
 
 

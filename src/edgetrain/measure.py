@@ -60,6 +60,7 @@ class Job:
         page_optimizer_state: for edgetrain, ``PlanConfig(page_optimizer_state=)``.
         fused_update: for edgetrain, ``PlanConfig(fused_update=)``.
         compile: for edgetrain, ``PlanConfig(compile=)`` (the step runs compiled where a measured trial fits).
+        layout: for edgetrain, ``PlanConfig(layout=)`` (``"keep"``, ``"channels_last"`` or ``"auto"``).
     """
 
     model: str
@@ -84,6 +85,7 @@ class Job:
     page_optimizer_state: bool | str = "auto"
     fused_update: bool | str = "auto"
     compile: bool = False
+    layout: str = "keep"
 
 
 @dataclass
@@ -212,7 +214,8 @@ def _worker(job: Job) -> JobResult:
                                                paging=job.paging, objective=job.objective,
                                                exact_batchnorm=job.exact_batchnorm,
                                                page_optimizer_state=job.page_optimizer_state,
-                                               fused_update=job.fused_update, compile=job.compile))
+                                               fused_update=job.fused_update, compile=job.compile,
+                                               layout=job.layout))
         except BudgetError as e:
             res.error, res.error_type, res.min_feasible_bytes = str(e), "BudgetError", e.min_feasible_bytes
             res.peak_bytes = max(0, memory.peak_rss_bytes() - memory.baseline_rss_bytes())

@@ -106,6 +106,8 @@ class Plan:
         if self.bn_micro_batched:
             lines.append("  note: BatchNorm normalises each micro-batch with its own statistics "
                          "(running statistics are still full-batch exact)")
+        if self.metadata.get("layout") == "channels_last":
+            lines.append("  layout: images fed channels-last")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -15,8 +15,8 @@ from ._state import (autocast_state, backward_outside_autocast, host_rng_state, 
                      set_rng_state)
 from .adaptation.controller import BudgetController
 from .adaptation.table import PlanTable
-from .batch import (batch_signature, batch_size_of, describe_signature, signature_misfit, slice_batch,
-                    split_batch)
+from .batch import (batch_signature, batch_size_of, channels_last_images, describe_signature, signature_misfit,
+                    slice_batch, split_batch)
 from .capture import bind_inputs
 from .errors import BudgetError, EdgetrainError, InputError
 from .graph import CostChain, run_micro_batch_sizes
@@ -25,6 +25,7 @@ from .units import format_bytes
 from .planning.analysis import block_solver_options
 from .planning.guards import (attribute_key, changed_attributes, check_autocast, check_constants, check_trainable,
                               describe_change, model_key, raise_for_one_sample)
+from .planning.layout import LAYOUT_KEY
 from .planning.loss import LossNorm
 from .runtime.batchnorm import FullBatchStats
 from .runtime.compiled import CompiledExecutor
@@ -55,7 +56,7 @@ class TrainStep:
                  chain: Any, costs: CostChain, plan: Plan, *, budget_bytes: int | None, margin_bytes: int,
                  margin_share: float, signature: tuple[Any, ...], solver: str, pager: Any = None,
                  loss_norm: LossNorm | None = None, capture: Callable[[], Any] | None = None,
-                 state_pager: Any = None, fused: Any = None) -> None:
+                 state_pager: Any = None, fused: Any = None, layout: str = "keep") -> None:
         self.model = model
         self.loss_norm = loss_norm or LossNorm("mean")
         self._model_key = model_key(model)
@@ -75,6 +76,7 @@ class TrainStep:
         self.margin_share = margin_share  # prepare's safety_margin: a new budget holds back the same share
         self.solver = solver
         self._signature = signature
+        self.layout = layout  # how each batch's images are fed: "keep" or "channels_last" (PlanConfig.layout)
         self._bn = FullBatchStats(model)
         self._plan = plan
         self._pager = pager
@@ -246,6 +248,8 @@ class TrainStep:
         if targets is _BATCH:
             inputs, targets = split_batch(inputs, "the batch")
         n, sig = self._check(inputs, targets)
+        if self.layout == "channels_last":
+            inputs = channels_last_images(inputs)  # a copy the plan counts (planning.layout.with_layout)
         try:
             return self._step(inputs, targets, n)
         except EdgetrainError:
@@ -354,6 +358,8 @@ class TrainStep:
             from .runtime.paging import Pager
 
             self._pager = Pager(self.page_dir, keep=list(self.model.parameters()))
+        if self.layout != "keep":
+            plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: self.layout})
         self._plan = plan  # before the executor: it is chosen for the plan in force
         self._executor = self._make_executor(plan)
         if self.runs_compiled:

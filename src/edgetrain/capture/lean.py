@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import settings
 
-__all__ = ["CHUNK_BYTES", "lean_conv2d", "lean_hardtanh", "chunk_bytes"]
+__all__ = ["CHUNK_BYTES", "lean_conv2d", "lean_hardtanh", "chunk_bytes", "memory_format_of"]
 
 #: Default bytes of (input + output gradient) a backward slice covers. Much smaller slices lose speed on
 #: deep, small maps (oneDNN's per-call overhead); at 8 MiB the slices of the large early maps stay big
@@ -38,6 +38,14 @@ CHUNK_BYTES = settings.DEFAULT_CONV_CHUNK_BYTES
 
 #: the slice size in force (``EDGETRAIN_CONV_CHUNK_BYTES``; 0 disables the lean path)
 chunk_bytes = settings.conv_chunk_bytes
+
+
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    """``torch.channels_last`` for a 4-D tensor stored channels-last (and not also contiguous), else
+    ``torch.contiguous_format``."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 class _LeanConv2dFn(torch.autograd.Function):
@@ -89,7 +97,10 @@ def _sliced_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _slices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, int],
             padding: tuple[int, int], dilation: tuple[int, int], groups: int, rows: int) -> torch.Tensor:
     first = F.conv2d(x[:rows], weight, bias, stride, padding, dilation, groups)
-    out = first.new_empty((x.shape[0],) + tuple(first.shape[1:]))
+    # in the layout the convolution chose (channels-last for a channels-last input): a contiguous output would
+    # turn every later layer back to NCHW, and cost a copy per layer
+    out = torch.empty((x.shape[0],) + tuple(first.shape[1:]), dtype=first.dtype, device=first.device,
+                      memory_format=memory_format_of(first))
     out[:rows] = first
     del first
     for start in range(rows, x.shape[0], rows):

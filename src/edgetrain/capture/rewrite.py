@@ -273,11 +273,13 @@ def keeps_input(gm: fx.GraphModule, n: fx.Node) -> bool:
     return True
 
 
-def rewrite(gm: fx.GraphModule) -> Rewrites:
+def rewrite(gm: fx.GraphModule, channels_last: bool = False) -> Rewrites:
     """Apply the passes of the module docstring to ``gm`` in place (its values are unchanged).
 
     Args:
         gm: a graph module traced from the user's model (its root holds the model's submodules).
+        channels_last: the model is fed channels-last images. Lean BatchNorm is then left out: its kernel
+            covers contiguous (NCHW) maps only, and a layer it falls back on pays a copy of its output.
 
     Returns:
         The counts of rewritten nodes.
@@ -285,7 +287,8 @@ def rewrite(gm: fx.GraphModule) -> Rewrites:
     done = Rewrites(_functionalize(gm), lean_activations(gm), lean_convs(gm))
     # the native kernels are built, loaded and self-checked on first use, which leaves them and the torch
     # code the check runs resident in this process: only for a graph that has something for them to do
-    if settings.lean_batchnorm_enabled() and calls_module(gm, BATCHNORMS) and lean_bn_available():
+    if (settings.lean_batchnorm_enabled() and not channels_last and calls_module(gm, BATCHNORMS)
+            and lean_bn_available()):
         done.batchnorms = lean_batch_norms(gm)
         done.owned = _own_inputs(gm)
     if has_dropout(gm) and lean_dropout_available():

@@ -25,6 +25,7 @@ from .._state import preserved_model_state, rng_state, set_rng_state
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers, torchscript_in
 from .checks import HOOKED, graph_checks, hooked_traced_modules, isolated, reproducible, same
+from .lean import memory_format_of
 from .modules import blocks_behind, module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
 
@@ -447,7 +448,8 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
                 set_rng_state(state)
                 return _fallback(model, env, names, mutates, HOOKED % (", ".join(hooked[:3]) + (
                     f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")), strict)
-            rewrite(gm)  # same values, out-of-place and leaner (_rewrite.py)
+            rewrite(gm, channels_last=any(isinstance(v, torch.Tensor) and memory_format_of(v) is torch.channels_last
+                                          for v in env.values()))  # same values, out-of-place and leaner
             set_rng_state(state)
             values, last_write = _node_values(gm, env)
         except Exception as e:  # CaptureError from tracing, or the traced graph failing to run

@@ -35,7 +35,7 @@ from ..capture import OUTPUT_KEY, Chain
 from ..capture.chain import grad_outputs, stage_inputs
 from ..capture.lean_bn import available as lean_bn_available
 from ..capture.lean_dropout import available as lean_dropout_available
-from ..capture.lean import chunk_bytes
+from ..capture.lean import chunk_bytes, memory_format_of
 from ..errors import ProfileError
 from ..graph import CostChain, Linear, StageCost
 from ..runtime import pool
@@ -302,7 +302,10 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs
              f"lean-bn:{settings.lean_batchnorm_enabled() and lean_bn_available()}",
              f"lean-dropout:{lean_dropout_available()}", f"autocast:{autocast_state()}"]
-    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
+    # layouts too: a channels-last model or batch runs other kernels (and no lean BatchNorm) on the same shapes
+    parts += [f"layout:{k}:{memory_format_of(v)}" for k, v in inputs_env.items() if isinstance(v, torch.Tensor)]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}:{memory_format_of(p)}"
+              for n, p in model.named_parameters()]
     parts += [f"{s.name}|{s.inputs}|{s.outputs}" for s in chain.stages]
     for p in parts:
         h.update(p.encode())

@@ -1,0 +1,153 @@
+"""PlanConfig(layout=...): a convolutional model's images fed channels-last, exact up to float rounding."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import edgetrain
+from edgetrain import PlanConfig
+from edgetrain.batch import channels_last_images, has_images
+from edgetrain.capture.lean import lean_conv2d, memory_format_of
+from edgetrain.measure import Job, run_isolated
+
+from _models import mlp
+
+CL = torch.channels_last
+
+
+def _resnet(hidden=(8, 16)) -> nn.Module:
+    """A Hugging Face ResNet (BatchNorm, residual additions), built offline from a config."""
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=list(hidden), depths=[1, 1],
+                                    layer_type="basic", num_labels=5)
+    torch.manual_seed(0)
+    return transformers.ResNetForImageClassification(cfg).train()
+
+
+def _loss(out, t):
+    return F.cross_entropy(out.logits, t)
+
+
+def _close(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        if p.dtype.is_floating_point:
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+        else:
+            assert torch.equal(p, q), name  # num_batches_tracked: counted once a step
+
+
+def test_channels_last_images_converts_only_4d_floating_tensors():
+    x = {"pixels": torch.randn(2, 3, 4, 5), "ids": torch.ones(2, 3, 4, 5, dtype=torch.long), "seq": torch.randn(2, 7)}
+    got = channels_last_images((x, [torch.randn(2, 3, 4, 4)]))
+    assert memory_format_of(got[0]["pixels"]) is CL and torch.equal(got[0]["pixels"], x["pixels"])
+    assert got[0]["ids"].is_contiguous() and got[0]["seq"] is x["seq"]
+    assert memory_format_of(got[1][0]) is CL
+    assert has_images(x) and not has_images({"seq": x["seq"]})
+
+
+def test_lean_convolution_keeps_a_channels_last_input_channels_last():
+    """A sliced convolution must not turn the maps back to NCHW (every later layer would follow, with a copy)."""
+    x = torch.randn(8, 4, 12, 12).contiguous(memory_format=CL).requires_grad_()
+    w = torch.randn(6, 4, 3, 3, requires_grad=True)
+    out = lean_conv2d(x, w, None, (1, 1), (1, 1), (1, 1), 1, limit=4 * 4 * 12 * 12 * 3)  # 3 slices
+    assert memory_format_of(out) is CL
+    ref = F.conv2d(x.detach(), w.detach(), None, 1, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    assert memory_format_of(x.grad) is CL
+
+
+@pytest.mark.parametrize("solver", ["dp", "recompute_all"])
+def test_channels_last_step_trains_as_plain_pytorch(solver):
+    """Losses, parameters and BatchNorm statistics follow plain PyTorch's NCHW steps to float rounding, with
+    and without recomputation; the plan says the layout, and the step feeds each batch channels-last."""
+    model = _resnet()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 3, 64, 64, generator=g), torch.randint(0, 5, (12,), generator=g)
+    step = edgetrain.prepare(model, opt, _loss, (x, y), memory_budget="1GiB",
+                             planning=PlanConfig(layout="channels_last", solver=solver))
+    assert ("recompute" in step.plan.policies) == (solver == "recompute_all")
+    assert step.layout == "channels_last"
+    assert step.plan.metadata["layout"] == "channels_last" and "channels-last" in step.plan.summary()
+    for i in range(3):
+        xb, yb = torch.randn(12, 3, 64, 64, generator=g), torch.randint(0, 5, (12,), generator=g)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = _loss(ref(xb), yb)
+        ref_loss.backward()
+        ref_opt.step()
+        assert step(xb, yb) == pytest.approx(ref_loss.item(), rel=1e-5)
+        assert xb.is_contiguous()  # the caller's batch is left as it was
+    _close(model, ref)
+    assert all(p.is_contiguous() for p in model.parameters())  # the parameters are not touched
+
+
+def test_a_plan_given_back_keeps_its_layout():
+    model = _resnet()
+    x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 5, (6,))
+    first = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (x, y),
+                              memory_budget="1GiB", planning=PlanConfig(layout="channels_last"))
+    again = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (x, y),
+                              memory_budget="1GiB", plan=first.plan, costs=first.costs)
+    assert again.layout == "channels_last"
+    again(x, y)
+
+
+def test_auto_compares_layouts_only_where_they_can_differ(caplog):
+    """A model without convolutions runs as given with no second profile; a convolutional one is profiled both
+    ways and the choice is logged with both predicted steps."""
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="edgetrain.api"):
+        step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y),
+                                 memory_budget="1GiB", planning=PlanConfig(layout="auto"))
+    assert step.layout == "keep" and "layout" not in step.plan.metadata
+    assert not [r for r in caplog.records if r.getMessage().startswith("layout:")]
+    caplog.clear()
+    model = _resnet()
+    xi, yi = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    with caplog.at_level(logging.INFO, logger="edgetrain.api"):
+        step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (xi, yi),
+                                 memory_budget="1GiB", planning=PlanConfig(layout="auto", use_cache=False))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("layout:")]
+    assert len(said) == 1 and "as given" in said[0] and "s channels-last" in said[0], said
+    assert step.layout == ("channels_last" if said[0].startswith("layout: channels-last") else "keep")
+    step(xi, yi)
+
+
+def test_layout_is_validated():
+    with pytest.raises(ValueError, match="layout"):
+        PlanConfig(layout="nhwc")
+
+
+def test_channels_last_profiles_are_cached_apart(tmp_path, monkeypatch):
+    """The profile cache keys the layout: a channels-last step never reads an NCHW profile (other kernels,
+    no lean BatchNorm, other costs)."""
+    monkeypatch.setenv("EDGETRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EDGETRAIN_NO_CACHE", "0")
+    model = _resnet()
+    x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 5, (6,))
+    counts = []
+    for layout in ("keep", "keep", "channels_last"):
+        edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (x, y), memory_budget="1GiB",
+                          planning=PlanConfig(layout=layout))
+        counts.append(len(list((tmp_path / "profiles").glob("*.json"))))
+    assert counts[0] == counts[1] > 0 and counts[2] > counts[1], counts
+
+
+def test_channels_last_step_stays_inside_its_budget():
+    """Measured in a fresh process: the per-step copy of the batch is counted, the peak stays in the budget."""
+    job = Job(model="mobilenet_v2", model_kwargs={"num_classes": 10, "in_channels": 3, "width_mult": 0.5},
+              input_shape=(3, 48, 48), batch_size=16, steps=3, threads=1, budget="60MiB", layout="channels_last")
+    res = run_isolated(job)
+    assert res.ok, res.error
+    assert res.plan["metadata"]["layout"] == "channels_last"
+    assert res.peak_bytes <= 60 * 2**20
