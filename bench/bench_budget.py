@@ -94,9 +94,9 @@ QUICK = Settings(budgets=(0.5, 1.0), steps=2, repeats=0, versus_repeats=0, quick
 
 _KEY_FIELDS = ("model", "input_shape", "batch_size", "mode", "model_kwargs", "budget", "micro_batch_size",
                "segments", "solver", "steps", "optimizer", "seed", "threads", "env", "exact_batchnorm",
-               "activation_memory_budget", "compile")
+               "activation_memory_budget", "compile", "layout")
 #: the value a field had in logs written before it existed
-_KEY_DEFAULTS = {"exact_batchnorm": True, "compile": False}
+_KEY_DEFAULTS = {"exact_batchnorm": True, "compile": False, "layout": "keep"}
 
 
 def job_key(job: Job | dict[str, Any]) -> str:

@@ -348,6 +348,20 @@ def test_job_key_tells_a_compiled_edgetrain_job_from_an_eager_one() -> None:
     assert bb.job_key(logged) == bb.job_key(eager)
 
 
+def test_job_key_tells_a_layout_auto_job_from_the_default_one() -> None:
+    """The run reuses a job's result by key: without the layout in it, the layout row would repeat the default's."""
+    from edgetrain.measure import Job
+
+    given = Job(model="resnet18", input_shape=(3, 32, 32), batch_size=8, budget=100)
+    auto = Job(model="resnet18", input_shape=(3, 32, 32), batch_size=8, budget=100, layout="auto")
+    assert bb.job_key(given) != bb.job_key(auto)
+    logged = {k: v for k, v in bb.asdict(given).items() if k != "layout"}  # a log from before the field
+    assert bb.job_key(logged) == bb.job_key(given)
+    plan = {"micro_batch_size": 8, "policies": ["keep"] * 4, "metadata": {"layout": "channels_last"}}
+    e = bb.edgetrain_entry(JobResult(peak_bytes=1, step_time_s=0.1, plan=plan), 2**30, 8, 4, bb.EDGE_LAYOUT)
+    assert e.config == "mb=8, 0/4 recomp, channels-last"
+
+
 def test_compiled_edgetrain_entry_says_what_compile_did() -> None:
     plan = {"micro_batch_size": 8, "policies": ["keep"] * 4,
             "metadata": {"compiled": True, "eager_peak_bytes": 100 * 2**20}}

@@ -151,3 +151,27 @@ def test_channels_last_step_stays_inside_its_budget():
     assert res.ok, res.error
     assert res.plan["metadata"]["layout"] == "channels_last"
     assert res.peak_bytes <= 60 * 2**20
+
+
+class _Viewing(nn.Module):
+    """Flattens its maps with .view(), which needs NCHW strides (common in hand-written CNNs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fc(y.view(y.shape[0], -1))
+
+
+def test_a_model_that_cannot_take_channels_last_is_kept_by_auto_and_refused_clearly_when_forced():
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    model = _Viewing()
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y),
+                             memory_budget="1GiB", planning=PlanConfig(layout="auto"))
+    assert step.layout == "keep"
+    step(x, y)
+    with pytest.raises(edgetrain.CaptureError, match=r"channels-last .*\.view\(\).*layout='keep'"):
+        edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y),
+                          memory_budget="1GiB", planning=PlanConfig(layout="channels_last"))

@@ -23,7 +23,7 @@ from .planning.analysis import FUSED_KEY, Analysis, Outcome
 from .planning.compiled import compile_step, why_not_compiled
 from .planning.holding import fusing_fields, state_paging_fields
 from .planning.budgets import safety_margin_bytes
-from .planning.layout import LAYOUT_KEY, choose_layout, convolutional, with_layout
+from .planning.layout import LAYOUT_KEY, choose_layout, convolutional, explained, with_layout
 from .planning.threads import train_here
 from .planning.guards import (check_materialized, check_optimizer, draws_random, example_copy, loss_norm_safely,
                               mark_micro_batched, one_sample_trains)
@@ -202,9 +202,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             outcome = Outcome(plan, costs, 0, [batch] if reasons else None, page_state=paged,
                               update_bytes=update_bytes, fused=fused)
         else:
-            chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
-                                            profile=analysis.profile, summary=analysis.profile_summary,
-                                            memo=analysis.profiles, more_threads=train_here)
+            with explained(layout):
+                chain, outcome = analyse_safely(analysis.capture_chain, analysis.analyse, budget, pager is None,
+                                                profile=analysis.profile, summary=analysis.profile_summary,
+                                                memo=analysis.profiles, more_threads=train_here)
         plan, costs = outcome.plan, outcome.costs
         if layout != "keep":
             plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: layout})

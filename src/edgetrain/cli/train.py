@@ -138,7 +138,7 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging,
                                   page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir,
-                                  fused_update=cfg.fused_update, compile=cfg.compile),
+                                  fused_update=cfg.fused_update, compile=cfg.compile, layout=cfg.layout),
                        "name": cfg.model}
     trainer = Trainer(model, opt, loss_fn, loader, val_loader, memory_budget=budget, scheduler=sched,
                       metrics={"accuracy": _accuracy} if classification else None,

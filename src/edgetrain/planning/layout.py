@@ -18,8 +18,9 @@ fastest step inside the budget is at least :data:`MARGIN` faster than the given 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -27,12 +28,12 @@ from torch import nn
 from ..batch import channels_last_images, has_images, tensors_in
 from ..capture.lean import memory_format_of
 from ..capture import bind_inputs
-from ..errors import BudgetError
+from ..errors import BudgetError, CaptureError
 from ..graph import CostChain
 from ..profile.fork import measure_in_child
 from .planner import Planner
 
-__all__ = ["LAYOUT_KEY", "MARGIN", "choose_layout", "convolutional", "predicted_step_s", "with_layout"]
+__all__ = ["LAYOUT_KEY", "MARGIN", "choose_layout", "convolutional", "explained", "predicted_step_s", "with_layout"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -108,3 +109,18 @@ def choose_layout(analysis: Any) -> tuple[Any, str]:
 
 def _s(t: float | None) -> str:
     return "none inside the budget" if t is None else f"{t:.3g} s"
+
+
+@contextmanager
+def explained(layout: str) -> Iterator[None]:
+    """A capture failing on channels-last images says so: the usual cause is the model's own ``.view()`` of a
+    map, which needs NCHW strides."""
+    try:
+        yield
+    except CaptureError as e:
+        if layout != "channels_last":
+            raise
+        raise CaptureError(f"{e} The images were fed channels-last (PlanConfig(layout='channels_last')); a model "
+                           "that reads its maps with .view() needs them NCHW: use layout='keep', or 'auto' (which "
+                           "keeps the layout given where channels-last does not run), or .reshape() in the "
+                           "model.") from e
