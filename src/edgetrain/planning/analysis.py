@@ -83,10 +83,8 @@ class Outcome:
 
 @dataclass(kw_only=True)
 class Analysis:
-    """Everything ``prepare()`` decided before profiling; its methods do the measuring and planning.
-
-    Built by keyword only: most fields are ints, and a positional call could swap two unnoticed.
-    """
+    """Everything ``prepare()`` decided before profiling; its methods do the measuring and planning. Built by
+    keyword only: most fields are ints, and a positional call could swap two unnoticed."""
 
     model: nn.Module
     inputs: Any
@@ -133,6 +131,7 @@ class Analysis:
     _unfused_best_s: float = field(default=float("inf"), init=False, repr=False)
     #: profiles this analysis took, by cache key (:func:`~edgetrain.profile.stages.profile_chain`'s ``memo``)
     profiles: dict[str, Any] = field(default_factory=dict)
+    batch_copy: int = 0  # bytes a step copies each batch into (PlanConfig.layout), beside the caller's batch
 
     @property
     def can_page_state(self) -> bool:
@@ -181,11 +180,11 @@ class Analysis:
 
     def validator(self, chain: Any, isolated: bool = False, paged: bool = False,
                   fused: bool = False) -> Callable[[Plan], Measured]:
-        """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process
-        (when it can: no pager, a child running this process's threads), so that every run is measured as this
-        process's first step will be, without the kernels and heap earlier runs of other micro-batch sizes leave.
-        ``paged``: the steps page the optimizer state out during the passes (the fork's steps do too);
-        ``fused``: they update each parameter inside the backward."""
+        """Runs a plan once and measures it; ``isolated`` runs each plan in a fresh fork of this process (when it
+        can: no pager, a child running this process's threads), so that every run is measured as this process's
+        first step will be, without the kernels and heap earlier runs of other micro-batch sizes leave. ``paged``:
+        the steps page the optimizer state out during the passes (the fork's too); ``fused``: they update each
+        parameter inside the backward."""
         def run(p: Plan) -> Measured:
             measured = None
             if isolated and self.pager is None:
@@ -201,7 +200,8 @@ class Analysis:
                 measured = run_plan(chain, p, self.model, self.env, self.targets, self.loss_fn, self.pager, fused)
                 if fused:  # the run dropped the gradients but updated nothing: one update's bytes on top
                     measured = replace(measured, peak=measured.peak + self.fused_bytes)
-            return replace(measured, process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
+            return replace(measured, peak=measured.peak + self.batch_copy,  # converted by real steps, not by runs
+                           process_rss=memory.rss_bytes() - memory.baseline_rss_bytes())
         return run
 
     def _profile_at(self, chain: Any, fixed: int, budget: int | None) -> CostChain:

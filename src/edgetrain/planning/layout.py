@@ -60,7 +60,7 @@ def with_layout(analysis: Any, layout: str) -> Any:
     copied = sum(t.nbytes for t in tensors_in(analysis.inputs) if t.dim() == 4 and t.is_floating_point()
                  and memory_format_of(t) is not torch.channels_last)
     return replace(analysis, inputs=inputs, env=bind_inputs(analysis.model, inputs), profiles={},
-                   fixed=analysis.fixed + copied)
+                   fixed=analysis.fixed + copied, batch_copy=copied)
 
 
 def predicted_step_s(analysis: Any, chain: Any, costs: CostChain) -> float | None:
