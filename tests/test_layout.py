@@ -175,3 +175,47 @@ def test_a_model_that_cannot_take_channels_last_is_kept_by_auto_and_refused_clea
     with pytest.raises(edgetrain.CaptureError, match=r"channels-last .*\.view\(\).*layout='keep'"):
         edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y),
                           memory_budget="1GiB", planning=PlanConfig(layout="channels_last"))
+
+
+def _mobilevit() -> nn.Module:
+    """Convolutions, BatchNorm, and attention over unfolded patches (reshapes of the maps)."""
+    cfg = transformers.MobileViTConfig(num_channels=3, image_size=32, patch_size=2, hidden_sizes=[16, 24, 32],
+                                       neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_labels=5,
+                                       num_attention_heads=2)
+    torch.manual_seed(0)
+    return transformers.MobileViTForImageClassification(cfg).train()
+
+
+def _convnext() -> nn.Module:
+    """Depthwise convolutions and a LayerNorm over channels (permutes to NHWC and back)."""
+    cfg = transformers.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
+                                      num_labels=5, image_size=32)
+    torch.manual_seed(0)
+    return transformers.ConvNextForImageClassification(cfg).train()
+
+
+@pytest.mark.parametrize("build", [_mobilevit, _convnext])
+def test_channels_last_third_party_models_train_as_plain_pytorch(build):
+    model = build()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
+    step = edgetrain.prepare(model, opt, _loss, (x, y), memory_budget="1GiB",
+                             planning=PlanConfig(layout="channels_last", solver="recompute_all"))
+    assert step.layout == "channels_last"
+    for i in range(2):
+        xb, yb = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
+        torch.manual_seed(10 + i)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = _loss(ref(xb), yb)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.manual_seed(10 + i)
+        assert step(xb, yb) == pytest.approx(ref_loss.item(), rel=1e-5)
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+        if p.dtype.is_floating_point:  # biases ahead of a normalisation train at ~1e-9: absolute tolerance
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(p, q), name
