@@ -5,12 +5,27 @@ Pure functions over measured results (no process is started here), so the tests 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
 
 from _budget_report import fits
 
-from edgetrain.measure import JobResult
+from edgetrain.measure import Job, JobResult
+
+_KEY_FIELDS = ("model", "input_shape", "batch_size", "mode", "model_kwargs", "budget", "micro_batch_size",
+               "segments", "solver", "steps", "optimizer", "seed", "threads", "env", "exact_batchnorm",
+               "activation_memory_budget", "compile", "layout")
+#: the value a field had in logs written before it existed
+_KEY_DEFAULTS = {"exact_batchnorm": True, "compile": False, "layout": "keep"}
+
+
+def job_key(job: Job | dict[str, Any]) -> str:
+    """Identity of a job for the run's cache and for ``--replay`` (the fields this bench sets)."""
+    d = asdict(job) if isinstance(job, Job) else job
+    return json.dumps({k: d.get(k, _KEY_DEFAULTS.get(k)) for k in _KEY_FIELDS}, sort_keys=True)
 
 def micro_batch_candidates(batch_size: int) -> list[int]:
     """B, ceil(B/2), ceil(B/4), ... 1, without repeats."""

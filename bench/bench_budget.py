@@ -50,7 +50,7 @@ from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: te
     plans_table, reference_table, versus_line, versus_lines,
 )
 from _budget_search import (  # noqa: E402,F401  (re-exported: tests read them here)
-    compile_best, compile_next_ratio, fastest_fitting, hopeless, largest_fitting, max_batch_search,
+    compile_best, compile_next_ratio, fastest_fitting, hopeless, job_key, largest_fitting, max_batch_search,
     micro_batch_candidates, segment_candidates,
 )
 from _common import (  # noqa: E402
@@ -90,19 +90,6 @@ class Settings:
 QUICK = Settings(budgets=(0.5, 1.0), steps=2, repeats=0, versus_repeats=0, quick_segments=True,
                  maxbatch=replace(FULL_MODELS["mobilenet_v2"], batch_size=8), maxbatch_resolution=0.5,
                  maxbatch_limit=64, compile_tries=1)
-
-
-_KEY_FIELDS = ("model", "input_shape", "batch_size", "mode", "model_kwargs", "budget", "micro_batch_size",
-               "segments", "solver", "steps", "optimizer", "seed", "threads", "env", "exact_batchnorm",
-               "activation_memory_budget", "compile", "layout")
-#: the value a field had in logs written before it existed
-_KEY_DEFAULTS = {"exact_batchnorm": True, "compile": False, "layout": "keep"}
-
-
-def job_key(job: Job | dict[str, Any]) -> str:
-    """Identity of a job for the run's cache and for ``--replay`` (the fields this bench sets)."""
-    d = asdict(job) if isinstance(job, Job) else job
-    return json.dumps({k: d.get(k, _KEY_DEFAULTS.get(k)) for k in _KEY_FIELDS}, sort_keys=True)
 
 
 class Runner:

@@ -42,6 +42,26 @@ def _close(a: nn.Module, b: nn.Module) -> None:
             assert torch.equal(p, q), name  # num_batches_tracked: counted once a step
 
 
+def _channels_last_twin(model: nn.Module, n: int, size: int, solver: str):
+    """``model``'s channels-last step and a plain NCHW copy with its optimizer, from one example and generator."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, 5, (n,), generator=g)
+    step = edgetrain.prepare(model, opt, _loss, (x, y), memory_budget="1GiB",
+                             planning=PlanConfig(layout="channels_last", solver=solver))
+    return step, ref, ref_opt, g
+
+
+def _plain_loss(ref: nn.Module, ref_opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    ref_opt.zero_grad(set_to_none=True)
+    loss = _loss(ref(x), y)
+    loss.backward()
+    ref_opt.step()
+    return loss.item()
+
+
 def test_channels_last_images_converts_only_4d_floating_tensors():
     x = {"pixels": torch.randn(2, 3, 4, 5), "ids": torch.ones(2, 3, 4, 5, dtype=torch.long), "seq": torch.randn(2, 7)}
     got = channels_last_images((x, [torch.randn(2, 3, 4, 4)]))
@@ -68,23 +88,14 @@ def test_channels_last_step_trains_as_plain_pytorch(solver):
     """Losses, parameters and BatchNorm statistics follow plain PyTorch's NCHW steps to float rounding, with
     and without recomputation; the plan says the layout, and the step feeds each batch channels-last."""
     model = _resnet()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(12, 3, 64, 64, generator=g), torch.randint(0, 5, (12,), generator=g)
-    step = edgetrain.prepare(model, opt, _loss, (x, y), memory_budget="1GiB",
-                             planning=PlanConfig(layout="channels_last", solver=solver))
+    step, ref, ref_opt, g = _channels_last_twin(model, 12, 64, solver)
     assert ("recompute" in step.plan.policies) == (solver == "recompute_all")
     assert step.layout == "channels_last"
     assert step.plan.metadata["layout"] == "channels_last" and "channels-last" in step.plan.summary()
     for i in range(3):
         xb, yb = torch.randn(12, 3, 64, 64, generator=g), torch.randint(0, 5, (12,), generator=g)
-        ref_opt.zero_grad(set_to_none=True)
-        ref_loss = _loss(ref(xb), yb)
-        ref_loss.backward()
-        ref_opt.step()
-        assert step(xb, yb) == pytest.approx(ref_loss.item(), rel=1e-5)
+        ref_loss = _plain_loss(ref, ref_opt, xb, yb)
+        assert step(xb, yb) == pytest.approx(ref_loss, rel=1e-5)
         assert xb.is_contiguous()  # the caller's batch is left as it was
     _close(model, ref)
     assert all(p.is_contiguous() for p in model.parameters())  # the parameters are not touched
@@ -197,23 +208,14 @@ def _convnext() -> nn.Module:
 @pytest.mark.parametrize("build", [_mobilevit, _convnext])
 def test_channels_last_third_party_models_train_as_plain_pytorch(build):
     model = build()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
-    step = edgetrain.prepare(model, opt, _loss, (x, y), memory_budget="1GiB",
-                             planning=PlanConfig(layout="channels_last", solver="recompute_all"))
+    step, ref, ref_opt, g = _channels_last_twin(model, 8, 32, "recompute_all")
     assert step.layout == "channels_last"
     for i in range(2):
         xb, yb = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
         torch.manual_seed(10 + i)
-        ref_opt.zero_grad(set_to_none=True)
-        ref_loss = _loss(ref(xb), yb)
-        ref_loss.backward()
-        ref_opt.step()
+        ref_loss = _plain_loss(ref, ref_opt, xb, yb)
         torch.manual_seed(10 + i)
-        assert step(xb, yb) == pytest.approx(ref_loss.item(), rel=1e-5)
+        assert step(xb, yb) == pytest.approx(ref_loss, rel=1e-5)
     for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
         if p.dtype.is_floating_point:  # biases ahead of a normalisation train at ~1e-9: absolute tolerance
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
