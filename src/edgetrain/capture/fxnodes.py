@@ -7,7 +7,7 @@ from typing import Any, Callable
 from torch import fx, nn
 
 __all__ = ["MODULE_META", "has_hooks", "has_backward_hooks", "has_foreign_forward_hooks", "replace_node",
-           "calls_module"]
+           "calls_module", "VIEW_OPS", "op_name", "is_view"]
 
 #: Meta key that records, on a rewritten graph node, the qualified name of the module it called.
 MODULE_META = "edgetrain_module"
@@ -55,3 +55,26 @@ def replace_node(gm: fx.GraphModule, node: fx.Node, fn: Callable[..., Any] | str
 def calls_module(gm: fx.GraphModule, types: Any) -> bool:
     """Whether the graph calls a module whose type is one of ``types``."""
     return any(n.op == "call_module" and type(gm.get_submodule(str(n.target))) in types for n in gm.graph.nodes)
+
+
+#: Ops that return a view: an in-place op on their result writes into another tensor (``unbound`` is
+#: :func:`edgetrain.capture.lean_passes.unbound`).
+VIEW_OPS = frozenset({
+    "view", "view_as", "reshape", "narrow", "select", "transpose", "permute", "expand", "expand_as",
+    "unsqueeze", "squeeze", "flatten", "unflatten", "t", "T", "as_strided", "chunk", "split", "unbind",
+    "diagonal", "movedim", "swapaxes", "unfold", "__getitem__", "getitem", "real", "imag", "detach", "unbound",
+})
+
+
+def op_name(n: fx.Node) -> str:
+    """The method or function name a call node runs ("" for anything else)."""
+    if n.op == "call_method":
+        return str(n.target)
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", "")
+    return ""
+
+
+def is_view(n: fx.Node) -> bool:
+    """Whether ``n`` calls an op whose result is a view of its input (:data:`VIEW_OPS`)."""
+    return n.op in ("call_method", "call_function") and op_name(n) in VIEW_OPS

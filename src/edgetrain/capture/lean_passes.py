@@ -1,4 +1,4 @@
-"""The lean-op passes of :func:`edgetrain.capture.rewrite.rewrite` (2, 3, 4 and 6 of its docstring).
+"""The lean-op passes of :func:`edgetrain.capture.rewrite.rewrite` (2, 3, 4, 6 and 7 of its docstring).
 
 Each takes a traced graph module and replaces calls in place by the lean functions of :mod:`.lean`,
 :mod:`.lean_bn` and :mod:`.lean_dropout` (same values, less memory kept for backward), returning how many
@@ -9,19 +9,21 @@ loading a native kernel, whether a graph has anything for the BatchNorm and drop
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .fxnodes import MODULE_META, has_backward_hooks, has_foreign_forward_hooks, has_hooks, replace_node
+from .fxnodes import (MODULE_META, has_backward_hooks, has_foreign_forward_hooks, has_hooks, is_view, op_name,
+                      replace_node)
 from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
 from .lean_bn import lean_batch_norm
 from .lean_dropout import dropout_module_out_of_place, lean_dropout, lean_dropout_module
 
 __all__ = ["BATCHNORMS", "activation_replacement", "lean_activations", "lean_convs", "lean_batch_norms",
-           "has_dropout", "lean_dropouts"]
+           "has_dropout", "lean_dropouts", "sibling_selects", "unbound"]
 
 #: BatchNorm module types the BatchNorm pass rewrites.
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -198,5 +200,60 @@ def lean_dropouts(gm: fx.GraphModule) -> int:
             new.meta[MODULE_META] = str(n.target)
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
+        count += 1
+    return count
+
+
+def unbound(x: Any, rows: int) -> Any:
+    """``x.unbind(0)`` for a tensor of ``rows`` rows, ``x`` itself for anything else (what :func:`sibling_selects`
+    puts before ``x[0], x[1], ...``: indexing either gives the same views)."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == rows:
+        return x.unbind(0)
+    return x
+
+
+def _writes_through(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Whether a reader of ``n``, or of a view of it, may write in place (an output of ``unbind`` must not be
+    written: autograd refuses in-place writes to one of several views made by one call)."""
+    todo, seen = [n], set()
+    while todo:
+        for u in todo.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            name = op_name(u)
+            if u.op == "call_module":
+                m = gm.get_submodule(str(u.target))
+                if getattr(m, "inplace", False) or not type(m).__module__.startswith("torch.nn"):
+                    return True
+            elif (name.endswith("_") and not name.endswith("__")) or u.kwargs.get("inplace") or "out" in u.kwargs:
+                return True
+            elif is_view(u):
+                todo.append(u)
+    return False
+
+
+def sibling_selects(gm: fx.GraphModule) -> int:
+    """``x[0], x[1], ..., x[k-1]`` of one tensor (``q, k, v = qkv[0], qkv[1], qkv[2]``) -> ``x.unbind(0)``'s items
+    (pass 7). The views are the same; the backward differs: each ``x[i]``'s gradient is a zero-filled tensor of
+    ``x``'s whole size with one row written, and autograd adds the ``k`` of them, where ``unbind``'s backward
+    stacks the ``k`` rows once. Every element is the same number (one row's gradient plus zeros), a ``-0.0``
+    aside, which comes out ``-0.0`` instead of ``+0.0``. Applied where the integer indices are exactly
+    ``0 .. k-1`` (``k >= 2``), ``x`` has no other reader and nothing writes in place into a selected view;
+    at run time :func:`unbound` unbinds only a tensor of ``k`` rows (anything else is indexed as before)."""
+    count = 0
+    for x in list(gm.graph.nodes):
+        users = list(x.users)
+        if op_name(x) in ("getattr", "size") or len(users) < 2 or not all(u.op == "call_function" and u.target is operator.getitem and len(u.args) == 2
+                                     and not u.kwargs and type(u.args[1]) is int for u in users):
+            continue
+        rows = sorted({u.args[1] for u in users})
+        if rows != list(range(len(rows))) or any(_writes_through(gm, u) for u in users):
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        with gm.graph.inserting_before(min(users, key=order.__getitem__)):
+            parts = gm.graph.call_function(unbound, (x, len(rows)))
+        for u in users:
+            u.replace_input_with(x, parts)
         count += 1
     return count

@@ -29,7 +29,12 @@
    calls and ``F.dropout`` / ``torch.dropout`` calls draw PyTorch's own masks in one compiled pass and keep
    one bit per element for backward (on where its self-check finds it bit-exact against ``torch.dropout``).
 
-Passes 2, 3, 4 and 6 live in :mod:`edgetrain.capture.lean_passes`. Modules with hooks keep their calls
+7. **Rows of one tensor unbound** (:func:`edgetrain.capture.lean_passes.sibling_selects`): ``x[0], x[1], x[2]``
+   of one tensor (attention's ``q, k, v = qkv[0], qkv[1], qkv[2]``) become the items of ``x.unbind(0)``: the
+   same views, and a backward that stacks the rows' gradients once instead of adding ``k`` zero-filled tensors
+   of ``x``'s size.
+
+Passes 2, 3, 4, 6 and 7 live in :mod:`edgetrain.capture.lean_passes`. Modules with hooks keep their calls
 (the hooks must fire); a rewritten module call records the module's qualified name in
 ``node.meta[MODULE_META]`` so the stage still lists the module it runs.
 """
@@ -47,13 +52,13 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .. import settings
-from .fxnodes import MODULE_META, calls_module, has_hooks, replace_node
+from .fxnodes import MODULE_META, calls_module, has_hooks, is_view, replace_node
 from .lean import lean_conv2d, lean_hardtanh
 from .lean_bn import available as lean_bn_available, lean_batch_norm
 from .lean_dropout import (DROPOUT_FUNCTIONS, available as lean_dropout_available, dropout_module_out_of_place,
                            lean_dropout, lean_dropout_module)
 from .lean_passes import (BATCHNORMS, activation_replacement, has_dropout, lean_activations, lean_batch_norms,
-                          lean_convs, lean_dropouts)
+                          lean_convs, lean_dropouts, sibling_selects)
 
 __all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs", "fresh_activation"]
 
@@ -67,14 +72,6 @@ _INPLACE_METHODS = frozenset({
     "nan_to_num_", "lerp_", "addcmul_", "addcdiv_",
 })
 _FUNCTION_NAMESPACES = (torch, F, torch._C._nn)
-# Ops that return a view: an in-place op on their result writes into another tensor, so it is kept.
-_VIEW_OPS = frozenset({
-    "view", "view_as", "reshape", "narrow", "select", "transpose", "permute", "expand", "expand_as",
-    "unsqueeze", "squeeze", "flatten", "unflatten", "t", "T", "as_strided", "chunk", "split", "unbind",
-    "diagonal", "movedim", "swapaxes", "unfold", "__getitem__", "getitem", "real", "imag", "detach",
-})
-
-
 @dataclass
 class Rewrites:
     """What :func:`rewrite` changed (counts of graph nodes)."""
@@ -85,24 +82,13 @@ class Rewrites:
     batchnorms: int = 0
     owned: int = 0
     dropouts: int = 0
+    selects: int = 0
 
     def __str__(self) -> str:
         return (f"{self.inplace} in-place op(s) made out-of-place, {self.activations} ReLU6/Hardtanh saving "
                 f"outputs, {self.convs} convolution(s) with a batch-sliced backward, {self.batchnorms} lean "
                 f"BatchNorm(s), {self.owned} input gradient(s) written over their input, {self.dropouts} "
-                "lean dropout(s)")
-
-
-def _op_name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return str(n.target)
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", "")
-    return ""
-
-
-def _is_view(n: fx.Node) -> bool:
-    return n.op in ("call_method", "call_function") and _op_name(n) in _VIEW_OPS
+                f"lean dropout(s), {self.selects} tensor(s) indexed row by row unbound")
 
 
 def _twin_function(target: Any) -> Callable[..., Any] | None:
@@ -134,7 +120,7 @@ def _mutated_arg(n: fx.Node) -> fx.Node | None:
     not a view (the write would reach its base) and not a parameter or buffer (``self.calls.add_(1)``,
     ``F.batch_norm`` on a layer's own statistics: the write is the point, and the model keeps it)."""
     a = n.args[0] if n.args else None
-    return a if isinstance(a, fx.Node) and not _is_view(a) and a.op != "get_attr" else None
+    return a if isinstance(a, fx.Node) and not is_view(a) and a.op != "get_attr" else None
 
 
 def _readers_after(a: fx.Node, n: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
@@ -293,9 +279,10 @@ def rewrite(gm: fx.GraphModule, channels_last: bool = False) -> Rewrites:
         done.owned = _own_inputs(gm)
     if has_dropout(gm) and lean_dropout_available():
         done.dropouts = lean_dropouts(gm)
+    done.selects = sibling_selects(gm)
     gm.graph.lint()
     gm.recompile()
-    if done.inplace or done.activations or done.convs or done.batchnorms or done.dropouts:
+    if done.inplace or done.activations or done.convs or done.batchnorms or done.dropouts or done.selects:
         log.debug("graph rewrites: %s", done)
     return done
 
