@@ -296,7 +296,8 @@ def _with_selective(chain: Chain, inputs_env: dict[str, Any], lo: int, hi: int, 
 def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes: tuple[int, ...],
                selective: bool = True) -> str:
     h = hashlib.sha256()
-    parts = ["v9" if selective else "v6", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
+    # the version moves when a graph pass changes what a stage costs (v10: rows of one tensor unbound)
+    parts = ["v10" if selective else "v7", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
              str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs
