@@ -53,6 +53,7 @@ def _budgets(step):
 
 
 def test_budget_drop_and_rise_match_final_plans_exactly():
+    torch.manual_seed(0)
     ref = mlp(d=256, n_blocks=6)  # activations well above the margin (2% of a test process's fixed bytes)
     ours = copy.deepcopy(ref)
     # SGD: Adam's normalisation turns the float32 summation-order differences of micro-batching in gradients
@@ -76,8 +77,11 @@ def test_budget_drop_and_rise_match_final_plans_exactly():
         step(xb, yb)
     assert plans[2].peak_bytes <= low and plans[2].peak_bytes < plans[0].peak_bytes
     assert plans[2].num_micro_batches > 1 or "recompute" in plans[2].policies
+    # micro-batches sum each gradient over the 2048 samples in another order: float32 rounding, ~1e-7 here, and
+    # where it moves a pre-activation across ReLU's zero, one sample's contribution to a layer (up to 1.9e-6 seen
+    # over seeds 0-3); the parameters are ~3e-2 and a step moves them by ~1e-4
     for a, b in zip(ours.state_dict().values(), ref.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_budget_drop_between_micro_batches_loses_no_sample():
