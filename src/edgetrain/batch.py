@@ -10,7 +10,7 @@ from .errors import InputError
 
 __all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature",
            "larger_per_sample", "tensors_in", "clone_tensors", "call_model", "split_batch", "channels_last_images",
-           "has_images"]
+           "has_images", "is_channels_last"]
 
 
 def call_model(model: Any, inputs: Any) -> Any:
@@ -123,6 +123,11 @@ def _image(t: torch.Tensor) -> bool:
 def has_images(x: Any) -> bool:
     """Whether a batch (tensor, dict, tuple or list of them) holds a 4-D floating-point tensor."""
     return any(_image(t) for t in _leaves(x))
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """Whether a 4-D tensor is stored N, H, W, C (and not also plain contiguous, as maps with a 1x1 plane are)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
 def channels_last_images(x: Any) -> Any:

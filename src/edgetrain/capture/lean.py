@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .. import settings
+from ..batch import is_channels_last
 
 __all__ = ["CHUNK_BYTES", "lean_conv2d", "lean_hardtanh", "chunk_bytes", "memory_format_of"]
 
@@ -43,9 +44,7 @@ chunk_bytes = settings.conv_chunk_bytes
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     """``torch.channels_last`` for a 4-D tensor stored channels-last (and not also contiguous), else
     ``torch.contiguous_format``."""
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
+    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
 
 
 class _LeanConv2dFn(torch.autograd.Function):

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...batch import is_channels_last
 from . import _native as native
 
 if TYPE_CHECKING:
@@ -90,18 +91,6 @@ def patch_counts(h: int, w: int, radius: int, dtype: torch.dtype, device: torch.
     count_w = [min(radius, w - radius * j) for j in range(-(-w // radius))]
     return torch.outer(torch.tensor(count_h, dtype=torch.float64),
                        torch.tensor(count_w, dtype=torch.float64)).to(dtype=dtype, device=device)
-
-
-def is_channels_last(t: torch.Tensor) -> bool:
-    """Whether ``t`` is stored N, H, W, C (and not also plain contiguous, as maps with a 1x1 plane are).
-
-    Args:
-        t: a 4-D tensor.
-
-    Returns:
-        True for channels-last storage.
-    """
-    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
 @functools.lru_cache(maxsize=1024)

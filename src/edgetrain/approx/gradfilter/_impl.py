@@ -61,9 +61,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
 
+from ...batch import is_channels_last
 from . import _native as native
 from ._axis import _Axis
-from ._dense import dense_backward, identity_scale, is_channels_last, patch_counts, pool_map, saved_layout, tap_matrix
+from ._dense import dense_backward, identity_scale, patch_counts, pool_map, saved_layout, tap_matrix
 
 __all__ = ["filtered_conv2d", "coarse_geometry", "saved_numel"]
 

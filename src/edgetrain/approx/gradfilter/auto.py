@@ -28,9 +28,9 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from ...batch import is_channels_last
 from ...errors import BudgetError
 from ...units import format_bytes, parse_bytes
-from ._dense import is_channels_last
 from .trace import ModelTrace, _side_effects_undone, layer_costs, trace_model
 from .core import GradFilter, _filtered_class, _select, apply_grad_filter, remove_grad_filter
 
