@@ -10,7 +10,7 @@ from .errors import InputError
 
 __all__ = ["batch_size_of", "slice_batch", "batch_signature", "signature_misfit", "describe_signature",
            "larger_per_sample", "tensors_in", "clone_tensors", "call_model", "split_batch", "channels_last_images",
-           "has_images", "is_channels_last"]
+           "has_images", "is_channels_last", "channels_last_copy_bytes"]
 
 
 def call_model(model: Any, inputs: Any) -> Any:
@@ -128,6 +128,11 @@ def has_images(x: Any) -> bool:
 def is_channels_last(t: torch.Tensor) -> bool:
     """Whether a 4-D tensor is stored N, H, W, C (and not also plain contiguous, as maps with a 1x1 plane are)."""
     return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def channels_last_copy_bytes(x: Any) -> int:
+    """Bytes :func:`channels_last_images` copies for ``x``: its images not stored channels-last already."""
+    return sum(t.nbytes for t in _leaves(x) if _image(t) and not is_channels_last(t))
 
 
 def channels_last_images(x: Any) -> Any:

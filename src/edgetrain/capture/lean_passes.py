@@ -233,6 +233,11 @@ def _writes_through(gm: fx.GraphModule, n: fx.Node) -> bool:
     return False
 
 
+def _int_index(u: fx.Node) -> bool:
+    return (u.op == "call_function" and u.target is operator.getitem and len(u.args) == 2 and not u.kwargs
+            and type(u.args[1]) is int)
+
+
 def sibling_selects(gm: fx.GraphModule) -> int:
     """``x[0], x[1], ..., x[k-1]`` of one tensor (``q, k, v = qkv[0], qkv[1], qkv[2]``) -> ``x.unbind(0)``'s items
     (pass 7). The views are the same; the backward differs: each ``x[i]``'s gradient is a zero-filled tensor of
@@ -242,15 +247,14 @@ def sibling_selects(gm: fx.GraphModule) -> int:
     ``0 .. k-1`` (``k >= 2``), ``x`` has no other reader and nothing writes in place into a selected view;
     at run time :func:`unbound` unbinds only a tensor of ``k`` rows (anything else is indexed as before)."""
     count = 0
-    for x in list(gm.graph.nodes):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # inserting a node keeps the others' relative order
+    for x in list(order):
         users = list(x.users)
-        if op_name(x) in ("getattr", "size") or len(users) < 2 or not all(u.op == "call_function" and u.target is operator.getitem and len(u.args) == 2
-                                     and not u.kwargs and type(u.args[1]) is int for u in users):
+        if op_name(x) in ("getattr", "size") or len(users) < 2 or not all(map(_int_index, users)):
             continue
         rows = sorted({u.args[1] for u in users})
         if rows != list(range(len(rows))) or any(_writes_through(gm, u) for u in users):
             continue
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         with gm.graph.inserting_before(min(users, key=order.__getitem__)):
             parts = gm.graph.call_function(unbound, (x, len(rows)))
         for u in users:

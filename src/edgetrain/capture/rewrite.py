@@ -72,6 +72,8 @@ _INPLACE_METHODS = frozenset({
     "nan_to_num_", "lerp_", "addcmul_", "addcdiv_",
 })
 _FUNCTION_NAMESPACES = (torch, F, torch._C._nn)
+
+
 @dataclass
 class Rewrites:
     """What :func:`rewrite` changed (counts of graph nodes)."""

@@ -22,11 +22,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Iterator
 
-import torch
 from torch import nn
 
-from ..batch import channels_last_images, has_images, tensors_in
-from ..capture.lean import memory_format_of
+from ..batch import channels_last_copy_bytes, channels_last_images, has_images
 from ..capture import bind_inputs
 from ..errors import BudgetError, CaptureError
 from ..graph import CostChain
@@ -57,8 +55,7 @@ def with_layout(analysis: Any, layout: str) -> Any:
         return analysis
     inputs = channels_last_images(analysis.inputs)
     # a step converts each batch it is given: that copy is held through the step beside the caller's batch
-    copied = sum(t.nbytes for t in tensors_in(analysis.inputs) if t.dim() == 4 and t.is_floating_point()
-                 and memory_format_of(t) is not torch.channels_last)
+    copied = channels_last_copy_bytes(analysis.inputs)
     return replace(analysis, inputs=inputs, env=bind_inputs(analysis.model, inputs), profiles={},
                    fixed=analysis.fixed + copied, batch_copy=copied)
 

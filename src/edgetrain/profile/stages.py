@@ -297,8 +297,8 @@ def _cache_key(chain: Chain, model: nn.Module, inputs_env: dict[str, Any], sizes
                selective: bool = True) -> str:
     h = hashlib.sha256()
     # the version moves when a graph pass changes what a stage costs (v10: rows of one tensor unbound)
-    parts = ["v10" if selective else "v7", chain.method, type(model).__qualname__, torch.__version__, platform.node(), platform.machine(),
-             str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
+    parts = ["v10" if selective else "v7", chain.method, type(model).__qualname__, torch.__version__, platform.node(),
+             platform.machine(), str(torch.get_num_threads()), str(sizes), str(batch_signature(inputs_env)),
              str(memory.allocator_tuned()), "pool" if pool.installed() else "no-pool",
              f"huge:{pool.huge_pages()}", f"conv-chunk:{chunk_bytes()}",  # each changes measured costs
              f"lean-bn:{settings.lean_batchnorm_enabled() and lean_bn_available()}",
