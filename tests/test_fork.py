@@ -197,7 +197,9 @@ def test_prepares_children_collect_only_what_was_made_after_its_start_and_nothin
         mine = gc.get_freeze_count()
         with memory.objects_frozen():
             pass
-        assert gc.get_freeze_count() == mine
+        # not undone (unfreezing empties the permanent generation); frozen objects freed by refcount in between
+        # leave it, so the count may drop by a few (532635 -> 532633 seen in CI)
+        assert mine // 2 < gc.get_freeze_count() <= mine
     finally:
         gc.unfreeze()
 
