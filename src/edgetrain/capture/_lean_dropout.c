@@ -143,6 +143,6 @@ int et_dropout_backward(const float *g, const uint8_t *bits, float *gx, int64_t 
         const float *f = factor[bits[b]];
         for (int j = 0; j < 8; j++) gx[8 * b + j] = g[8 * b + j] * f[j];
     }
-    for (int64_t i = 8 * whole; i < n; i++) gx[i] = g[i] * (((bits[i >> 3] >> (i & 7)) & 1) ? scale : 0.0f);
+    for (int64_t i = 8 * whole; i < n; i++) gx[i] = g[i] * factor[bits[whole]][i - 8 * whole];
     return 0;
 }
