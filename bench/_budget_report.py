@@ -182,6 +182,12 @@ def budget_table(rep: ModelReport) -> Table:
                   rate(e.throughput), ratio(step / T) if ok and T else "-", *rel)
     t.notes.append("thr/plain and thr/ckpt: throughput over plain's / checkpoint_sequential's at the same budget "
                    "('-' where that one has nothing that fits).")
+    for frac, _ in rep.budgets:
+        e = rep.entries[(frac, "checkpoint_sequential")]
+        if e.note and e.fits:  # a configuration over the budget in a repeat gave way (bench_model)
+            t.notes.append(f"checkpoint_sequential at {frac:.0%}: {e.note}; a configuration must fit in every run, "
+                           f"as edgetrain's plans must, so the row is the next fastest, {e.config}, measured as "
+                           "many times after the interleaved repeats.")
     if any(e.repeats for e in rep.entries.values()):
         t.notes.append("step s (k): median of k runs, the table's run and its interleaved repeats (checkpoint_sequential "
                        "and edgetrain, and torch.compile and edgetrain (compile=True), re-measured in turn at each "

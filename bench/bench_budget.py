@@ -194,6 +194,29 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
     full = [(r.peak_bytes, seg) for seg in segs if (r := ckpt[(B, seg)]).ok]
     lean_seg = min(full)[1] if full else segs[len(segs) // 2]
 
+    def ck_config(k: tuple[int, int]) -> str:
+        return f"seg={k[1]}" + (f", mb={k[0]} x{math.ceil(B / k[0])} accum" if k[0] < B else "")
+
+    def ck_choose(budget: int, excluded: frozenset[tuple[int, int]] = frozenset()) -> tuple[int, int] | None:
+        """checkpoint_sequential's fastest fitting configuration, leaving out ``excluded``: accumulating only
+        when nothing fits at B; going down in micro-batch, the leanest segment count at B is tried first, the
+        others only where it fits."""
+        def pool(m: int | None = None) -> dict[tuple[int, int], JobResult]:
+            return {k: v for k, v in ckpt.items() if k not in excluded and m in (None, k[0])}
+
+        if full and fastest_fitting(pool(B), budget) is None:
+            for m in micro_batch_candidates(B)[1:]:
+                if fits(ck(m, lean_seg), budget):
+                    for seg in segs:
+                        ck(m, seg)
+                    if fastest_fitting(pool(m), budget) is not None:
+                        break
+                    continue
+                lean = [r.peak_bytes for (mb, sg), r in sorted(ckpt.items(), reverse=True) if sg == lean_seg and r.ok]
+                if hopeless(lean, budget):
+                    break
+        return fastest_fitting(pool(), budget)
+
     ck_best: dict[float, tuple[int, int]] = {}
     for frac, budget in rep.budgets:
         # plain: the largest micro-batch that fits
@@ -206,18 +229,7 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             e.result, e.config = plain_by_mb[m], f"mb={m}" + (f" x{math.ceil(B / m)} accum" if m < B else "")
         rep.entries[(frac, "plain")] = e
 
-        # checkpoint_sequential: fastest fitting segment count; accumulate only when nothing fits at B.
-        # Going down in micro-batch, the leanest segment count at B is tried first; the others only where it fits.
-        if full and fastest_fitting({k: v for k, v in ckpt.items() if k[0] == B}, budget) is None:
-            for m in micro_batch_candidates(B)[1:]:
-                if fits(ck(m, lean_seg), budget):
-                    for seg in segs:
-                        ck(m, seg)
-                    break
-                lean = [r.peak_bytes for (mb, sg), r in sorted(ckpt.items(), reverse=True) if sg == lean_seg and r.ok]
-                if hopeless(lean, budget):
-                    break
-        best = fastest_fitting(ckpt, budget)
+        best = ck_choose(budget)
         e = Entry("checkpoint_sequential", budget, B)
         if best is None:
             low = min((r.peak_bytes for r in ckpt.values() if r.ok), default=None)
@@ -227,7 +239,7 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
         else:
             e.result = ckpt[best]
             ck_best[frac] = best
-            e.config = f"seg={best[1]}" + (f", mb={best[0]} x{math.ceil(B / best[0])} accum" if best[0] < B else "")
+            e.config = ck_config(best)
         rep.entries[(frac, "checkpoint_sequential")] = e
 
         # edgetrain: one prepare() at the budget; for a BatchNorm model also one allowed to micro-batch it,
@@ -277,6 +289,27 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                 rep.entries[(frac, meth)].repeats.append(run(
                     _job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=101 + i, **EDGE_OPTIONS[meth]),
                     f"{meth} budget {frac:.0%} (versus repeat {i + 1})"))
+
+    # A configuration is held to what edgetrain is held to: inside the budget in every run. One that went over
+    # in a repeat gives way to the next fastest that fits, measured as many times (the note says which).
+    for frac, budget in rep.budgets:
+        e, excluded, dropped = rep.entries[(frac, "checkpoint_sequential")], set(), []
+        while e.fits and e.over_budget:
+            dropped.append(f"{e.config} over the budget in {e.over_budget} of {1 + len(e.repeats)} runs")
+            excluded.add(ck_best[frac])
+            best = ck_choose(budget, frozenset(excluded))
+            e.result, e.repeats = (ckpt[best] if best else None), []
+            if best is None:
+                e.config = ""
+                break
+            ck_best[frac], e.config = best, ck_config(best)
+            for i in range(s.versus_repeats):
+                e.repeats.append(run(_job(spec, s, mode="checkpoint_sequential", segments=best[1], env=SYSTEM_ALLOC,
+                                          micro_batch_size=None if best[0] == B else best[0], seed=101 + i),
+                                     f"checkpoint_sequential {e.config} (versus repeat {i + 1}, after "
+                                     f"{dropped[-1]})"))
+        if dropped:
+            e.note = "; ".join(dropped + ([] if e.fits else ["nothing else fits"]))
 
     if CLAIM_FRACTION in s.budgets:
         budget = dict(rep.budgets)[CLAIM_FRACTION]

@@ -405,3 +405,33 @@ def test_compiled_versus_torch_compile_is_interleaved(tmp_path: Path) -> None:
     assert "| 0.40 (2) |" in row  # median of 0.30 and 0.50
     assert "edgetrain (compile=True) vs torch.compile throughput -- 100%: 1.00x" in md
     assert "NotMeasured" not in md and "NO |" not in md  # every repeat was in the log
+
+
+def test_a_checkpoint_sequential_config_over_the_budget_in_a_repeat_gives_way(tmp_path: Path) -> None:
+    """The peer is held to what edgetrain is held to: its table run fitted, a repeat went over the budget, so the
+    next fastest configuration that fits becomes the row, measured as many times, and a note says why."""
+    s = bb.replace(bb.QUICK, budgets=(1.0,))
+    spec = bb.QUICK_MODELS["transformer"]
+    pl = {"policies": ["keep"] * 16, "micro_batch_size": 16, "batch_size": 16, "peak_bytes": 40 * MIB,
+          "step_time_s": 0.5}
+    et = dict(mode="edgetrain", budget=44 * MIB, env=bb.NO_CACHE)
+    ck = dict(mode="checkpoint_sequential", env=bb.SYSTEM_ALLOC)
+    jobs = [(bb._job(spec, s, mode="plain", env=bb.SYSTEM_ALLOC), ok(44, 0.5)),
+            (bb._job(spec, s, mode="plain"), ok(38, 0.5)),
+            (bb._job(spec, s, **ck, segments=2), ok(43, 0.6)),
+            (bb._job(spec, s, **ck, segments=4), ok(36, 0.7)),
+            (bb._job(spec, s, **ck, segments=2, seed=101), ok(45, 0.6)),  # over the 44 MiB budget
+            (bb._job(spec, s, **ck, segments=4, seed=101), ok(36, 0.9)),
+            (bb._job(spec, s, **et), ok(41, 0.55, pl)),
+            (bb._job(spec, s, **et, seed=101), ok(41, 0.55, pl))]
+    log = {"meta": [], "jobs": [{"label": "x", "job": bb.asdict(j), "result": bb.asdict(r)} for j, r in jobs]}
+    src, out = tmp_path / "log.json", tmp_path / "out.md"
+    src.write_text(bb.json.dumps(log))
+    assert bb.main(["--quick", "--models", "transformer", "--budgets", "1", "--sections", "budgets", "--replay",
+                    str(src), "--versus-repeats", "1", "--skip-compile", "--out", str(out)]) == 0
+    md = out.read_text()
+    row = next(x for x in md.splitlines() if x.startswith("| 100%") and "| checkpoint_sequential |" in x)
+    assert "| seg=4 |" in row and "| 0.80 (2) |" in row and "| yes |" in row  # median of 0.7 and 0.9
+    assert "seg=2 over the budget in 1 of 2 runs" in md and "next fastest, seg=4" in md
+    assert "edgetrain vs checkpoint_sequential throughput -- 100%: 1.45x" in md  # 0.80 / 0.55
+    assert "NotMeasured" not in md

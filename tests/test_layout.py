@@ -134,6 +134,44 @@ def test_auto_compares_layouts_only_where_they_can_differ(caplog):
     step(xi, yi)
 
 
+def test_auto_keeps_the_layout_under_deterministic_algorithms(caplog):
+    """A process that asked for deterministic algorithms keeps the batch as given without a comparison, since a
+    measured choice could differ between runs (and with it the rounding)."""
+    model = _resnet()
+    xi, yi = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with caplog.at_level(logging.INFO, logger="edgetrain.api"):
+            step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, (xi, yi),
+                                     memory_budget="1GiB", planning=PlanConfig(layout="auto", use_cache=False))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert step.layout == "keep" and "layout" not in step.plan.metadata
+    said = [r.getMessage() for r in caplog.records]
+    assert any("use_deterministic_algorithms" in m for m in said)
+    assert not [m for m in said if m.startswith("layout:")]
+
+
+@pytest.mark.parametrize("solver", ["no_saving", "recompute_all"])
+def test_verify_feeds_the_reference_the_layout_the_plan_feeds(solver):
+    """verify compares edgetrain's machinery: with images fed channels-last, plain PyTorch is fed them channels-last
+    too, and the step equals it bit for bit (against NCHW, tensors near zero, such as a BatchNorm bias whose
+    gradient the next BatchNorm cancels, differ by far more than 1e-5 of their size: float rounding)."""
+    from edgetrain.models.zoo import ZOO
+
+    case = ZOO["hf-mobilenet_v2"]
+    model = case.build()
+    x, y = case.example(8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    report = edgetrain.verify(model, opt, case.loss_fn, (x, y), tolerance=0.0,
+                              planning=PlanConfig(layout="channels_last", solver=solver))
+    assert report.passed, str(report)
+    assert any("channels-last" in n for n in report.notes)
+    if solver == "recompute_all":
+        assert report.recomputed == report.stages > 1
+
+
 def test_layout_is_validated():
     with pytest.raises(ValueError, match="layout"):
         PlanConfig(layout="nhwc")

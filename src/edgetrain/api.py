@@ -51,6 +51,10 @@ def _layout(cfg: PlanConfig, plan: Plan | None, model: nn.Module, inputs: Any, *
     if cfg.layout == "auto" and (paging or approx or cfg.compile):
         log.info("layout='auto' compares layouts for the recompute planner only; the batch runs as given")
         return "keep"
+    if cfg.layout == "auto" and torch.are_deterministic_algorithms_enabled():
+        # a choice made by measurement can differ between runs, and with it the float rounding
+        log.info("layout='auto' keeps the batch as given under torch.use_deterministic_algorithms(True)")
+        return "keep"
     return cfg.layout
 
 

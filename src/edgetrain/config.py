@@ -74,9 +74,11 @@ class PlanConfig:
             converted to channels-last, oneDNN's fast CPU layout (MobileNetV2 steps about 1.6x faster at
             64x64), at the cost of lean BatchNorm's memory saving (its exact kernel covers NCHW only).
             ``"auto"``: profile both and take channels-last where the cost model's fastest step inside the
-            budget is at least 5% faster (:mod:`edgetrain.planning.layout`; prepare profiles twice). Other
-            kernels round differently: values equal the given layout's up to float rounding (about 1e-6
-            relative), not bit for bit. A step re-plans for a new budget in the layout it was prepared in.
+            budget is at least 5% faster (:mod:`edgetrain.planning.layout`; prepare profiles twice; the batch
+            as given under ``torch.use_deterministic_algorithms(True)``, since a measured choice can differ
+            between runs). Other kernels round differently: values equal the given layout's up to float
+            rounding (about 1e-6 relative), not bit for bit. A step re-plans for a new budget in the layout
+            it was prepared in.
     """
 
     micro_batch_size: int | None = None

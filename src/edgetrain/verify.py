@@ -8,7 +8,9 @@ gradients and buffers name the tensor they occur in, and pass or fail against a 
 When the plan splits the batch, the plain reference accumulates gradients over the same micro-batches
 in the same order (what a user would write by hand), so dropout draws the same masks; a BatchNorm layer
 then normalises each micro-batch on its own in both, and its running statistics, which edgetrain keeps
-equal to one full-batch forward's, are left out of the comparison (the report says so).
+equal to one full-batch forward's, are left out of the comparison (the report says so). When the plan feeds
+the images channels-last (``PlanConfig(layout=)``), so is the reference: the comparison is of edgetrain's
+machinery, not of two layouts' kernels, whose float sums differ (the report says so too).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from ._state import (backward_outside_autocast, batchnorm_modules, host_rng_state, rng_state, set_host_rng_state,
                      set_rng_state)
-from .batch import batch_size_of, slice_batch
+from .batch import batch_size_of, channels_last_images, slice_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
 from .graph import run_micro_batch_sizes
@@ -183,7 +185,8 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
         set_rng_state(start)
         set_host_rng_state(host_start)
         plan = step.plan
-        loss_plain = _plain_step(plain, opt_plain, loss_fn, inputs, targets, plan.micro_batch_size, step.loss_norm)
+        fed = channels_last_images(inputs) if step.layout == "channels_last" else inputs  # as the step feeds it
+        loss_plain = _plain_step(plain, opt_plain, loss_fn, fed, targets, plan.micro_batch_size, step.loss_norm)
     finally:
         set_rng_state(state)
         set_host_rng_state(host)
@@ -191,6 +194,9 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
     if recorded:
         notes.append("the plan fuses the optimizer update into the backward: each gradient compared as it was "
                      "completed, before its parameter's update")
+    if fed is not inputs:
+        notes.append("the plan feeds the images channels-last (PlanConfig.layout), so the plain reference is fed them "
+                     "channels-last too: against an NCHW step, values differ by the layout's float rounding")
     skip: set[str] = set()
     if plan.micro_batch_size < plan.batch_size:
         for name, _ in batchnorm_modules(ours):
