@@ -199,3 +199,34 @@ def test_offline_hugging_face_model_spec_trains():
     assert len(step.chain) > 1 and step(x, y) > 0
     with pytest.raises(ConfigError, match="not available offline"):
         spec_model_and_batch("hf:no-such-org/no-such-model", {}, (12,), 4)
+
+
+def test_verify_and_report_plan_as_the_config_trains(project, capsys, monkeypatch):
+    """`edgetrain verify CONFIG` and `report CONFIG` prepare what `train CONFIG` runs: the config's solver, layout
+    and update placement (they took the command's defaults: dp, the batch as given, the update fused where it
+    fits); an option given on the command line still wins."""
+    import importlib
+
+    verify_module = importlib.import_module("edgetrain.verify")  # the module (the package's name is the function)
+    seen = []
+    real = verify_module.verify
+
+    def spy(*args, **kw):
+        seen.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(verify_module, "verify", spy)
+    cfg = ["solver=recompute_all", "layout=channels_last", "fused_update=false"]
+    (project / "cfg.yaml").write_text((project / "cfg.yaml").read_text() + "".join(
+        f"{c.replace('=', ': ')}\n" for c in cfg))
+    assert main(["verify", "cfg.yaml", "--tolerance", "0"]) == 0
+    out = capsys.readouterr().out
+    planning = seen[-1]["planning"]
+    assert (planning.solver, planning.layout, planning.fused_update) == ("recompute_all", "channels_last", False)
+    assert "edgetrain verify: PASS" in out and "channels-last" in out, out
+    assert main(["verify", "cfg.yaml", "--solver", "no_saving"]) == 0
+    assert seen[-1]["planning"].solver == "no_saving" and seen[-1]["planning"].layout == "channels_last"
+    capsys.readouterr()
+    assert main(["report", "cfg.yaml", "--out", "r.html"]) == 0
+    out = capsys.readouterr().out
+    assert "channels-last" in out and "report written to" in out, out

@@ -139,17 +139,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .train import spec_model_and_batch
 
     if args.config:  # your model, the first batch of your data, your loss and optimizer, as train builds them
-        from .train import config_example
+        from .train import config_example, config_plan_options
+        from .train_config import load_train_config
 
         model, batch, loss, budget, _, opt = config_example(args.config)
         budget = args.budget or budget
+        # the plan `edgetrain train` would run: the config's solver, layout, update and paging
+        kw = config_plan_options(load_train_config(args.config), solver=args.solver,
+                                 micro_batch_size=args.micro_batch_size or None)
     else:
         model, x, y = spec_model_and_batch(args.model, parse_kwargs(args.model_kwargs),
                                            parse_shape(args.input_shape), args.batch_size)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         batch, loss, budget = (x, y), torch.nn.CrossEntropyLoss(), args.budget
-    report = verify(model, opt, loss, batch, budget, tolerance=args.tolerance,
-                    **options(solver=args.solver, micro_batch_size=args.micro_batch_size or None))
+        kw = options(solver=args.solver or "dp", micro_batch_size=args.micro_batch_size or None)
+    report = verify(model, opt, loss, batch, budget, tolerance=args.tolerance, **kw)
     print(report)
     return 0 if report.passed else 1
 
@@ -303,11 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     vf = sub.add_parser("verify", help="run one step of a model through the plan and through plain PyTorch (on "
                         "copies) and compare parameters, gradients and buffers", formatter_class=_DEFAULTS)
     vf.add_argument("config", nargs="?", default=None, help="a train config: its model, the first batch of its "
-                    "data, its loss, optimizer and budget (default: --model on a random batch of --input-shape)")
+                    "data, its loss, optimizer, budget and planning options (default: --model on a random batch of "
+                    "--input-shape)")
     _model_args(vf, 16)
     vf.add_argument("--budget", default=None, help="memory budget, e.g. 200MiB (default: none, or the config's)")
-    vf.add_argument("--solver", default="dp", help="planner name (dp, no_saving, recompute_all, chen_sqrt, ...)")
-    vf.add_argument("--micro-batch-size", type=int, default=None, help="fix the micro-batch size")
+    vf.add_argument("--solver", default=None, help="planner name (dp, no_saving, recompute_all, chen_sqrt, ...; "
+                    "default: the config's, else dp)")
+    vf.add_argument("--micro-batch-size", type=int, default=None, help="fix the micro-batch size (default: the "
+                    "config's, else the planner's choice)")
     vf.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference that passes")
     vf.set_defaults(func=cmd_verify)
     rp = sub.add_parser("report", help="write the plan report (HTML with figures, PNGs beside it) for a model or "
@@ -317,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(rp, 32)
     rp.add_argument("--budget", default=None, help="memory budget, e.g. 200MiB (default: the config's, else "
                     "unbounded)")
-    rp.add_argument("--solver", default="dp", help="planner name")
+    rp.add_argument("--solver", default=None, help="planner name (default: the config's, else dp)")
     rp.add_argument("--paging", action="store_true", help="let the planner page as well as recompute (adds the "
                     "energy figure)")
     rp.add_argument("--out", default="edgetrain-report.html", help="the HTML file to write")

@@ -18,19 +18,23 @@ def report_command(args: argparse.Namespace) -> int:
     from ..api import prepare
     from ..profile import memory
     from .args import parse_kwargs, parse_shape
-    from .train import config_example, spec_model_and_batch
+    from .train import config_example, config_plan_options, spec_model_and_batch
+    from .train_config import load_train_config
 
+    paged = options(paging=True, objective="energy")["paging"] if args.paging else None
     if args.config:
         model, batch, loss, budget, name, opt = config_example(args.config)
         budget = args.budget or budget
+        kw = config_plan_options(load_train_config(args.config), solver=args.solver)  # the plan `train` would run
+        kw["paging"] = paged or kw["paging"]
     else:
         memory.record_baseline(release=True)
         model, x, y = spec_model_and_batch(args.model, parse_kwargs(args.model_kwargs), parse_shape(args.input_shape),
                                            args.batch_size)
         batch, loss, budget, name = (x, y), torch.nn.CrossEntropyLoss(), args.budget, args.model
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = prepare(model, opt, loss, batch, memory_budget=budget, name=name,
-                   **options(solver=args.solver, paging=args.paging, objective="energy" if args.paging else "time"))
+        kw = {**options(solver=args.solver or "dp"), "paging": paged, "name": name}
+    step = prepare(model, opt, loss, batch, memory_budget=budget, **kw)
     print(step.plan.summary())
     path = step.report(args.out, batch=batch)
     print(f"report written to {path}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from ..spec.lm import TASK, load_lm_data
 from ..units import parse_bytes
 from .train_config import TrainConfig
 
-__all__ = ["config_data", "config_example", "config_model", "run_train", "spec_model_and_batch", "write_card",
+__all__ = ["config_data", "config_example", "config_model", "config_plan_options", "prepare_options", "run_train", "spec_model_and_batch", "write_card",
            "card_path"]
 
 log = logging.getLogger("edgetrain.cli")
@@ -97,6 +98,26 @@ def config_model(cfg: TrainConfig, data: Any) -> tuple[nn.Module, nn.Module]:
     return model, loss_fn
 
 
+def prepare_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The :func:`edgetrain.prepare` options a train config sets (``edgetrain train`` and ``verify`` alike)."""
+    return {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging,
+                      page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir,
+                      fused_update=cfg.fused_update, compile=cfg.compile, layout=cfg.layout),
+            "name": cfg.model}
+
+
+def config_plan_options(cfg: TrainConfig, **given: Any) -> dict[str, Any]:
+    """:func:`prepare_options` for a command that prepares the config's model outside ``train`` (``verify``,
+    ``report``): planning options the command was given (None: the config's) replace the config's, and the update
+    stays after the backward where the config clips gradients, as the trainer keeps it."""
+    kw = prepare_options(cfg)
+    change = {k: v for k, v in given.items() if v is not None}
+    if cfg.grad_clip_norm:
+        change["fused_update"] = False
+    kw["planning"] = replace(kw["planning"], **change)
+    return kw
+
+
 def config_example(path: str) -> tuple[Any, Any, Any, str | None, str, torch.optim.Optimizer]:
     """Model, example batch, loss, budget, name and optimizer from a train config (its first training batch),
     built as ``edgetrain train`` builds them."""
@@ -136,14 +157,10 @@ def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:
     sched, interval = _scheduler(cfg, opt, len(loader) * cfg.epochs)
     classification = data.task == "classification"
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
-    prepare_options = {**options(solver=cfg.solver, micro_batch_size=cfg.micro_batch_size, paging=cfg.paging,
-                                  page_optimizer_state=cfg.page_optimizer_state, state_dir=cfg.state_dir,
-                                  fused_update=cfg.fused_update, compile=cfg.compile, layout=cfg.layout),
-                       "name": cfg.model}
     trainer = Trainer(model, opt, loss_fn, loader, val_loader, memory_budget=budget, scheduler=sched,
                       metrics={"accuracy": _accuracy} if classification else None,
                       callbacks=[_Printer(out, cfg.epochs, perplexity=lm)], resume=cfg.resume,
-                      prepare_options=prepare_options,
+                      prepare_options=prepare_options(cfg),
                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_every_steps=cfg.checkpoint_every_steps,
                       keep_checkpoints=cfg.keep_checkpoints, grad_clip_norm=cfg.grad_clip_norm,
                       scheduler_interval=interval, early_stopping_patience=cfg.early_stopping_patience,
