@@ -306,3 +306,18 @@ def test_the_joint_graph_pass_marks_every_random_draw_to_be_saved_and_nothing_el
     assert drawn and marked == drawn
     assert random_draws_saved().uuid() == random_draws_saved().uuid()
     assert inductor_options()["joint_custom_post_pass"] is random_draws_saved()
+
+
+def test_verify_says_when_the_step_it_checked_ran_compiled(fresh_compiler):
+    """A compiled step rounds otherwise than plain eager PyTorch: verify's report says the step ran compiled and
+    how to compare edgetrain's plan bit for bit (its eager twin, which it then does)."""
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    model = _resnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    report = edgetrain.verify(model, opt, _resnet_loss, (x, y), memory_budget="1GiB",
+                              planning=PlanConfig(compile=True, use_cache=False))
+    assert any("ran compiled" in n and "compile=False" in n for n in report.notes), str(report)
+    assert report.loss_edgetrain == pytest.approx(report.loss_plain, rel=1e-4)
+    eager = edgetrain.verify(model, opt, _resnet_loss, (x, y), memory_budget="1GiB", tolerance=0.0,
+                             planning=PlanConfig(use_cache=False))
+    assert eager.passed and not any("ran compiled" in n for n in eager.notes), str(eager)

@@ -174,6 +174,7 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
         try:
             start, host_start = rng_state(), host_rng_state()  # NumPy's and Python's too: a forward may draw there
             loss_ours = step(inputs, targets)
+            compiled = step.runs_compiled
         finally:
             step.close()
             if step.fused is not None:
@@ -194,6 +195,12 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
     if recorded:
         notes.append("the plan fuses the optimizer update into the backward: each gradient compared as it was "
                      "completed, before its parameter's update")
+    if compiled:
+        notes.append("the step ran compiled (PlanConfig(compile=True)): TorchInductor's kernels round differently from "
+                     "eager PyTorch's, and a tensor near zero (the gradient of a BatchNorm bias that the next "
+                     "BatchNorm cancels, the first AdamW update of that bias) can then differ by its own size; "
+                     "prepare checked the compiled step against the eager one (loss and gradients, relative L2); "
+                     "verify with compile=False compares edgetrain's plan with plain PyTorch bit for bit")
     if fed is not inputs:
         notes.append("the plan feeds the images channels-last (PlanConfig.layout), so the plain reference is fed them "
                      "channels-last too: against an NCHW step, values differ by the layout's float rounding")
