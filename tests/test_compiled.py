@@ -318,6 +318,26 @@ def test_verify_says_when_the_step_it_checked_ran_compiled(fresh_compiler):
                               planning=PlanConfig(compile=True, use_cache=False))
     assert any("ran compiled" in n and "compile=False" in n for n in report.notes), str(report)
     assert report.loss_edgetrain == pytest.approx(report.loss_plain, rel=1e-4)
+    # judged on the terms prepare's own check uses (per-tensor figures stay in the report for reference)
+    assert report.passed and "relative L2" in report.criterion and "relative L2" in str(report), str(report)
     eager = edgetrain.verify(model, opt, _resnet_loss, (x, y), memory_budget="1GiB", tolerance=0.0,
                              planning=PlanConfig(use_cache=False))
     assert eager.passed and not any("ran compiled" in n for n in eager.notes), str(eager)
+
+
+def test_without_a_budget_a_compiled_step_that_trains_otherwise_is_not_run(fresh_compiler, caplog):
+    """No budget means nothing to measure, not nothing to check: a Hugging Face EfficientNet compiled by
+    TorchInductor trains 17-48% away from eager PyTorch's gradients (its top BatchNorm's bias); it ran compiled,
+    unchecked, where no budget was given. It now runs eagerly, saying why, as it does under a budget."""
+    from edgetrain.models.zoo import ZOO
+
+    case = ZOO["hf-efficientnet"]
+    model = case.build()
+    x, y = case.example(8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="edgetrain.api"):
+        step = edgetrain.prepare(model, opt, case.loss_fn, (x, y), planning=PlanConfig(compile=True, use_cache=False))
+    assert not step.runs_compiled
+    why = step.plan.metadata["not_compiled"]
+    assert "did not train as the eager step does" in why and "relative L2" in why, why
+    assert any("runs eagerly" in r.getMessage() for r in caplog.records)

@@ -55,6 +55,9 @@ class VerifyReport:
         loss_plain, loss_edgetrain: the step's loss either way.
         micro_batch_size, batch_size, stages, recomputed: what the plan did.
         notes: what was left out of the comparison and why.
+        criterion: the terms ``passed`` was judged on where they are not ``tolerance`` per tensor ("": they are):
+            a compiled step is judged as prepare judged it against the eager step, by the loss and by the
+            relative L2 norm of the gradients' and buffers' differences.
     """
 
     passed: bool
@@ -69,9 +72,11 @@ class VerifyReport:
     stages: int
     recomputed: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    criterion: str = ""
 
     def __str__(self) -> str:
-        lines = [f"edgetrain verify: {'PASS' if self.passed else 'FAIL'} (relative tolerance {self.tolerance:g})",
+        terms = self.criterion or f"relative tolerance {self.tolerance:g}"
+        lines = [f"edgetrain verify: {'PASS' if self.passed else 'FAIL'} ({terms})",
                  f"  plan: {self.stages} stages, {self.recomputed} recomputed, micro-batch "
                  f"{self.micro_batch_size} of {self.batch_size}",
                  f"  loss: plain {self.loss_plain:.6g}, edgetrain {self.loss_edgetrain:.6g}",
@@ -96,6 +101,22 @@ def _largest(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None
         if not math.isfinite(rel) or rel > worst.relative:
             worst = Difference(rel, name)
     return worst
+
+
+def _relative_l2(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None], skip: frozenset[str] | set[str]
+                 = frozenset()) -> float:
+    """``||a - b|| / ||a||`` over every floating-point tensor of a group (inf where one side lacks one)."""
+    off = total = 0.0
+    for name, x in a.items():
+        y = b.get(name)
+        if name in skip or (x is None and y is None) or (x is not None and not x.is_floating_point()):
+            continue
+        if x is None or y is None:
+            return math.inf
+        x64, y64 = (t.detach().to_dense().double() if t.is_sparse else t.detach().double() for t in (x, y))
+        off += float((x64 - y64).pow(2).sum())
+        total += float(x64.pow(2).sum())
+    return (off / total) ** 0.5 if total else (0.0 if off == 0 else math.inf)
 
 
 def _copy_optimizer(optimizer: torch.optim.Optimizer, original: nn.Module, clone: nn.Module) -> torch.optim.Optimizer:
@@ -198,9 +219,9 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
     if compiled:
         notes.append("the step ran compiled (PlanConfig(compile=True)): TorchInductor's kernels round differently from "
                      "eager PyTorch's, and a tensor near zero (the gradient of a BatchNorm bias that the next "
-                     "BatchNorm cancels, the first AdamW update of that bias) can then differ by its own size; "
-                     "prepare checked the compiled step against the eager one (loss and gradients, relative L2); "
-                     "verify with compile=False compares edgetrain's plan with plain PyTorch bit for bit")
+                     "BatchNorm cancels, the first AdamW update of that bias) can then differ by its own size, so "
+                     "the step is judged as prepare judged it against the eager step; verify with compile=False "
+                     "compares edgetrain's plan with plain PyTorch bit for bit")
     if fed is not inputs:
         notes.append("the plan feeds the images channels-last (PlanConfig.layout), so the plain reference is fed them "
                      "channels-last too: against an NCHW step, values differ by the layout's float rounding")
@@ -217,5 +238,18 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
                      {n: p.grad for n, p in ours.named_parameters()}, set())
     buffers = _largest(dict(plain.named_buffers()), dict(ours.named_buffers()), skip)
     passed = all(d.relative <= tolerance for d in (params, grads, buffers))
+    criterion = ""
+    if compiled:
+        from .planning.compiled import GRAD_RTOL, LOSS_RTOL
+
+        g = _relative_l2({n: p.grad for n, p in plain.named_parameters()},
+                         {n: p.grad for n, p in ours.named_parameters()})
+        b = _relative_l2(dict(plain.named_buffers()), dict(ours.named_buffers()), skip)
+        before = dict(model.named_parameters())  # the caller's model: not stepped
+        u = _relative_l2({n: p.detach() - before[n].detach() for n, p in plain.named_parameters()},
+                         {n: p.detach() - before[n].detach() for n, p in ours.named_parameters()})
+        passed = abs(loss_ours - loss_plain) <= LOSS_RTOL * max(abs(loss_plain), 1e-6) and max(g, b, u) <= GRAD_RTOL
+        criterion = (f"loss within {LOSS_RTOL:g} relative; gradients {g:.2%}, updates {u:.2%} and buffers {b:.2%} "
+                     f"apart as relative L2 norms, at most {GRAD_RTOL:.0%}")
     return VerifyReport(passed, tolerance, params, grads, buffers, loss_plain, loss_ours, plan.micro_batch_size,
-                        plan.batch_size, plan.num_stages, plan.policies.count("recompute"), tuple(notes))
+                        plan.batch_size, plan.num_stages, plan.policies.count("recompute"), tuple(notes), criterion)
