@@ -21,8 +21,8 @@ from ..spec.lm import TASK, load_lm_data
 from ..units import parse_bytes
 from .train_config import TrainConfig
 
-__all__ = ["config_data", "config_example", "config_model", "config_plan_options", "prepare_options", "run_train", "spec_model_and_batch", "write_card",
-           "card_path"]
+__all__ = ["config_data", "config_example", "config_model", "config_plan_options", "prepare_options", "run_train",
+           "spec_model_and_batch", "write_card", "card_path"]
 
 log = logging.getLogger("edgetrain.cli")
 
