@@ -341,3 +341,15 @@ def test_without_a_budget_a_compiled_step_that_trains_otherwise_is_not_run(fresh
     why = step.plan.metadata["not_compiled"]
     assert "did not train as the eager step does" in why and "relative L2" in why, why
     assert any("runs eagerly" in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_compiled_without_a_budget_runs_eagerly_once_given_one(fresh_compiler):
+    """Compiled without a budget, the step's compiled peak was never measured: a budget set later (the plan keeps
+    everything, so the compiled code could run) is kept by the eager plan, not by unmeasured compiled code."""
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
+    model = _resnet()
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _resnet_loss, (x, y),
+                             planning=PlanConfig(compile=True, use_cache=False))
+    assert step.runs_compiled and step.compiled.peak_bytes is None  # checked against eager, not measured
+    plan = step.set_memory_budget("1GiB")
+    assert all(p == "keep" for p in plan.policies) and not step.runs_compiled

@@ -89,10 +89,10 @@ class CompiledStep:
 
     def fits(self, plan: Plan, budget_bytes: int | None, margin_bytes: int) -> bool:
         """Whether ``plan`` may run compiled: it keeps everything, splits the batch as measured, and the measured
-        peak fits the budget."""
+        peak fits the budget (a step compiled without a budget was never measured: under one it runs eagerly)."""
         if any(p != KEEP for p in plan.policies) or plan.micro_batch_size != self.micro_batch_size:
             return False
-        return budget_bytes is None or self.peak_bytes is None or self.peak_bytes <= budget_bytes - margin_bytes
+        return budget_bytes is None or (self.peak_bytes is not None and self.peak_bytes <= budget_bytes - margin_bytes)
 
     def executor(self, model: Any, eager: Any) -> CompiledExecutor:
         return CompiledExecutor(model, self.module, self.shapes, eager, self.ratio)
