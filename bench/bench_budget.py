@@ -49,6 +49,7 @@ from _budget_report import (  # noqa: E402,F401  (the tables are re-exported: te
     ModelReport, budget_table, build_report, claims_table, compile_table, edgetrain_entry, fits, maxbatch_table,
     plans_table, reference_table, versus_line, versus_lines,
 )
+from _budget_ckpt import CheckpointPeer  # noqa: E402
 from _budget_search import (  # noqa: E402,F401  (re-exported: tests read them here)
     compile_best, compile_next_ratio, fastest_fitting, hopeless, job_key, largest_fitting, max_batch_search,
     micro_batch_candidates, segment_candidates,
@@ -180,43 +181,11 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
                 plain_by_mb[m] = run(_job(spec, s, mode="plain", micro_batch_size=m, env=SYSTEM_ALLOC),
                                      f"plain mb={m}")
 
-    ckpt: dict[tuple[int, int], JobResult] = {}
+    def ck_measure(m: int, seg: int, seed: int, label: str) -> JobResult:
+        return run(_job(spec, s, mode="checkpoint_sequential", segments=seg, env=SYSTEM_ALLOC,
+                        micro_batch_size=None if m == B else m, seed=seed), label)
 
-    def ck(m: int, seg: int) -> JobResult:
-        if (m, seg) not in ckpt:
-            ckpt[(m, seg)] = run(_job(spec, s, mode="checkpoint_sequential", segments=seg, env=SYSTEM_ALLOC,
-                                      micro_batch_size=None if m == B else m),
-                               f"checkpoint_sequential seg={seg} mb={m}")
-        return ckpt[(m, seg)]
-
-    for seg in segs:
-        ck(B, seg)
-    full = [(r.peak_bytes, seg) for seg in segs if (r := ckpt[(B, seg)]).ok]
-    lean_seg = min(full)[1] if full else segs[len(segs) // 2]
-
-    def ck_config(k: tuple[int, int]) -> str:
-        return f"seg={k[1]}" + (f", mb={k[0]} x{math.ceil(B / k[0])} accum" if k[0] < B else "")
-
-    def ck_choose(budget: int, excluded: frozenset[tuple[int, int]] = frozenset()) -> tuple[int, int] | None:
-        """checkpoint_sequential's fastest fitting configuration, leaving out ``excluded``: accumulating only
-        when nothing fits at B; going down in micro-batch, the leanest segment count at B is tried first, the
-        others only where it fits."""
-        def pool(m: int | None = None) -> dict[tuple[int, int], JobResult]:
-            return {k: v for k, v in ckpt.items() if k not in excluded and m in (None, k[0])}
-
-        if full and fastest_fitting(pool(B), budget) is None:
-            for m in micro_batch_candidates(B)[1:]:
-                if fits(ck(m, lean_seg), budget):
-                    for seg in segs:
-                        ck(m, seg)
-                    if fastest_fitting(pool(m), budget) is not None:
-                        break
-                    continue
-                lean = [r.peak_bytes for (mb, sg), r in sorted(ckpt.items(), reverse=True) if sg == lean_seg and r.ok]
-                if hopeless(lean, budget):
-                    break
-        return fastest_fitting(pool(), budget)
-
+    peer = CheckpointPeer(B, segs, ck_measure)
     ck_best: dict[float, tuple[int, int]] = {}
     for frac, budget in rep.budgets:
         # plain: the largest micro-batch that fits
@@ -229,17 +198,9 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             e.result, e.config = plain_by_mb[m], f"mb={m}" + (f" x{math.ceil(B / m)} accum" if m < B else "")
         rep.entries[(frac, "plain")] = e
 
-        best = ck_choose(budget)
-        e = Entry("checkpoint_sequential", budget, B)
-        if best is None:
-            low = min((r.peak_bytes for r in ckpt.values() if r.ok), default=None)
-            failed = next((r for r in ckpt.values() if not r.ok), None)
-            e.note = (f"nothing fits (lowest measured {mib(low)} MiB)" if low is not None else
-                      f"failed: {failed.error_type if failed else '?'}")
-        else:
-            e.result = ckpt[best]
+        e, best = peer.entry(budget)
+        if best is not None:
             ck_best[frac] = best
-            e.config = ck_config(best)
         rep.entries[(frac, "checkpoint_sequential")] = e
 
         # edgetrain: one prepare() at the budget; for a BatchNorm model also one allowed to micro-batch it,
@@ -281,35 +242,15 @@ def bench_model(spec: ModelSpec, s: Settings, run: Runner) -> ModelReport:
             ets = [m for m in edge_methods if rep.entries[(frac, m)].fits]
             if not ck_e.fits or not ets:
                 continue
-            m, seg = ck_best[frac]
-            ck_e.repeats.append(run(_job(spec, s, mode="checkpoint_sequential", segments=seg, env=SYSTEM_ALLOC,
-                                         micro_batch_size=None if m == B else m, seed=101 + i),
-                                    f"checkpoint_sequential seg={seg} mb={m} (versus repeat {i + 1})"))
+            ck_e.repeats.append(peer.repeat(ck_best[frac], i))
             for meth in ets:
                 rep.entries[(frac, meth)].repeats.append(run(
                     _job(spec, s, mode="edgetrain", budget=budget, env=NO_CACHE, seed=101 + i, **EDGE_OPTIONS[meth]),
                     f"{meth} budget {frac:.0%} (versus repeat {i + 1})"))
 
-    # A configuration is held to what edgetrain is held to: inside the budget in every run. One that went over
-    # in a repeat gives way to the next fastest that fits, measured as many times (the note says which).
-    for frac, budget in rep.budgets:
-        e, excluded, dropped = rep.entries[(frac, "checkpoint_sequential")], set(), []
-        while e.fits and e.over_budget:
-            dropped.append(f"{e.config} over the budget in {e.over_budget} of {1 + len(e.repeats)} runs")
-            excluded.add(ck_best[frac])
-            best = ck_choose(budget, frozenset(excluded))
-            e.result, e.repeats = (ckpt[best] if best else None), []
-            if best is None:
-                e.config = ""
-                break
-            ck_best[frac], e.config = best, ck_config(best)
-            for i in range(s.versus_repeats):
-                e.repeats.append(run(_job(spec, s, mode="checkpoint_sequential", segments=best[1], env=SYSTEM_ALLOC,
-                                          micro_batch_size=None if best[0] == B else best[0], seed=101 + i),
-                                     f"checkpoint_sequential {e.config} (versus repeat {i + 1}, after "
-                                     f"{dropped[-1]})"))
-        if dropped:
-            e.note = "; ".join(dropped + ([] if e.fits else ["nothing else fits"]))
+    for frac, _ in rep.budgets:  # a peer over the budget in a repeat gives way (CheckpointPeer.hold)
+        if frac in ck_best:
+            peer.hold(rep.entries[(frac, "checkpoint_sequential")], ck_best[frac], s.versus_repeats)
 
     if CLAIM_FRACTION in s.budgets:
         budget = dict(rep.budgets)[CLAIM_FRACTION]

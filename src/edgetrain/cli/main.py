@@ -139,14 +139,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .train import spec_model_and_batch
 
     if args.config:  # your model, the first batch of your data, your loss and optimizer, as train builds them
-        from .train import config_example, config_plan_options
-        from .train_config import load_train_config
+        from .train import config_example
 
-        model, batch, loss, budget, _, opt = config_example(args.config)
-        budget = args.budget or budget
         # the plan `edgetrain train` would run: the config's solver, layout, update and paging
-        kw = config_plan_options(load_train_config(args.config), solver=args.solver,
-                                 micro_batch_size=args.micro_batch_size or None)
+        model, batch, loss, budget, opt, kw = config_example(args.config, solver=args.solver,
+                                                             micro_batch_size=args.micro_batch_size or None)
+        budget = args.budget or budget
     else:
         model, x, y = spec_model_and_batch(args.model, parse_kwargs(args.model_kwargs),
                                            parse_shape(args.input_shape), args.batch_size)

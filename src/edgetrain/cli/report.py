@@ -18,14 +18,12 @@ def report_command(args: argparse.Namespace) -> int:
     from ..api import prepare
     from ..profile import memory
     from .args import parse_kwargs, parse_shape
-    from .train import config_example, config_plan_options, spec_model_and_batch
-    from .train_config import load_train_config
+    from .train import config_example, spec_model_and_batch
 
     paged = options(paging=True, objective="energy")["paging"] if args.paging else None
-    if args.config:
-        model, batch, loss, budget, name, opt = config_example(args.config)
+    if args.config:  # the plan `edgetrain train` would run
+        model, batch, loss, budget, opt, kw = config_example(args.config, solver=args.solver)
         budget = args.budget or budget
-        kw = config_plan_options(load_train_config(args.config), solver=args.solver)  # the plan `train` would run
         kw["paging"] = paged or kw["paging"]
     else:
         memory.record_baseline(release=True)

@@ -118,9 +118,10 @@ def config_plan_options(cfg: TrainConfig, **given: Any) -> dict[str, Any]:
     return kw
 
 
-def config_example(path: str) -> tuple[Any, Any, Any, str | None, str, torch.optim.Optimizer]:
-    """Model, example batch, loss, budget, name and optimizer from a train config (its first training batch),
-    built as ``edgetrain train`` builds them."""
+def config_example(path: str, **given: Any) -> tuple[Any, Any, Any, str | None, torch.optim.Optimizer, dict[str, Any]]:
+    """Model, example batch, loss, budget, optimizer and :func:`edgetrain.prepare` options from a train config (its
+    first training batch), built as ``edgetrain train`` builds them; ``given``: planning options a command was
+    given (:func:`config_plan_options`)."""
     from ..profile import memory
     from .train_config import load_train_config
 
@@ -132,7 +133,7 @@ def config_example(path: str) -> tuple[Any, Any, Any, str | None, str, torch.opt
     x, y = next(iter(DataLoader(train, batch_size=cfg.batch_size)))
     memory.record_baseline(release=True)  # as in `edgetrain train`: the data is not training memory, the model is
     model, loss = config_model(cfg, data)
-    return model, (x, y), loss, cfg.memory_budget, cfg.model, _optimizer(cfg, model)
+    return model, (x, y), loss, cfg.memory_budget, _optimizer(cfg, model), config_plan_options(cfg, **given)
 
 
 def run_train(cfg: TrainConfig, out: Callable[[str], None] = print) -> int:

@@ -35,7 +35,7 @@ from ..units import format_bytes
 from .budgets import RETRY_SLACK, budget_for
 from .guards import attribute_key
 
-__all__ = ["CompiledStep", "why_not_compiled", "compile_step"]
+__all__ = ["CompiledStep", "why_not_compiled", "compile_step", "losses_agree", "relative_l2"]
 
 log = logging.getLogger("edgetrain.api")
 
@@ -175,22 +175,42 @@ def _disagreement(step: Any, inputs: Any, targets: Any, shapes: set[tuple[Any, .
     set_host_rng_state(host)
     _run_compiled(step, shapes, ratio)
     losses.append(step(inputs, targets))
-    if abs(losses[1] - losses[0]) > LOSS_RTOL * max(abs(losses[0]), 1e-6):
+    if not losses_agree(losses[0], losses[1]):
         return f"loss {losses[1]:.7g} against {losses[0]:.7g}"
     names = [n for n, _ in model.named_parameters()]
-    off: dict[str, float] = {}
-    total = 0.0
-    for name, eager, compiled in zip(names, *grads):
-        if (eager is None) != (compiled is None):
-            return f"parameter {name} has a gradient in one step only"
-        if eager is not None:
-            off[name] = float((compiled - eager).double().pow(2).sum())
-            total += float(eager.double().pow(2).sum())
-    rel = (sum(off.values()) / total) ** 0.5 if total else 0.0
+    eager, compiled = (dict(zip(names, g)) for g in grads)
+    one_sided = next((n for n in names if (eager[n] is None) != (compiled[n] is None)), None)
+    if one_sided is not None:
+        return f"parameter {one_sided} has a gradient in one step only"
+    rel, worst = relative_l2(eager, compiled)
     if rel > GRAD_RTOL:
-        worst = max(off, key=off.__getitem__)
         return f"gradients {rel:.1%} apart (relative L2 norm; most in {worst})"
     return None
+
+
+def losses_agree(reference: float, other: float) -> bool:
+    """Whether two steps' losses agree up to compiled kernels' rounding (:data:`LOSS_RTOL`)."""
+    return abs(other - reference) <= LOSS_RTOL * max(abs(reference), 1e-6)
+
+
+def relative_l2(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None],
+                skip: frozenset[str] | set[str] = frozenset()) -> tuple[float, str | None]:
+    """``||a - b|| / ||a||`` over the floating-point tensors two name -> tensor maps share (inf where one side lacks
+    one), and the name holding most of the difference."""
+    off: dict[str, float] = {}
+    total = 0.0
+    for name, x in a.items():
+        y = b.get(name)
+        if name in skip or (x is None and y is None) or (x is not None and not x.is_floating_point()):
+            continue
+        if x is None or y is None:
+            return math.inf, name
+        x64, y64 = (t.detach().to_dense().double() if t.is_sparse else t.detach().double() for t in (x, y))
+        off[name] = float((x64 - y64).pow(2).sum())
+        total += float(x64.pow(2).sum())
+    worst = max(off, key=off.__getitem__) if off else None
+    diff = sum(off.values())
+    return ((diff / total) ** 0.5 if total else (0.0 if diff == 0 else math.inf)), worst
 
 
 @dataclass
