@@ -24,7 +24,7 @@ from ..forking import answer_in_fork
 from .chain import argument_writer_nodes
 
 __all__ = ["HOOKED", "autograd_nodes", "hooked_traced_modules", "reproducible", "same", "own_graph",
-           "gradient_mismatch", "graph_checks", "isolated"]
+           "gradient_mismatch", "graph_checks", "isolated", "buffer_values", "unlike_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +190,15 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return type(a) is type(b)
+
+
+def buffer_values(model: nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Copies of the named buffers of ``model`` as they are now (after a forward: what it wrote into them)."""
+    bufs = dict(model.named_buffers())
+    return {n: bufs[n].detach().clone() for n in names if n in bufs}
+
+
+def unlike_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the buffers of ``model`` that are not (up to float rounding) ``values`` (:func:`buffer_values`)."""
+    bufs = dict(model.named_buffers())
+    return [n for n, v in values.items() if n not in bufs or not same(bufs[n].detach(), v)]

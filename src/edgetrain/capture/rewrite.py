@@ -120,9 +120,28 @@ def _without_inplace_flag(n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]] 
 def _mutated_arg(n: fx.Node) -> fx.Node | None:
     """The tensor an in-place call overwrites, when rewriting it out-of-place keeps the program's meaning:
     not a view (the write would reach its base) and not a parameter or buffer (``self.calls.add_(1)``,
-    ``F.batch_norm`` on a layer's own statistics: the write is the point, and the model keeps it)."""
+    ``F.batch_norm`` on a layer's own statistics: the write is the point, and the model keeps it), nor the
+    result of another in-place call on one (``self.avg.mul_(0.9).add_(x)``: ``mul_`` returns the buffer)."""
     a = n.args[0] if n.args else None
-    return a if isinstance(a, fx.Node) and not is_view(a) and a.op != "get_attr" else None
+    if not isinstance(a, fx.Node):
+        return None
+    root: Any = a
+    while isinstance(root, fx.Node):
+        if is_view(root) or root.op == "get_attr":
+            return None
+        root = root.args[0] if _returns_its_input(root) and root.args else None
+    return a
+
+
+def _returns_its_input(n: fx.Node) -> bool:
+    """Whether ``n`` is an in-place call, whose result is its first argument itself."""
+    if n.op == "call_method":
+        name = str(n.target)
+        return name.endswith("_") and not name.startswith("__")
+    if n.op == "call_function":
+        name = getattr(n.target, "__name__", "")
+        return (name.endswith("_") and not name.startswith("__")) or n.kwargs.get("inplace") is True
+    return False
 
 
 def _readers_after(a: fx.Node, n: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:

@@ -24,7 +24,8 @@ from torch import fx, nn
 from .._state import preserved_model_state, rng_state, set_rng_state
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers, torchscript_in
-from .checks import HOOKED, graph_checks, hooked_traced_modules, isolated, reproducible, same
+from .checks import (HOOKED, buffer_values, graph_checks, hooked_traced_modules, isolated, reproducible, same,
+                     unlike_buffers)
 from .lean import memory_format_of
 from .modules import blocks_behind, module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
@@ -404,10 +405,11 @@ def _capture_checked(model: nn.Module, example_inputs: Any, max_stages: int, str
         try:
             with preserved_model_state(model):  # the traced graph runs below on the same buffers
                 mutates, reference = mutated_buffers(model, lambda: model(**env))
+                written = buffer_values(model, mutates)
         except Exception as e:
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
-    chain = _capture(model, env, mutates, reference, state, max_stages, strict, carry_cuts, isolate)
+    chain = _capture(model, env, mutates, (reference, written), state, max_stages, strict, carry_cuts, isolate)
     if chain.method != "fx" and chain.replayable:  # a traced chain was checked with its graph (_capture)
         _replay_to_the_end(chain, list(writers) if writers is not None else
                            isolated(lambda: graph_checks(model, None, env), ([], ""), isolate)[0])
@@ -427,7 +429,7 @@ def _replay_to_the_end(chain: Chain, writers: list[str]) -> None:
                  type(chain.model).__name__, ", ".join(writers))
 
 
-def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], reference: Any, state: Any,
+def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], reference: tuple[Any, Any], state: Any,
              max_stages: int, strict: bool, carry_cuts: bool,
              isolate: Callable[[Callable[[], Any]], Any] | None) -> Chain:
     names = tuple(env)
@@ -452,6 +454,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
                                           for v in env.values()))  # same values, out-of-place and leaner
             set_rng_state(state)
             values, last_write = _node_values(gm, env)
+            reference, unlike = reference[0], unlike_buffers(model, reference[1])  # what the trace wrote there
         except Exception as e:  # CaptureError from tracing, or the traced graph failing to run
             set_rng_state(state)
             why = str(e) if isinstance(e, CaptureError) else \
@@ -460,9 +463,10 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
     nodes = list(gm.graph.nodes)
     out_val = values.get(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], fx.Node) else \
         fx.node.map_aggregate(nodes[-1].args[0], lambda a: values.get(a) if isinstance(a, fx.Node) else a)
-    if not same(out_val, reference):
+    if not same(out_val, reference) or unlike:
         msg = (f"the traced graph of {type(model).__name__} does not reproduce its output on the example batch "
-               "(data-dependent Python control flow?)")
+               "(data-dependent Python control flow?)" if not unlike else f"the traced graph of {type(model).__name__}"
+               f" does not write buffer(s) {', '.join(unlike[:3])} as its forward does")
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
     writers, mismatch = isolated(lambda: graph_checks(model, gm, env), ([], ""), isolate)
@@ -473,8 +477,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
     cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts, last_write), nodes,
-                    values,
-                    max_stages)
+                    values, max_stages)
     if not cuts and strict:
         raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
                            "it cannot be cut into stages")
