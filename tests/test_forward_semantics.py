@@ -16,7 +16,7 @@ from torch import nn
 
 import edgetrain
 
-from _semantics import Stack, assert_same_state, plain_step, prepared
+from _semantics import Residual, Stack, assert_same_state, plain_step, prepared
 
 
 def test_rrelu_recomputed_on_its_own_gets_exact_gradients():
@@ -441,3 +441,40 @@ def test_a_trace_that_loses_a_buffer_write_is_not_used(monkeypatch, caplog):
     torch.manual_seed(5)
     step(x, y)
     assert_same_state(plain, m)
+
+
+class _LayerDrop(nn.Module):
+    """LayerDrop as Hugging Face's speech and translation models write it: one draw decides whether a block runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.blocks = nn.ModuleList(Residual() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            if not (self.training and torch.rand([]) < 0.5):
+                h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("solver", ["recompute_all", "no_saving"])
+def test_a_draw_deciding_whether_a_layer_runs_is_drawn_every_step(solver):
+    """torch.fx ran ``torch.rand([]) < p`` while tracing (no traced tensor in it) and froze the layers it dropped
+    into the graph: every step after dropped the capture's layers, and the gradients of the others were missing or
+    extra against plain PyTorch, with no word. Capture now sees the generator move while tracing and takes the
+    blocks for stages (each runs its own forward, its draws replayed by a recomputation)."""
+    torch.manual_seed(0)
+    model = _LayerDrop()
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    m, step = prepared(model, x, y, solver=solver)
+    assert step.chain.method == "modules"
+    for seed in range(5, 11):  # six steps from the same weights, a different set of layers dropped in most
+        ref = plain_step(model, x, y, seed)
+        m.load_state_dict(model.state_dict())
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(seed)
+        step(x, y)
+        assert_same_state(ref, m)

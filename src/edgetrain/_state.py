@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 __all__ = ["preserved_model_state", "put_back", "rng_state", "set_rng_state", "host_rng_state",
-           "set_host_rng_state", "host_rng_moved", "batchnorm_modules", "autocast_state", "describe_autocast",
+           "set_host_rng_state", "host_rng_moved", "rng_moved", "batchnorm_modules", "autocast_state", "describe_autocast",
            "backward_outside_autocast"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -62,6 +62,13 @@ def host_rng_state() -> tuple[Any, Any]:
 def set_host_rng_state(state: tuple[Any, Any]) -> None:
     np.random.set_state(state[0])
     random.setstate(state[1])
+
+
+def rng_moved(before: dict[str, object], after: dict[str, object]) -> bool:
+    """Whether torch's CPU (or a CUDA) generator drew between two :func:`rng_state` snapshots."""
+    return any(not torch.equal(a, b) if isinstance(a, torch.Tensor) else
+               any(not torch.equal(x, y) for x, y in zip(a, b))  # type: ignore[call-overload]
+               for a, b in ((before[k], after[k]) for k in before))
 
 
 def host_rng_moved(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:

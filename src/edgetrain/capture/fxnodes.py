@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import fx, nn
 
 __all__ = ["MODULE_META", "has_hooks", "has_backward_hooks", "has_foreign_forward_hooks", "replace_node",
-           "calls_module", "VIEW_OPS", "op_name", "is_view"]
+           "calls_module", "VIEW_OPS", "op_name", "is_view", "storage_of", "node_values"]
 
 #: Meta key that records, on a rewritten graph node, the qualified name of the module it called.
 MODULE_META = "edgetrain_module"
@@ -78,3 +79,34 @@ def op_name(n: fx.Node) -> str:
 def is_view(n: fx.Node) -> bool:
     """Whether ``n`` calls an op whose result is a view of its input (:data:`VIEW_OPS`)."""
     return n.op in ("call_method", "call_function") and op_name(n) in VIEW_OPS
+
+
+def storage_of(v: Any) -> int | None:
+    """The address of a strided tensor's storage (what in-place writes are tracked by); None otherwise."""
+    return v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
+
+
+def node_values(gm: fx.GraphModule, env: dict[str, Any]) -> tuple[dict[fx.Node, Any], dict[int, int]]:
+    """Run the traced graph once: every node's value (for shapes and tensor-ness), and for each storage an
+    op wrote into in place (its version counter advanced), the position of the last node that did."""
+    values: dict[fx.Node, Any] = {}
+    last_write: dict[int, int] = {}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    class _Rec(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n.op == "placeholder":
+                v = env[n.target] if n.target in env else (n.args[0] if n.args else None)
+            else:
+                args = [values[a] for a in n.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
+                before = [a._version for a in args]
+                v = super().run_node(n)
+                for a, version in zip(args, before):
+                    ptr = storage_of(a)
+                    if a._version != version and ptr is not None:
+                        last_write[ptr] = position[n]
+            values[n] = v
+            return v
+
+    _Rec(gm).run(*[env.get(n.target) for n in gm.graph.nodes if n.op == "placeholder"])
+    return values, last_write

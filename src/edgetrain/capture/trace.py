@@ -21,11 +21,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-from .._state import preserved_model_state, rng_state, set_rng_state
+from .._state import preserved_model_state, rng_moved, rng_state, set_rng_state
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers, torchscript_in
 from .checks import (HOOKED, buffer_values, graph_checks, hooked_traced_modules, isolated, reproducible, same,
                      unlike_buffers)
+from .fxnodes import node_values, storage_of
 from .lean import memory_format_of
 from .modules import blocks_behind, module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
@@ -110,36 +111,6 @@ def _trace(model: nn.Module, concrete: dict[str, Any], max_retries: int = 64) ->
     raise CaptureError(f"torch.fx cannot trace {type(model).__name__}.forward: {last_err}")
 
 
-def _storage(v: Any) -> int | None:
-    return v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
-
-
-def _node_values(gm: fx.GraphModule, env: dict[str, Any]) -> tuple[dict[fx.Node, Any], dict[int, int]]:
-    """Run the traced graph once: every node's value (for shapes and tensor-ness), and for each storage an
-    op wrote into in place (its version counter advanced), the position of the last node that did."""
-    values: dict[fx.Node, Any] = {}
-    last_write: dict[int, int] = {}
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    class _Rec(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            if n.op == "placeholder":
-                v = env[n.target] if n.target in env else (n.args[0] if n.args else None)
-            else:
-                args = [values[a] for a in n.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
-                before = [a._version for a in args]
-                v = super().run_node(n)
-                for a, version in zip(args, before):
-                    ptr = _storage(a)
-                    if a._version != version and ptr is not None:
-                        last_write[ptr] = position[n]
-            values[n] = v
-            return v
-
-    _Rec(gm).run(*[env.get(n.target) for n in gm.graph.nodes if n.op == "placeholder"])
-    return values, last_write
-
-
 def _nbytes(v: Any) -> int:
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
@@ -161,7 +132,7 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
     frees it (``keeps_input`` false for all of them, e.g. a ReLU, whose backward reads its output): uncut,
     the tensor dies right after its reader; cut, a recomputed segment would keep it as its input.
     Nor where a node after p writes in place into a tensor crossing the cut (``last_write``: storage ->
-    position of the last in-place write, from :func:`_node_values`): the runtime keeps a stage's inputs to
+    position of the last in-place write, from :func:`node_values`): the runtime keeps a stage's inputs to
     re-run it, and an in-place op the graph passes could not make out-of-place would overwrite them (or
     fail on the leaf tensor a stage's gradient input is). Nor where a tuple, list or dict of floating-point
     tensors (a ``split``'s result, read item by item later) crosses: a stage's gradient inputs are tensors.
@@ -190,7 +161,7 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
         fresh = [x for x in live if index[x] > since]
         if len(fresh) == 1 and (carry or len(live) == 1) and not _is_view(fresh[0], values) and any(
                 keeps_input(u) for u in fresh[0].users if index[u] > p) and not any(
-                last_write.get(_storage(values[x]), -1) > p for x in live):
+                last_write.get(storage_of(values[x]), -1) > p for x in live):
             cuts.append(p)
     return cuts
 
@@ -361,6 +332,11 @@ _NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same ran
 
 
 #: Why a model that draws from NumPy's or Python's generator is not traced (%s is the model's class).
+_TRACED_RANDOM = ("%s's forward draws from torch's generator where no traced tensor is involved (torch.rand([]) "
+                  "deciding whether a layer runs, as LayerDrop does), which a traced graph would freeze into constants; "
+                  "its blocks are the stages instead (a recomputation replays their draws)")
+
+
 _HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, which a traced graph would freeze "
                 "into constants; its blocks are the stages instead (a recomputation replays those generators)")
 
@@ -444,7 +420,11 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
             return _fallback(model, env, names, mutates, _HOST_RANDOM % type(model).__name__, strict)
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
+            drawn = rng_state()
             gm, leaves = _trace(model, concrete)
+            if rng_moved(drawn, rng_state()):  # a draw ran while tracing, not on a traced tensor: frozen in the graph
+                set_rng_state(state)
+                return _fallback(model, env, names, mutates, _TRACED_RANDOM % type(model).__name__, strict)
             hooked = hooked_traced_modules(model, _RetryTracer(leaves).is_leaf_module)
             if hooked:
                 set_rng_state(state)
@@ -453,7 +433,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
             rewrite(gm, channels_last=any(isinstance(v, torch.Tensor) and memory_format_of(v) is torch.channels_last
                                           for v in env.values()))  # same values, out-of-place and leaner
             set_rng_state(state)
-            values, last_write = _node_values(gm, env)
+            values, last_write = node_values(gm, env)
             reference, unlike = reference[0], unlike_buffers(model, reference[1])  # what the trace wrote there
         except Exception as e:  # CaptureError from tracing, or the traced graph failing to run
             set_rng_state(state)
