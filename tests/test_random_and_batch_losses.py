@@ -273,3 +273,39 @@ def test_the_gradient_check_of_a_split_gives_way_to_scarce_memory(monkeypatch):
     assert loss_mod.loss_normalisation(model, env, lm_and_router, y, 8).kind == "opaque"
     monkeypatch.setattr(loss_mod, "available_bytes", lambda: 2**20)
     assert loss_mod.loss_normalisation(model, env, lm_and_router, y, 8).kind == "mean"
+
+
+class _Siamese(nn.Module):
+    """Pairs of images stacked along the batch (``[a0, b0, a1, b1, ...]``), each sample classified by how its
+    embedding differs from its pair's: the forward runs only on an even number of samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 16))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.body(x).reshape(x.shape[0] // 2, 2, -1)
+        return self.head((e - e.mean(1, keepdim=True)).reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("solver", [None, "recompute_all"])
+def test_a_forward_that_runs_only_on_even_batches_trains_whole(solver):
+    """Profiling ran the stages on micro-batches of one and two samples whatever the model: a forward that pairs the
+    batch's samples up failed there, and prepare raised ``ProfileError: profiling failed: RuntimeError: shape
+    '[0, 2, -1]' is invalid`` even without a budget. The loss check already knew the forward fails on part of the
+    batch; profiling now runs the whole batch only, as every plan for such a model does."""
+    torch.manual_seed(0)
+    model = _Siamese()
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 2, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, F.cross_entropy, (x, y), tolerance=0.0,
+                                  planning=edgetrain.PlanConfig(solver=solver))
+        assert report.passed and report.micro_batch_size == report.batch_size == 8, str(report)
+        if solver == "recompute_all":
+            assert report.recomputed == report.stages > 1
+        with pytest.raises(InputError, match="fails on part of the batch"):
+            edgetrain.prepare(model, opt, F.cross_entropy, (x, y), planning=edgetrain.PlanConfig(micro_batch_size=4))

@@ -150,8 +150,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             inputs = example_copy(model, inputs, loss_norm.written_inputs)
             env = bind_inputs(model, inputs)
         has_bn = any(m.training for _, m in batchnorm_modules(model))
-        # BatchNorm in training refuses one value per channel (after a global pooling): micro-batches of two then
-        min_micro = 2 if has_bn and batch >= 2 and not one_sample_trains(model, env) else 1
+        # BatchNorm in training refuses one value per channel (after a global pooling): micro-batches of two then;
+        # a forward or loss that fails on part of the batch (samples paired up) is profiled on the whole batch
+        min_micro = batch if not loss_norm.runs_on_parts else \
+            2 if has_bn and batch >= 2 and not one_sample_trains(model, env) else 1
         solver_kw: dict[str, Any] = {}
         pager = None
         page_dir = None

@@ -93,6 +93,11 @@ class LossNorm:
         return self.kind not in (OPAQUE, RANDOM, WHOLE, MIXES)
 
     @property
+    def runs_on_parts(self) -> bool:
+        """Whether the loss and the forward run on part of the batch at all (profiling runs parts)."""
+        return self.kind != WHOLE
+
+    @property
     def why_unsplittable(self) -> str:
         """Why micro-batches cannot reproduce the full batch's gradients (empty when they can)."""
         if self.kind == WHOLE:
