@@ -478,3 +478,29 @@ def test_a_draw_deciding_whether_a_layer_runs_is_drawn_every_step(solver):
         torch.manual_seed(seed)
         step(x, y)
         assert_same_state(ref, m)
+
+
+class _PhysicsInformed(nn.Module):
+    """A physics-informed network: its output carries du/dx, taken with torch.autograd.grad inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.requires_grad else x.requires_grad_(True)
+        u = self.net(x)
+        return torch.cat([u, torch.autograd.grad(u.sum(), x, create_graph=True)[0]], 1)
+
+
+def test_a_forward_that_differentiates_itself_is_refused_for_what_it_is():
+    """Capture runs the example without gradients; a forward calling torch.autograd.grad fails there, and prepare said
+    "PINN failed on the example batch ... Check the example's shapes and dtypes", about an example that was right."""
+    torch.manual_seed(0)
+    model = _PhysicsInformed()
+    x, y = torch.randn(8, 2), torch.randn(8, 3)
+    with pytest.raises(edgetrain.CaptureError, match="differentiates inside itself .torch.autograd.grad") as e:
+        edgetrain.prepare(model, torch.optim.Adam(model.parameters()), nn.MSELoss(), example=(x, y))
+    assert "shapes and dtypes" not in str(e.value)
+    with pytest.raises(edgetrain.CaptureError, match="shapes and dtypes"):  # an example that is wrong still says so
+        edgetrain.prepare(model, torch.optim.Adam(model.parameters()), nn.MSELoss(), example=(torch.randn(8, 3), y))

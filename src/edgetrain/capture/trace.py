@@ -383,6 +383,12 @@ def _capture_checked(model: nn.Module, example_inputs: Any, max_stages: int, str
                 mutates, reference = mutated_buffers(model, lambda: model(**env))
                 written = buffer_values(model, mutates)
         except Exception as e:
+            if _runs_with_gradients(model, env, state):
+                raise CaptureError(f"{type(model).__name__}'s forward fails without gradients ({type(e).__name__}: "
+                                   f"{e}) and runs with them: it differentiates inside itself (torch.autograd.grad, as "
+                                   "physics-informed networks, gradient penalties and force fields do). edgetrain "
+                                   "analyses a forward without gradients and cannot plan such a model: train it "
+                                   "with plain PyTorch.") from e
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
     chain = _capture(model, env, mutates, (reference, written), state, max_stages, strict, carry_cuts, isolate)
@@ -395,6 +401,18 @@ def _capture_checked(model: nn.Module, example_inputs: Any, max_stages: int, str
         log.info("%s runs TorchScript (%s): recomputations replay each stage to its end", type(model).__name__,
                  scripted)
     return chain
+
+
+def _runs_with_gradients(model: nn.Module, env: dict[str, Any], state: dict[str, object]) -> bool:
+    """Whether ``model`` runs on ``env`` with gradients on (its buffers and the generators put back after)."""
+    try:
+        with preserved_model_state(model), torch.enable_grad():
+            model(**env)
+        return True
+    except Exception:  # noqa: BLE001 - it fails either way: the example is at fault
+        return False
+    finally:
+        set_rng_state(state)
 
 
 def _replay_to_the_end(chain: Chain, writers: list[str]) -> None:
