@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["preserved_model_state", "put_back", "rng_state", "set_rng_state", "host_rng_state",
-           "set_host_rng_state", "host_rng_moved", "rng_moved", "batchnorm_modules", "autocast_state", "describe_autocast",
+__all__ = ["preserved_model_state", "put_back", "rng_state", "set_rng_state", "rng_moved", "host_rng_state",
+           "set_host_rng_state", "host_rng_moved", "batchnorm_modules", "autocast_state", "describe_autocast",
            "backward_outside_autocast"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -331,12 +331,13 @@ _NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same ran
                    "trains as one stage that is never recomputed (micro-batching only)")
 
 
-#: Why a model that draws from NumPy's or Python's generator is not traced (%s is the model's class).
+#: Why a model whose forward draws from torch's generator while being traced is not traced (%s: its class).
 _TRACED_RANDOM = ("%s's forward draws from torch's generator where no traced tensor is involved (torch.rand([]) "
-                  "deciding whether a layer runs, as LayerDrop does), which a traced graph would freeze into constants; "
-                  "its blocks are the stages instead (a recomputation replays their draws)")
+                  "deciding whether a layer runs, as LayerDrop does), which a traced graph would freeze into "
+                  "constants; its blocks are the stages instead (a recomputation replays their draws)")
 
 
+#: Why a model that draws from NumPy's or Python's generator is not traced (%s is the model's class).
 _HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, which a traced graph would freeze "
                 "into constants; its blocks are the stages instead (a recomputation replays those generators)")
 
@@ -426,6 +427,7 @@ def _replay_to_the_end(chain: Chain, writers: list[str]) -> None:
 def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], reference: tuple[Any, Any], state: Any,
              max_stages: int, strict: bool, carry_cuts: bool,
              isolate: Callable[[Callable[[], Any]], Any] | None) -> Chain:
+    # reference: the forward's output on the example, and the buffers it wrote (their values after it)
     names = tuple(env)
     with preserved_model_state(model), torch.no_grad():
         if not reproducible(model, env):
