@@ -431,3 +431,33 @@ def test_a_zero_dimensional_input_is_refused_with_the_fix():
         prepared(_Scaled(), {"x": x, "scale": torch.tensor(0.5)}, y)
     m, step = prepared(_Scaled(), {"x": x, "scale": 0.5}, y, micro_batch_size=4)
     step({"x": x, "scale": 0.5}, y)
+
+
+class _TwoViews(nn.Module):
+    """One input that is itself a list: two augmented views of each sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, views: list[torch.Tensor]) -> torch.Tensor:
+        a, b = views
+        return self.head(torch.cat([self.enc(a), self.enc(b)], 1))
+
+
+def test_a_list_meant_as_the_forwards_one_input_is_told_how_to_pass_it():
+    """``example=([a, b], y)`` binds a and b as two positional inputs of ``forward(views)``; the error said only
+    "too many positional arguments ... Pass a tensor, a tuple of positional inputs, or a dict". It now says how to
+    pass a list as the one input, and that way trains exactly, micro-batches included."""
+    torch.manual_seed(0)
+    model = _TwoViews()
+    a, b, y = torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 3, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(edgetrain.CaptureError, match=r"wrap it in a tuple of one: example=\(\(views,\), targets\)"):
+        edgetrain.prepare(model, opt, nn.CrossEntropyLoss(), example=([a, b], y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, nn.CrossEntropyLoss(), (([a, b],), y), tolerance=0.0,
+                                  planning=edgetrain.PlanConfig(micro_batch_size=4, solver="recompute_all"))
+    assert report.passed and report.micro_batch_size == 4, str(report)

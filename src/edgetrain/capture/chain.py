@@ -224,8 +224,12 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
         else:
             bound = sig.bind(inputs)
     except TypeError as e:
-        raise CaptureError(f"the inputs do not match {type(model).__name__}.forward{sig}: {e}. "
-                           "Pass a tensor, a tuple of positional inputs, or a dict of keyword inputs.") from e
+        hint = "Pass a tensor, a tuple of positional inputs, or a dict of keyword inputs."
+        if isinstance(inputs, (tuple, list)) and _binds(sig, inputs):
+            hint = (f"A {type(inputs).__name__} is taken as the forward's positional inputs; to pass it as its one "
+                    "input (views, crops), wrap it in a tuple of one: example=((views,), targets), "
+                    "step((views,), targets).")
+        raise CaptureError(f"the inputs do not match {type(model).__name__}.forward{sig}: {e}. {hint}") from e
     bound.apply_defaults()
     env: dict[str, Any] = {}
     for name, value in bound.arguments.items():
@@ -240,6 +244,14 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
         else:
             env[name] = value
     return env
+
+
+def _binds(sig: inspect.Signature, one: Any) -> bool:
+    try:
+        sig.bind(one)
+        return True
+    except TypeError:
+        return False
 
 
 def stage_inputs(stage: Any, env: dict[str, Any], live: Container[str]) -> tuple[list[Any], list[torch.Tensor]]:
