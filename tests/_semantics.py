@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
@@ -50,10 +51,12 @@ class Residual(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self) -> None:
+    """``depth`` blocks of 32 features (``block()`` makes one) between an input and an output layer."""
+
+    def __init__(self, block: Callable[[], nn.Module] = Residual, depth: int = 3) -> None:
         super().__init__()
         self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
-        self.blocks = nn.ModuleList(Residual() for _ in range(3))
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
 import warnings
 from typing import Callable
 
@@ -16,7 +15,7 @@ from torch import nn
 
 import edgetrain
 
-from _semantics import Residual, Stack, assert_same_state, plain_step, prepared
+from _semantics import Stack, assert_same_state, plain_step, prepared
 
 
 def test_rrelu_recomputed_on_its_own_gets_exact_gradients():
@@ -382,125 +381,3 @@ def test_torchscript_blocks_are_stages_of_their_own_and_prepare_prints_nothing(c
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)  # two micro-batches: the sum's rounding only
 
-
-class _Averaged(nn.Module):
-    """A residual block keeping a running mean of its output in a buffer, written by a chain of in-place calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(32, 32)
-        self.register_buffer("avg", torch.zeros(32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + torch.relu(self.l1(x))
-        self.avg.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)  # mul_ returns the buffer: add_ writes it too
-        return h
-
-
-class _AveragedStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
-        self.blocks = nn.Sequential(*[_Averaged() for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.inp(x)))
-
-
-@pytest.mark.parametrize("solver", ["recompute_all", "no_saving"])
-def test_an_in_place_call_on_a_buffer_written_by_another_stays_in_place(solver):
-    """The rewrite made ``self.avg.mul_(0.9).add_(m)`` out of place from ``add_`` on (its argument, ``mul_``'s
-    result, is the buffer, not a temporary): the buffer was only ever multiplied, and stayed 0 where plain PyTorch
-    moved it to ~0.05, with every gradient exact and no word."""
-    torch.manual_seed(0)
-    model = _AveragedStack()
-    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
-    plain = plain_step(model, x, y)
-    m, step = prepared(model, x, y, solver=solver)
-    assert step.chain.method == "fx"
-    torch.manual_seed(5)
-    step(x, y)
-    assert plain.blocks[0].avg.abs().sum() > 0
-    assert_same_state(plain, m)
-
-
-def test_a_trace_that_loses_a_buffer_write_is_not_used(monkeypatch, caplog):
-    """Capture compares the buffers the traced graph writes with the forward's on the example batch; a trace that
-    loses a write (here the rewrite is made to lose it, as it did) is dropped for the module tree, not trained."""
-    import edgetrain.capture.rewrite as rewrite
-
-    monkeypatch.setattr(rewrite, "_returns_its_input", lambda n: False)
-    torch.manual_seed(0)
-    model = _AveragedStack()
-    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
-    plain = plain_step(model, x, y)
-    with caplog.at_level(logging.INFO, logger="edgetrain.capture.trace"):
-        m, step = prepared(model, x, y, solver="recompute_all")
-    assert step.chain.method == "modules"
-    assert "does not write buffer(s) blocks.0.avg, blocks.1.avg, blocks.2.avg as its forward does" in caplog.text
-    torch.manual_seed(5)
-    step(x, y)
-    assert_same_state(plain, m)
-
-
-class _LayerDrop(nn.Module):
-    """LayerDrop as Hugging Face's speech and translation models write it: one draw decides whether a block runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 3)
-        self.blocks = nn.ModuleList(Residual() for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            if not (self.training and torch.rand([]) < 0.5):
-                h = block(h)
-        return self.head(h)
-
-
-@pytest.mark.parametrize("solver", ["recompute_all", "no_saving"])
-def test_a_draw_deciding_whether_a_layer_runs_is_drawn_every_step(solver):
-    """torch.fx ran ``torch.rand([]) < p`` while tracing (no traced tensor in it) and froze the layers it dropped
-    into the graph: every step after dropped the capture's layers, and the gradients of the others were missing or
-    extra against plain PyTorch, with no word. Capture now sees the generator move while tracing and takes the
-    blocks for stages (each runs its own forward, its draws replayed by a recomputation)."""
-    torch.manual_seed(0)
-    model = _LayerDrop()
-    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
-    m, step = prepared(model, x, y, solver=solver)
-    assert step.chain.method == "modules"
-    for seed in range(5, 11):  # six steps from the same weights, a different set of layers dropped in most
-        ref = plain_step(model, x, y, seed)
-        m.load_state_dict(model.state_dict())
-        for p in m.parameters():
-            p.grad = None
-        torch.manual_seed(seed)
-        step(x, y)
-        assert_same_state(ref, m)
-
-
-class _PhysicsInformed(nn.Module):
-    """A physics-informed network: its output carries du/dx, taken with torch.autograd.grad inside the forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if x.requires_grad else x.requires_grad_(True)
-        u = self.net(x)
-        return torch.cat([u, torch.autograd.grad(u.sum(), x, create_graph=True)[0]], 1)
-
-
-def test_a_forward_that_differentiates_itself_is_refused_for_what_it_is():
-    """Capture runs the example without gradients; a forward calling torch.autograd.grad fails there, and prepare said
-    "PINN failed on the example batch ... Check the example's shapes and dtypes", about an example that was right."""
-    torch.manual_seed(0)
-    model = _PhysicsInformed()
-    x, y = torch.randn(8, 2), torch.randn(8, 3)
-    with pytest.raises(edgetrain.CaptureError, match="differentiates inside itself .torch.autograd.grad") as e:
-        edgetrain.prepare(model, torch.optim.Adam(model.parameters()), nn.MSELoss(), example=(x, y))
-    assert "shapes and dtypes" not in str(e.value)
-    with pytest.raises(edgetrain.CaptureError, match="shapes and dtypes"):  # an example that is wrong still says so
-        edgetrain.prepare(model, torch.optim.Adam(model.parameters()), nn.MSELoss(), example=(torch.randn(8, 3), y))
