@@ -18,8 +18,8 @@ from torch import nn
 
 from ..errors import CaptureError
 
-__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "managed_buffer", "mutated_buffers", "stage_inputs",
-           "grad_outputs", "argument_writer_nodes", "unwrap_compiled", "torchscript_in"]
+__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "buffer_sample", "managed_buffer", "mutated_buffers",
+           "stage_inputs", "grad_outputs", "argument_writer_nodes", "unwrap_compiled", "torchscript_in"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
@@ -62,13 +62,22 @@ def mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str
 _WHOLE_BYTES = 1 << 20
 
 
+def buffer_sample(b: torch.Tensor) -> torch.Tensor:
+    """A copy of ``b``, or of an even sample of 4096 of its elements where it is over :data:`_WHOLE_BYTES`."""
+    b = b.detach()
+    if b.numel() * b.element_size() <= _WHOLE_BYTES:
+        return b.clone()
+    flat = b.reshape(-1)
+    return flat[:: max(1, flat.numel() // 4096)].clone()
+
+
 def _contents(b: torch.Tensor) -> tuple[Any, ...]:
     b = b.detach()
     if b.numel() * b.element_size() <= _WHOLE_BYTES:
-        return (b.shape, b.clone())
+        return (b.shape, buffer_sample(b))
     flat = b.reshape(-1)
     total = flat.sum(dtype=torch.float64) if not b.dtype.is_complex else flat.sum()
-    return (b.shape, b.data_ptr(), total.item(), flat[:: max(1, flat.numel() // 4096)].clone())
+    return (b.shape, b.data_ptr(), total.item(), buffer_sample(b))
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

@@ -21,7 +21,7 @@ from torch import fx, nn
 from .._state import preserved_model_state
 from ..batch import slice_batch, tensors_in
 from ..forking import answer_in_fork
-from .chain import argument_writer_nodes
+from .chain import argument_writer_nodes, buffer_sample
 
 __all__ = ["HOOKED", "autograd_nodes", "hooked_traced_modules", "reproducible", "same", "own_graph",
            "gradient_mismatch", "graph_checks", "isolated", "buffer_values", "unlike_buffers"]
@@ -194,20 +194,12 @@ def same(a: Any, b: Any) -> bool:
 
 def buffer_values(model: nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Copies of the named buffers of ``model`` as they are now (after a forward: what it wrote into them); of a
-    buffer over 1 MiB (a memory bank), an even sample of 4096 of its elements, so that no full copy is held."""
+    buffer over 1 MiB (a memory bank), an even sample of its elements (:func:`~.chain.buffer_sample`)."""
     bufs = dict(model.named_buffers())
-    return {n: _sampled(bufs[n]) for n in names if n in bufs}
+    return {n: buffer_sample(bufs[n]) for n in names if n in bufs}
 
 
 def unlike_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> list[str]:
     """Names of the buffers of ``model`` that are not (up to float rounding) ``values`` (:func:`buffer_values`)."""
     bufs = dict(model.named_buffers())
-    return [n for n, v in values.items() if n not in bufs or not same(_sampled(bufs[n]), v)]
-
-
-def _sampled(b: torch.Tensor) -> torch.Tensor:
-    b = b.detach()
-    if b.numel() * b.element_size() <= 1 << 20:
-        return b.clone()
-    flat = b.reshape(-1)
-    return flat[:: max(1, flat.numel() // 4096)].clone()
+    return [n for n, v in values.items() if n not in bufs or not same(buffer_sample(bufs[n]), v)]

@@ -384,7 +384,7 @@ def _capture_checked(model: nn.Module, example_inputs: Any, max_stages: int, str
                 mutates, reference = mutated_buffers(model, lambda: model(**env))
                 written = buffer_values(model, mutates)
         except Exception as e:
-            if _runs_with_gradients(model, env, state):
+            if _runs_with_gradients(model, env):
                 raise CaptureError(f"{type(model).__name__}'s forward fails without gradients ({type(e).__name__}: "
                                    f"{e}) and runs with them: it differentiates inside itself (torch.autograd.grad, as "
                                    "physics-informed networks, gradient penalties and force fields do). edgetrain "
@@ -392,7 +392,7 @@ def _capture_checked(model: nn.Module, example_inputs: Any, max_stages: int, str
                                    "with plain PyTorch.") from e
             raise CaptureError(f"{type(model).__name__} failed on the example batch: {type(e).__name__}: {e}. "
                                "Check the example's shapes and dtypes against the model.") from e
-    chain = _capture(model, env, mutates, (reference, written), state, max_stages, strict, carry_cuts, isolate)
+    chain = _capture(model, env, mutates, reference, written, state, max_stages, strict, carry_cuts, isolate)
     if chain.method != "fx" and chain.replayable:  # a traced chain was checked with its graph (_capture)
         _replay_to_the_end(chain, list(writers) if writers is not None else
                            isolated(lambda: graph_checks(model, None, env), ([], ""), isolate)[0])
@@ -404,7 +404,7 @@ def _capture_checked(model: nn.Module, example_inputs: Any, max_stages: int, str
     return chain
 
 
-def _runs_with_gradients(model: nn.Module, env: dict[str, Any], state: dict[str, object]) -> bool:
+def _runs_with_gradients(model: nn.Module, env: dict[str, Any]) -> bool:
     """Whether ``model`` runs on ``env`` with gradients on (its buffers and the generators put back after)."""
     try:
         with preserved_model_state(model), torch.enable_grad():
@@ -412,8 +412,6 @@ def _runs_with_gradients(model: nn.Module, env: dict[str, Any], state: dict[str,
         return True
     except Exception:  # noqa: BLE001 - it fails either way: the example is at fault
         return False
-    finally:
-        set_rng_state(state)
 
 
 def _replay_to_the_end(chain: Chain, writers: list[str]) -> None:
@@ -424,10 +422,10 @@ def _replay_to_the_end(chain: Chain, writers: list[str]) -> None:
                  type(chain.model).__name__, ", ".join(writers))
 
 
-def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], reference: tuple[Any, Any], state: Any,
-             max_stages: int, strict: bool, carry_cuts: bool,
+def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], reference: Any,
+             written: dict[str, torch.Tensor], state: Any, max_stages: int, strict: bool, carry_cuts: bool,
              isolate: Callable[[Callable[[], Any]], Any] | None) -> Chain:
-    # reference: the forward's output on the example, and the buffers it wrote (their values after it)
+    # reference: the forward's output on the example; written: the buffers it wrote (buffer_values after it)
     names = tuple(env)
     with preserved_model_state(model), torch.no_grad():
         if not reproducible(model, env):
@@ -454,7 +452,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
                                           for v in env.values()))  # same values, out-of-place and leaner
             set_rng_state(state)
             values, last_write = node_values(gm, env)
-            reference, unlike = reference[0], unlike_buffers(model, reference[1])  # what the trace wrote there
+            unlike = unlike_buffers(model, written)  # what the trace wrote there
         except Exception as e:  # CaptureError from tracing, or the traced graph failing to run
             set_rng_state(state)
             why = str(e) if isinstance(e, CaptureError) else \
@@ -464,9 +462,9 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
     out_val = values.get(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], fx.Node) else \
         fx.node.map_aggregate(nodes[-1].args[0], lambda a: values.get(a) if isinstance(a, fx.Node) else a)
     if not same(out_val, reference) or unlike:
-        msg = (f"the traced graph of {type(model).__name__} does not reproduce its output on the example batch "
-               "(data-dependent Python control flow?)" if not unlike else f"the traced graph of {type(model).__name__}"
-               f" does not write buffer(s) {', '.join(unlike[:3])} as its forward does")
+        what = (f"write buffer(s) {', '.join(unlike[:3])} as its forward does" if unlike else
+                "reproduce its output on the example batch (data-dependent Python control flow?)")
+        msg = f"the traced graph of {type(model).__name__} does not {what}"
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
     writers, mismatch = isolated(lambda: graph_checks(model, gm, env), ([], ""), isolate)
