@@ -80,7 +80,9 @@ def batch_size_of(*parts: Any) -> int:
         raise InputError(f"inputs and targets disagree on the batch size (dim 0): {sorted(sizes)}. edgetrain takes "
                          "dim 0 of every input and target as the batch dimension: pass batch-first tensors "
                          "(nn.LSTM, nn.GRU, nn.Transformer: batch_first=True; or transpose inside the model's "
-                         "forward)")
+                         "forward). A tensor that is not per sample (a graph's edge index beside its node "
+                         "features, a table every sample reads) belongs on the model: register it as a buffer "
+                         "(model.register_buffer) and have the forward read it there")
     return sizes.pop()
 
 

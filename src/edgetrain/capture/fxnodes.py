@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["MODULE_META", "has_hooks", "has_backward_hooks", "has_foreign_forward_hooks", "replace_node",
-           "calls_module", "VIEW_OPS", "op_name", "is_view", "storage_of", "node_values"]
+           "calls_module", "VIEW_OPS", "op_name", "is_view", "storage_of", "node_values", "GraphRun"]
 
 #: Meta key that records, on a rewritten graph node, the qualified name of the module it called.
 MODULE_META = "edgetrain_module"
@@ -86,27 +89,74 @@ def storage_of(v: Any) -> int | None:
     return v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
 
 
-def node_values(gm: fx.GraphModule, env: dict[str, Any]) -> tuple[dict[fx.Node, Any], dict[int, int]]:
-    """Run the traced graph once: every node's value (for shapes and tensor-ness), and for each storage an
-    op wrote into in place (its version counter advanced), the position of the last node that did."""
-    values: dict[fx.Node, Any] = {}
-    last_write: dict[int, int] = {}
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+@dataclass
+class GraphRun:
+    """What one run of a traced graph showed about its nodes, holding no more memory than a forward does.
+
+    Attributes:
+        values: each node's value, every tensor in it as a stand-in on the meta device (its shape, dtype and
+            strides); the graph's inputs, attributes and outputs as they were.
+        storage: for each node whose value is a strided tensor, the storage it lives in, numbered in order of
+            first sight (a view has its source's number; an empty tensor has none).
+        last_write: for each storage number an op wrote into in place (its version counter advanced), the
+            position of the last node that did.
+    """
+
+    values: dict[fx.Node, Any] = field(default_factory=dict)
+    storage: dict[fx.Node, int] = field(default_factory=dict)
+    last_write: dict[int, int] = field(default_factory=dict)
+
+
+def _stand_in(v: Any) -> Any:
+    """``v`` with every strided tensor in it replaced by an empty one of its shape, dtype and strides on the meta
+    device (no memory); other values as they are."""
+    def meta(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        try:
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+        except (RuntimeError, TypeError, NotImplementedError):  # a dtype or subclass the meta device lacks
+            return t
+    return fx.node.map_aggregate(v, meta)
+
+
+def node_values(gm: fx.GraphModule, env: dict[str, Any]) -> GraphRun:
+    """Run the traced graph once and record what its values look like (:class:`GraphRun`). Each value is freed
+    after its last reader, as in a forward without gradients, so that a graph captured on a whole batch (a
+    model that runs on no part of it) holds what such a forward holds, not every activation at once."""
+    run = GraphRun()
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    kept = set(nodes[-1].all_input_nodes) if nodes and nodes[-1].op == "output" else set()
+    numbers: dict[int, tuple[StorageWeakRef, int]] = {}  # address -> (the storage there, its number)
+    fresh = itertools.count(1)
+
+    def number(v: Any) -> int | None:
+        ptr = storage_of(v)
+        if not ptr:
+            return None
+        hit = numbers.get(ptr)
+        if hit is None or hit[0].expired():  # a storage freed since, its address given to a new one
+            hit = numbers[ptr] = (StorageWeakRef(v.untyped_storage()), next(fresh))
+        return hit[1]
 
     class _Rec(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             if n.op == "placeholder":
                 v = env[n.target] if n.target in env else (n.args[0] if n.args else None)
             else:
-                args = [values[a] for a in n.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
+                args = [self.env[a] for a in n.all_input_nodes if isinstance(self.env.get(a), torch.Tensor)]
                 before = [a._version for a in args]
                 v = super().run_node(n)
                 for a, version in zip(args, before):
-                    ptr = storage_of(a)
-                    if a._version != version and ptr is not None:
-                        last_write[ptr] = position[n]
-            values[n] = v
+                    k = number(a)
+                    if a._version != version and k is not None:
+                        run.last_write[k] = position[n]
+            k = number(v)
+            if k is not None:
+                run.storage[n] = k
+            run.values[n] = v if n.op in ("placeholder", "get_attr") or n in kept else _stand_in(v)
             return v
 
-    _Rec(gm).run(*[env.get(n.target) for n in gm.graph.nodes if n.op == "placeholder"])
-    return values, last_write
+    _Rec(gm).run(*[env.get(n.target) for n in nodes if n.op == "placeholder"])
+    return run

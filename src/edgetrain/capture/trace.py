@@ -26,7 +26,7 @@ from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers, torchscript_in
 from .checks import (HOOKED, buffer_values, graph_checks, hooked_traced_modules, isolated, reproducible, same,
                      unlike_buffers)
-from .fxnodes import node_values, storage_of
+from .fxnodes import GraphRun, node_values
 from .lean import memory_format_of
 from .modules import blocks_behind, module_chain
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
@@ -121,9 +121,8 @@ def _nbytes(v: Any) -> int:
     return 0
 
 
-def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
-                keeps_input: Callable[[fx.Node], bool] = lambda n: True, carry: bool = True,
-                last_write: dict[int, int] | None = None) -> list[int]:
+def _cut_points(nodes: list[fx.Node], run: GraphRun, keeps_input: Callable[[fx.Node], bool] = lambda n: True,
+                carry: bool = True) -> list[int]:
     """Indices p where exactly one non-input tensor made since the previous cut is used after p.
 
     With ``carry``, tensors made before the previous cut may cross too (a residual block's skip input:
@@ -131,13 +130,13 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
     No cut goes after a view (its bytes are its source's), nor where every later reader of the new tensor
     frees it (``keeps_input`` false for all of them, e.g. a ReLU, whose backward reads its output): uncut,
     the tensor dies right after its reader; cut, a recomputed segment would keep it as its input.
-    Nor where a node after p writes in place into a tensor crossing the cut (``last_write``: storage ->
-    position of the last in-place write, from :func:`node_values`): the runtime keeps a stage's inputs to
+    Nor where a node after p writes in place into a tensor crossing the cut (``run.last_write``, from
+    :func:`node_values`): the runtime keeps a stage's inputs to
     re-run it, and an in-place op the graph passes could not make out-of-place would overwrite them (or
     fail on the leaf tensor a stage's gradient input is). Nor where a tuple, list or dict of floating-point
     tensors (a ``split``'s result, read item by item later) crosses: a stage's gradient inputs are tensors.
     """
-    last_write = last_write or {}
+    values, storage = run.values, run.storage
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
     cuts: list[int] = []
@@ -159,9 +158,9 @@ def _cut_points(nodes: list[fx.Node], values: dict[fx.Node, Any],
             continue
         since = cuts[-1] if cuts else -1
         fresh = [x for x in live if index[x] > since]
-        if len(fresh) == 1 and (carry or len(live) == 1) and not _is_view(fresh[0], values) and any(
+        if len(fresh) == 1 and (carry or len(live) == 1) and not _is_view(fresh[0], storage) and any(
                 keeps_input(u) for u in fresh[0].users if index[u] > p) and not any(
-                last_write.get(storage_of(values[x]), -1) > p for x in live):
+                run.last_write.get(storage.get(x, 0), -1) > p for x in live):
             cuts.append(p)
     return cuts
 
@@ -174,15 +173,11 @@ def _holds_float_tensor(v: Any) -> bool:
     return False
 
 
-def _is_view(n: fx.Node, values: dict[fx.Node, Any]) -> bool:
+def _is_view(n: fx.Node, storage: dict[fx.Node, int]) -> bool:
     """Whether ``n``'s value shares storage with a tensor it was made from (a reshape, permute, slice):
     cut there, the same bytes would cross twice."""
-    v = values.get(n)
-    if not isinstance(v, torch.Tensor):
-        return False
-    ptr = v.untyped_storage().data_ptr()
-    return any(isinstance(values.get(a), torch.Tensor) and values[a].untyped_storage().data_ptr() == ptr
-               for a in n.all_input_nodes)
+    k = storage.get(n)
+    return k is not None and any(storage.get(a) == k for a in n.all_input_nodes)
 
 
 def _coarsen(cuts: list[int], nodes: list[fx.Node], values: dict[fx.Node, Any], max_stages: int) -> list[int]:
@@ -316,12 +311,17 @@ def _returning(fn: Callable[..., tuple[Any, ...]], cls: type) -> Callable[..., t
 
 
 def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any]) -> None:
-    """Run the stages once on the example (state restored after) and record what each writes in place."""
+    """Run the stages once on the example (state restored after) and record what each writes in place. Each
+    stage's outputs are dropped after the last stage that reads them, as a forward frees them."""
     env = dict(env)
+    last = {k: i for i, st in enumerate(stages) for k in st.inputs}
     with preserved_model_state(model), torch.no_grad():
-        for st in stages:
+        for i, st in enumerate(stages):
             st.mutates, outs = mutated_buffers(model, lambda st=st: st(*(env[k] for k in st.inputs)))
             env.update(zip(st.outputs, outs))
+            del outs
+            for k in [k for k in env if last.get(k, -1) <= i]:
+                del env[k]
 
 
 #: Why a chain is one stage that is never recomputed (``Chain.replayable`` False); %s is the model's class.
@@ -451,14 +451,14 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
             rewrite(gm, channels_last=any(isinstance(v, torch.Tensor) and memory_format_of(v) is torch.channels_last
                                           for v in env.values()))  # same values, out-of-place and leaner
             set_rng_state(state)
-            values, last_write = node_values(gm, env)
+            run = node_values(gm, env)
             unlike = unlike_buffers(model, written)  # what the trace wrote there
         except Exception as e:  # CaptureError from tracing, or the traced graph failing to run
             set_rng_state(state)
             why = str(e) if isinstance(e, CaptureError) else \
                 f"the graph torch.fx traced from {type(model).__name__} does not run ({type(e).__name__}: {e})"
             return _fallback(model, env, names, mutates, why, strict)
-    nodes = list(gm.graph.nodes)
+    nodes, values = list(gm.graph.nodes), run.values
     out_val = values.get(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], fx.Node) else \
         fx.node.map_aggregate(nodes[-1].args[0], lambda a: values.get(a) if isinstance(a, fx.Node) else a)
     if not same(out_val, reference) or unlike:
@@ -474,8 +474,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
                "torch.autograd.Function's backward inside the forward")
         with preserved_model_state(model):
             return _fallback(model, env, names, mutates, msg, strict)
-    cuts = _coarsen(_cut_points(nodes, values, lambda n: keeps_input(gm, n), carry_cuts, last_write), nodes,
-                    values, max_stages)
+    cuts = _coarsen(_cut_points(nodes, run, lambda n: keeps_input(gm, n), carry_cuts), nodes, values, max_stages)
     if not cuts and strict:
         raise CaptureError(f"{type(model).__name__} has no point where a single tensor crosses; "
                            "it cannot be cut into stages")

@@ -142,13 +142,13 @@ class Analysis:
         return None if self.budget is None else self.budget - self.margin
 
     def capture_chain(self) -> Any:
-        """The model's chain, captured on two samples of the example.
+        """The model's chain, captured on two samples of the example; on all of them where the batch trains whole
+        because the forward or loss fails on part of it (a graph's nodes, a forward tied to one batch size).
 
         Raises:
-            InputError: the model runs on the whole example but not on two of its samples (a forward tied to
-                one batch size), which edgetrain's profiling and micro-batching need.
+            InputError: the model runs on the whole example but not on two samples, which the loss check missed.
         """
-        part = min(self.batch, 2)
+        part = self.batch if self.min_micro >= self.batch else min(self.batch, 2)
         try:
             return capture(self.model, slice_batch(self.inputs, 0, part), max_stages=self.max_stages,
                            carry_cuts=not self.solver.startswith("poet"),  # the paging model has no carried tensors
