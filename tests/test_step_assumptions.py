@@ -461,3 +461,15 @@ def test_a_list_meant_as_the_forwards_one_input_is_told_how_to_pass_it():
         report = edgetrain.verify(model, opt, nn.CrossEntropyLoss(), (([a, b],), y), tolerance=0.0,
                                   planning=edgetrain.PlanConfig(micro_batch_size=4, solver="recompute_all"))
     assert report.passed and report.micro_batch_size == 4, str(report)
+
+
+@pytest.mark.parametrize("as_dicts", [False, True])
+def test_targets_given_one_entry_per_sample_are_told_to_be_padded(as_dicts):
+    """A detection model's boxes come one tensor per image (a list of dicts, as torchvision's detection models take
+    them): the sizes disagreed and the message blamed an RNN's initial state on the images' channel dim."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
+    boxes = [torch.randn(k, 5) for k in (2, 1, 3, 3, 1, 2)]
+    targets = [{"boxes": b, "labels": torch.zeros(len(b), dtype=torch.long)} for b in boxes] if as_dicts else boxes
+    with pytest.raises(InputError, match=r"list of 6 entries, one per sample .* Pad the entries"):
+        edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, t: out.sum(),
+                          (torch.randn(6, 3, 8, 8), targets))

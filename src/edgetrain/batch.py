@@ -69,6 +69,7 @@ def batch_size_of(*parts: Any) -> int:
                          "scalar setting (a temperature) as a Python number, which the step holds fixed, or keep "
                          "it on the model as a buffer or attribute")
     if len(sizes) > 1:
+        _refuse_per_sample_list(parts, leaves)
         _refuse_batch_on_dim_1(leaves)
     if len(sizes) == 2 and 1 in sizes:
         batch = max(sizes)  # type: ignore[type-var]
@@ -84,6 +85,32 @@ def batch_size_of(*parts: Any) -> int:
                          "features, a table every sample reads) belongs on the model: register it as a buffer "
                          "(model.register_buffer) and have the forward read it there")
     return sizes.pop()
+
+
+def _lists_in(x: Any) -> Iterator[list[Any] | tuple[Any, ...]]:
+    if isinstance(x, Mapping):
+        for v in x.values():
+            yield from _lists_in(v)
+    elif isinstance(x, (tuple, list)):
+        yield x
+        for v in x:
+            yield from _lists_in(v)
+
+
+def _refuse_per_sample_list(parts: tuple[Any, ...], leaves: list[torch.Tensor]) -> None:
+    """Name the fix for a list holding one entry per sample (a detection model's boxes per image, as torchvision's
+    detection models take them), whose tensors are not batched on dim 0."""
+    for c in (c for p in parts for c in _lists_in(p)):
+        inner = {id(t) for t in _leaves(c)}
+        outside = {t.shape[0] for t in leaves if id(t) not in inner}
+        if len(c) >= 2 and len(c) in outside and inner and any(
+                t.dim() == 0 or t.shape[0] != len(c) for t in _leaves(c)):
+            shapes = ", ".join(str(tuple(t.shape)) for t in list(_leaves(c))[:3])
+            raise InputError(f"inputs and targets disagree on the batch size (dim 0): a {type(c).__name__} of "
+                             f"{len(c)} entries, one per sample (tensors of shapes {shapes}, ...), is not batched on "
+                             "dim 0, and edgetrain slices every tensor's dim 0 into micro-batches. Pad the entries "
+                             "into tensors batched on dim 0 (boxes as (batch, most boxes, 5) with a count or mask "
+                             "per sample) and have the loss read those")
 
 
 def _refuse_batch_on_dim_1(leaves: list[torch.Tensor]) -> None:
