@@ -179,12 +179,16 @@ def _block_alone(name: str) -> Callable[..., tuple[Any, ...]]:
 def replay_kwargs(model: nn.Module, env: dict[str, Any]) -> dict[str, Any]:
     """Keyword inputs a training step adds to the model's own call: ``use_cache=False`` where the forward
     takes ``use_cache`` and the inputs do not ask for it (a key/value cache would be appended to again by
-    a replay; Hugging Face's own gradient checkpointing turns it off too)."""
+    a replay; Hugging Face's own gradient checkpointing turns it off too). A forward taking ``**kwargs`` takes
+    it where the model's config has ``use_cache``: a wrapper that hands its keywords on to a Hugging Face model
+    (PEFT's ``PeftModel``), whose blocks are otherwise handed a cache and cannot be recomputed."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return {}
-    return {"use_cache": False} if "use_cache" in params and not env.get("use_cache") else {}
+    takes = "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and \
+        isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool)
+    return {"use_cache": False} if takes and not env.get("use_cache") else {}
 
 
 def module_chain(model: nn.Module, env: dict[str, Any], names: tuple[str, ...],
