@@ -5,7 +5,9 @@ Two problems, two mechanisms:
 * Recomputation re-runs a stage's forward during backward; a training-mode BatchNorm would update its
   running statistics a second time (pytorch#96136). :class:`RecomputeGuard` is the context entered around
   every recomputation: it snapshots the running statistics of the BatchNorm layers inside the recomputed
-  stages and restores them on exit, so each real forward updates them exactly once. Any other buffer the
+  stages and restores them on exit, so each real forward updates them exactly once; the replay runs on
+  their values from before the first forward (a layer may read them in training mode: quantization-aware
+  ConvBn folds the running variance into its weight). Any other buffer the
   stages write in forward (a counter, a power-iteration vector) may also be *read* by them, so the replay
   must see it as the first forward did: the guard's :meth:`~RecomputeGuard.forward_context`, entered
   around that forward, keeps a copy of those buffers from before it; the replay runs on that copy and the
@@ -50,6 +52,19 @@ def _stats_of(mods: Iterable[nn.Module]) -> list[_BN]:
     return out
 
 
+def _running(b: _BN) -> tuple[torch.Tensor | None, ...]:
+    """Copies of a BatchNorm layer's running mean, running variance and batch count (None where it has none)."""
+    return tuple(None if t is None else t.clone() for t in (b.running_mean, b.running_var, b.num_batches_tracked))
+
+
+def _put_running(bns: list[_BN], values: list[tuple[torch.Tensor | None, ...]]) -> None:
+    with torch.no_grad():
+        for b, saved in zip(bns, values):
+            for t, v in zip((b.running_mean, b.running_var, b.num_batches_tracked), saved):
+                if t is not None and v is not None:
+                    t.copy_(v)
+
+
 class RecomputeGuard:
     """Context manager (one per recomputed group) that undoes running-statistics updates on exit.
 
@@ -66,7 +81,8 @@ class RecomputeGuard:
         self.owner = owner
         self.buffers = list(buffers)
         self.generators = module_generators(*modules)
-        self._saved: list[tuple[torch.Tensor, ...]] = []
+        self._saved: list[tuple[torch.Tensor | None, ...]] = []
+        self._bn_before: list[tuple[torch.Tensor | None, ...]] = []
         self._before: list[torch.Tensor] | None = None
         self._after: list[torch.Tensor] = []
         self._gen_before: list[torch.Tensor] = []
@@ -80,6 +96,7 @@ class RecomputeGuard:
         NumPy's and Python's generators as they were before it (any forward may draw from those two; a
         snapshot of both costs microseconds)."""
         self._before = [b.detach().clone() for b in self.buffers]
+        self._bn_before = [_running(b) for b in self.bns]
         self._gen_before = [g.get_state() for g in self.generators]
         self._host_before = host_rng_state()
         yield
@@ -98,21 +115,15 @@ class RecomputeGuard:
             set_host_rng_state(self._host_before)
         if self.owner is not None:
             self.owner.recomputing += 1
-        self._saved = [(b.running_mean.clone() if b.running_mean is not None else None,
-                        b.running_var.clone() if b.running_var is not None else None,
-                        b.num_batches_tracked.clone() if b.num_batches_tracked is not None else None)
-                       for b in self.bns]
+        self._saved = [_running(b) for b in self.bns]
+        # the replay reads the running statistics as the first forward did: a layer that reads them in training
+        # mode (a quantization-aware ConvBn folds running_var into its weight) recomputed other activations
+        _put_running(self.bns, self._bn_before)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _put_running(self.bns, self._saved)
         with torch.no_grad():
-            for b, (mean, var, nbt) in zip(self.bns, self._saved):
-                if mean is not None:
-                    b.running_mean.copy_(mean)
-                if var is not None:
-                    b.running_var.copy_(var)
-                if nbt is not None:
-                    b.num_batches_tracked.copy_(nbt)
             for b, v in zip(self.buffers, self._after):
                 put_back(b, v)
         for g, st in zip(self.generators, self._gen_after):
