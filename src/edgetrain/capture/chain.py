@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import CaptureError
 
-__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "buffer_sample", "managed_buffer", "mutated_buffers",
+__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "buffer_sample", "managed_buffer", "mutated_buffers", "written_parameters",
            "stage_inputs", "grad_outputs", "argument_writer_nodes", "unwrap_compiled", "torchscript_in"]
 
 OUTPUT_KEY = "__output__"
@@ -55,6 +55,19 @@ def mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str
     now = dict(model.named_buffers())
     return tuple(n for (n, b), (v, old) in zip(bufs, before)
                  if b._version != v or now.get(n) is not b or not _same(_contents(b), old)), out
+
+
+def written_parameters(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str, ...], Any]:
+    """Names of the parameters ``run()`` wrote, as :func:`mutated_buffers` finds buffers (through ``.data`` too),
+    and its result. An embedding's own renormalisation (``max_norm``) is left out: it is idempotent."""
+    renormed = {id(m.weight) for m in model.modules()
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None}
+    params = [(n, p) for n, p in model.named_parameters() if id(p) not in renormed]
+    before = [(p._version, _contents(p)) for _, p in params]
+    out = run()
+    now = dict(model.named_parameters())
+    return tuple(n for (n, p), (v, old) in zip(params, before)
+                 if p._version != v or now.get(n) is not p or not _same(_contents(p), old)), out
 
 
 #: buffers up to this size are compared whole; larger ones (attention masks, rotary tables: constants in

@@ -207,14 +207,22 @@ def loss_norm_safely(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..
     for shapes no step uses, which would stay resident here."""
     from ..forking import answer_in_fork
 
-    def kind_and_error() -> tuple[str, str, tuple[str, ...] | None, tuple[str, ...]]:
+    def kind_and_error() -> tuple[str, str, tuple[str, ...] | None, tuple[str, ...], tuple[str, ...]]:
         norm = loss_normalisation(model, env, loss_fn, targets, batch)
-        return norm.kind, norm.error, norm.writers, norm.written_inputs
+        return norm.kind, norm.error, norm.writers, norm.written_inputs, norm.written_params
 
     answer = answer_in_fork(kind_and_error)
-    if answer is not None:
-        return LossNorm(answer[0], loss_fn, answer[1], answer[2], answer[3])
-    return loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
+    norm = LossNorm(answer[0], loss_fn, *answer[1:]) if answer is not None else \
+        loss_normalisation(model, env, loss_fn, targets, batch)  # raises here what the child raised
+    if norm.written_params:
+        shown = ", ".join(norm.written_params[:3]) + (", ..." if len(norm.written_params) > 3 else "")
+        raise InputError(f"{type(model).__name__}'s forward writes parameter(s) {shown} (an average of another "
+                         "network's weights kept inside the forward, as MoCo's key encoder and BYOL's or DINO's "
+                         "teacher are): edgetrain runs a forward more than once per step (recomputation, "
+                         "micro-batches) and while planning, and each run would update them again. Update them "
+                         "after each step instead (step(x, y), then the average under torch.no_grad()), or train "
+                         "this model with plain PyTorch")
+    return norm
 
 
 def draws_random(model: nn.Module, env: dict[str, Any], call_kwargs: dict[str, Any] | None = None) -> bool:

@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._state import preserved_model_state
 from ..batch import tensors_in
-from ..capture.chain import argument_writer_nodes
+from ..capture.chain import argument_writer_nodes, written_parameters
 from ..capture.checks import autograd_nodes
 from ..errors import InputError
 from ..losses import counted_weight
@@ -86,6 +86,8 @@ class LossNorm:
     writers: tuple[str, ...] | None = None
     #: the input tensors the forward writes into in place (``x.div_(255)``), by argument name
     written_inputs: tuple[str, ...] = ()
+    #: the parameters the forward writes (an average of another network's weights), by name
+    written_params: tuple[str, ...] = ()
 
     @property
     def splittable(self) -> bool:
@@ -269,7 +271,9 @@ def loss_normalisation(model: nn.Module, env: dict[str, Any], loss_fn: Callable[
     """
     n = min(batch, samples)
     idx = _diverse_samples(env, targets, batch, n)
-    writers, written = _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
+    writers, written, params = _check_reads_only_outputs(model, env, loss_fn, targets, idx[:2])
+    if params:  # refused by the caller, before any forward of its own writes them
+        return LossNorm(OPAQUE, written_params=params)
     norm = _normalisation(model, env, loss_fn, targets, batch, idx, rtol)
     norm = _unless_samples_mix(norm, model, env, idx) if norm.splittable else norm
     return replace(norm, writers=writers, written_inputs=written)
@@ -447,7 +451,8 @@ def _graph_nodes(roots: list[Any]) -> set[Any]:
 
 
 def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Callable[..., torch.Tensor],
-                              targets: Any, idx: torch.Tensor) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+                              targets: Any, idx: torch.Tensor) -> tuple[tuple[str, ...] | None, tuple[str, ...],
+                                                                         tuple[str, ...]]:
     """Refuse a loss that reads the forward's activations other than through its output: an intermediate a
     forward hook kept (a feature-matching term), or a tensor the model stored on itself. edgetrain measures
     the model's backward from its output's gradient, and would backpropagate such a term twice. A loss that
@@ -455,7 +460,8 @@ def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Ca
 
     Returns the ops of the forward's graph that write into an argument autograd saves
     (:func:`~edgetrain.capture.chain.argument_writer_nodes`), for capture, None where the forward failed; and
-    the inputs the forward wrote into in place (``x.div_(255)``: their version counters moved), by name.
+    the inputs the forward wrote into in place (``x.div_(255)``: their version counters moved), by name; and the
+    parameters it wrote (:func:`~edgetrain.capture.chain.written_parameters`).
 
     Raises:
         InputError: the loss, given the model's output detached, still reaches the forward's graph.
@@ -463,27 +469,28 @@ def _check_reads_only_outputs(model: nn.Module, env: dict[str, Any], loss_fn: Ca
     taken = {k: take(v, idx) for k, v in env.items()}
     versions = {k: [t._version for t in tensors_in(v)] for k, v in taken.items()}
     written: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
     try:
         with torch.enable_grad(), preserved_model_state(model):
-            out = model(**taken)
+            params, out = written_parameters(model, lambda: model(**taken))
             written = tuple(k for k, v in taken.items() if [t._version for t in tensors_in(v)] != versions[k])
             forward = _graph_nodes([t.grad_fn for t in tensors_in(out)])
             writers = tuple(sorted(n.removesuffix("Backward0") for n in {type(fn).__name__ for fn in forward}
                                    & argument_writer_nodes()))
             if not forward:
-                return writers, written
+                return writers, written, params
             loss = loss_fn(_detached(out), take(targets, idx))
             reached = _graph_nodes([loss.grad_fn]) if isinstance(loss, torch.Tensor) else set()
     except Exception as e:  # the checks after this one run the same forward and loss, and say what fails
         log.info("check that the loss reads only the model's output skipped: %s: %s", type(e).__name__, e)
-        return None, written
+        return None, written, params
     if reached & forward:
         raise InputError("loss_fn reads the forward's activations other than through the model's output (a tensor "
                          "a forward hook kept, or one the model stored on itself): edgetrain measures and runs the "
                          "backward from the output's gradient, so such a term would be backpropagated wrongly. "
                          "Return what the loss needs as part of the model's output (a tuple or dict), and read it "
                          "there")
-    return writers, written
+    return writers, written, params
 
 
 def _check_scalar(loss: Any) -> None:
