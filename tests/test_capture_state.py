@@ -216,3 +216,27 @@ def test_a_forward_averaging_into_parameters_is_refused_and_the_step_after_it_is
         ref.update_teacher()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reparametrise", ["prune", "weight_norm"])
+def test_verify_copies_a_model_whose_hooks_keep_a_computed_weight(reparametrise):
+    """torch.nn.utils.prune (and the old weight_norm) keep ``weight`` as a tensor autograd made, remade before
+    every forward; after one forward with gradients, ``copy.deepcopy`` refuses it, and ``edgetrain.verify``
+    failed with torch's 'Only Tensors created explicitly by the user (graph leaves) support the deepcopy
+    protocol'. The step itself was exact; verify now copies such a weight detached."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+    for i in (0, 2):
+        if reparametrise == "prune":
+            prune.l1_unstructured(model[i], "weight", amount=0.5)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated for the parametrization, still used
+                torch.nn.utils.weight_norm(model[i])
+    F.cross_entropy(model(torch.randn(4, 12)), torch.randint(0, 5, (4,))).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    report = edgetrain.verify(model, opt, F.cross_entropy, (torch.randn(8, 12), torch.randint(0, 5, (8,))),
+                              tolerance=1e-6, planning=edgetrain.PlanConfig(solver="recompute_all"))
+    assert report.passed and report.recomputed == report.stages > 1, str(report)

@@ -103,6 +103,18 @@ def _largest(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None
     return worst
 
 
+def _copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``. A tensor a module keeps as a plain attribute that autograd made (the ``weight`` of
+    ``torch.nn.utils.prune`` and of the old ``weight_norm``, remade by their hooks before every forward) is copied
+    detached: torch refuses to deep-copy a tensor that is not a leaf of its graph."""
+    memo: dict[int, Any] = {}
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, torch.Tensor) and v.grad_fn is not None:
+                memo[id(v)] = v.detach().clone()
+    return copy.deepcopy(model, memo)
+
+
 def _copy_optimizer(optimizer: torch.optim.Optimizer, original: nn.Module, clone: nn.Module) -> torch.optim.Optimizer:
     """The optimizer's class, hyper-parameters and state over ``clone``'s parameters."""
     index = {id(p): i for i, p in enumerate(original.parameters())}
@@ -168,7 +180,7 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
 
     model = unwrap_compiled(model)
     inputs, targets = _split_example(example)
-    ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+    ours, plain = _copy_model(model), _copy_model(model)
     opt_ours, opt_plain = _copy_optimizer(optimizer, model, ours), _copy_optimizer(optimizer, model, plain)
     state, host = rng_state(), host_rng_state()
     try:
