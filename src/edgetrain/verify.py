@@ -115,6 +115,31 @@ def _copy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _plain_repeat(model: nn.Module, optimizer: torch.optim.Optimizer, plain: nn.Module, loss_fn: Callable[..., Any],
+                  inputs: Any, targets: Any, micro: int, loss_norm: Any, rng: tuple[Any, Any], tolerance: float) -> str:
+    """Where a comparison failed: run the plain step again on another copy, from the same random state, and say
+    so if it differs from the first (the model reseeds or draws from a generator that cannot be restored, as
+    Hugging Face's Reformer calls ``torch.seed()`` in its forward): the failure then says nothing of the plan."""
+    again = _copy_model(model)
+    state, host = rng_state(), host_rng_state()
+    try:
+        set_rng_state(rng[0])
+        set_host_rng_state(rng[1])
+        _plain_step(again, _copy_optimizer(optimizer, model, again), loss_fn, inputs, targets, micro, loss_norm)
+    finally:
+        set_rng_state(state)
+        set_host_rng_state(host)
+    diff = max((_largest(dict(plain.named_parameters()), dict(again.named_parameters()), set()),
+                _largest({n: p.grad for n, p in plain.named_parameters()},
+                         {n: p.grad for n, p in again.named_parameters()}, set())), key=lambda d: d.relative)
+    if diff.relative <= tolerance:
+        return ""
+    return (f"plain PyTorch's own step does not repeat for this model: a second plain step from the same weights and "
+            f"random state differs from the first by {diff} (its forward reseeds torch's generator, as Hugging "
+            "Face's Reformer does with torch.seed(), or draws from one that cannot be restored), so this comparison "
+            "cannot tell edgetrain's plan from the model's own variation")
+
+
 def _copy_optimizer(optimizer: torch.optim.Optimizer, original: nn.Module, clone: nn.Module) -> torch.optim.Optimizer:
     """The optimizer's class, hyper-parameters and state over ``clone``'s parameters."""
     index = {id(p): i for i, p in enumerate(original.parameters())}
@@ -246,5 +271,10 @@ def verify(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable
         passed = losses_agree(loss_plain, loss_ours) and max(g, b) <= GRAD_RTOL
         criterion = (f"loss within {LOSS_RTOL:g} relative; gradients {g:.2%} and buffers {b:.2%} apart as relative "
                      f"L2 norms, at most {GRAD_RTOL:.0%}")
+    if not passed and not compiled:
+        repeat = _plain_repeat(model, optimizer, plain, loss_fn, fed, targets, plan.micro_batch_size, step.loss_norm,
+                               (start, host_start), tolerance)
+        if repeat:
+            notes.append(repeat)
     return VerifyReport(passed, tolerance, params, grads, buffers, loss_plain, loss_ours, plan.micro_batch_size,
                         plan.batch_size, plan.num_stages, plan.policies.count("recompute"), tuple(notes), criterion)
