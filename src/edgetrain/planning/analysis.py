@@ -141,14 +141,11 @@ class Analysis:
     def plan_budget(self) -> int | None:
         return None if self.budget is None else self.budget - self.margin
 
-    def capture_chain(self) -> Any:
-        """The model's chain, captured on two samples of the example; on all of them where the batch trains whole
-        because the forward or loss fails on part of it (a graph's nodes, a forward tied to one batch size).
-
-        Raises:
-            InputError: the model runs on the whole example but not on two samples, which the loss check missed.
-        """
-        part = self.batch if self.min_micro >= self.batch else min(self.batch, 2)
+    def capture_chain(self, part: int = 2) -> Any:
+        """The model's chain, captured on two samples of the example, or on all where the forward fails on two and
+        the batch trains whole anyway (``min_micro``: a graph's nodes, a forward tied to one batch size). InputError
+        where it runs on the whole example but not on two samples, which the loss check missed."""
+        part = min(self.batch, part)
         try:
             return capture(self.model, slice_batch(self.inputs, 0, part), max_stages=self.max_stages,
                            carry_cuts=not self.solver.startswith("poet"),  # the paging model has no carried tensors
@@ -156,6 +153,8 @@ class Analysis:
         except CaptureError as e:
             if part == self.batch or not _runs(self.model, self.env):
                 raise
+            if self.min_micro >= self.batch:
+                return self.capture_chain(self.batch)
             name = type(self.model).__name__
             raise InputError(f"{name} runs on the example's {self.batch} samples but fails on {part} of them "
                              f"({e.__cause__ or e}): edgetrain captures, measures and micro-batches a model on "
