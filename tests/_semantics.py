@@ -41,6 +41,26 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
             assert torch.equal(p.grad, q.grad), name
 
 
+def assert_trains_whole(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                        solver: str | None, tolerance: float) -> None:
+    """A model that runs on no part of its batch verifies whole (every stage recomputed with ``recompute_all``)
+    and refuses micro-batches, naming why."""
+    import pytest
+    import torch.nn.functional as F
+
+    batch = y.shape[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = edgetrain.verify(model, opt, F.cross_entropy, (x, y), tolerance=tolerance,
+                                  planning=edgetrain.PlanConfig(solver=solver))
+        assert report.passed and report.micro_batch_size == report.batch_size == batch, str(report)
+        if solver == "recompute_all":
+            assert report.recomputed == report.stages > 1
+        with pytest.raises(edgetrain.InputError, match="fails on part of the batch"):
+            edgetrain.prepare(model, opt, F.cross_entropy, (x, y),
+                              planning=edgetrain.PlanConfig(micro_batch_size=batch // 2))
+
+
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -16,6 +16,8 @@ from torch import nn
 import edgetrain
 from edgetrain.errors import InputError
 
+from _semantics import assert_trains_whole
+
 
 class _NumpyDropout(nn.Module):
     """Dropout whose mask comes from NumPy's global generator (as Hugging Face's speech models draw their time
@@ -299,13 +301,4 @@ def test_a_forward_that_runs_only_on_even_batches_trains_whole(solver):
     torch.manual_seed(0)
     model = _Siamese()
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 2, (8,))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = edgetrain.verify(model, opt, F.cross_entropy, (x, y), tolerance=0.0,
-                                  planning=edgetrain.PlanConfig(solver=solver))
-        assert report.passed and report.micro_batch_size == report.batch_size == 8, str(report)
-        if solver == "recompute_all":
-            assert report.recomputed == report.stages > 1
-        with pytest.raises(InputError, match="fails on part of the batch"):
-            edgetrain.prepare(model, opt, F.cross_entropy, (x, y), planning=edgetrain.PlanConfig(micro_batch_size=4))
+    assert_trains_whole(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, solver, tolerance=0.0)

@@ -21,6 +21,8 @@ import edgetrain
 from edgetrain.errors import InputError
 from edgetrain.profile import memory
 
+from _semantics import assert_trains_whole
+
 GCN_SOURCE = '''
 class GCN(nn.Module):
     """Graph convolutions over a fixed graph: node features in, a class per node out; the edge index is a buffer."""
@@ -58,16 +60,7 @@ def test_a_graph_network_trains_on_its_whole_graph_exactly(solver):
     torch.manual_seed(0)
     edge_index, x, y = _graph()
     model = GCN(edge_index, 60, 8, 16, 3, 4)  # noqa: F821 - defined by exec above
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = edgetrain.verify(model, opt, F.cross_entropy, (x, y), tolerance=1e-6,
-                                  planning=edgetrain.PlanConfig(solver=solver))
-    assert report.passed and report.micro_batch_size == report.batch_size == 60, str(report)
-    if solver == "recompute_all":
-        assert report.recomputed == report.stages > 1
-    with pytest.raises(InputError, match="fails on part of the batch"):
-        edgetrain.prepare(model, opt, F.cross_entropy, (x, y), planning=edgetrain.PlanConfig(micro_batch_size=30))
+    assert_trains_whole(model, torch.optim.Adam(model.parameters(), lr=1e-2), x, y, solver, tolerance=1e-6)
 
 
 def test_an_edge_index_passed_as_an_input_is_told_where_it_belongs():
