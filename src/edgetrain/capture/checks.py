@@ -23,7 +23,7 @@ from ..batch import slice_batch, tensors_in
 from ..forking import answer_in_fork
 from .chain import argument_writer_nodes, buffer_sample
 
-__all__ = ["HOOKED", "autograd_nodes", "hooked_traced_modules", "reproducible", "same", "own_graph",
+__all__ = ["HOOKED", "NOT_REPLAYABLE", "TRACED_RANDOM", "HOST_RANDOM", "GRAD_MODE", "autograd_nodes", "hooked_traced_modules", "reproducible", "same", "own_graph",
            "gradient_mismatch", "graph_checks", "isolated", "buffer_values", "unlike_buffers"]
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,29 @@ log = logging.getLogger(__name__)
 HOOKED = ("hooks are registered on %s, whose code a torch.fx trace would run through: the trace runs a hook once, "
           "while tracing, and never in a step (a forward hook keeping an activation for the loss, a backward hook "
           "scaling gradients)")
+
+
+#: Why a chain is one stage that is never recomputed (``Chain.replayable`` False); %s is the model's class.
+NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same random state and buffers (does it write "
+                  "into its inputs in place, draw from a generator that is not a torch.Generator attribute of one "
+                  "of its modules, or read the clock?): recomputation would differ from the first forward, so it "
+                  "trains as one stage that is never recomputed (micro-batching only)")
+
+
+#: Why a model whose forward draws from torch's generator while being traced is not traced (%s: its class).
+TRACED_RANDOM = ("%s's forward draws from torch's generator where no traced tensor is involved (torch.rand([]) "
+                 "deciding whether a layer runs, as LayerDrop does), which a traced graph would freeze into "
+                 "constants; its blocks are the stages instead (a recomputation replays their draws)")
+
+
+#: Why a model that draws from NumPy's or Python's generator is not traced (%s is the model's class).
+HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, which a traced graph would freeze "
+               "into constants; its blocks are the stages instead (a recomputation replays those generators)")
+
+
+#: Why a model whose traced graph depends on the gradient mode is not traced (%s is the model's class).
+GRAD_MODE = ("%s's forward branches on torch.is_grad_enabled(): a trace would keep the branch taken while tracing, and "
+             "a step runs with gradients on; its blocks are the stages instead, each running its own forward")
 
 
 def hooked_traced_modules(model: nn.Module, is_leaf: Callable[[nn.Module, str], bool]) -> list[str]:

@@ -24,8 +24,8 @@ from torch import fx, nn
 from .._state import preserved_model_state, rng_moved, rng_state, set_rng_state
 from ..errors import CaptureError
 from .chain import OUTPUT_KEY, Chain, Stage, bind_inputs, mutated_buffers, torchscript_in
-from .checks import (HOOKED, buffer_values, graph_checks, hooked_traced_modules, isolated, reproducible, same,
-                     unlike_buffers)
+from .checks import (GRAD_MODE, HOOKED, HOST_RANDOM, NOT_REPLAYABLE, TRACED_RANDOM, buffer_values, graph_checks,
+                     hooked_traced_modules, isolated, reproducible, same, unlike_buffers)
 from .fxnodes import GraphRun, node_values
 from .lean import memory_format_of
 from .modules import blocks_behind, module_chain
@@ -324,24 +324,6 @@ def _stage_mutations(stages: list[Stage], model: nn.Module, env: dict[str, Any])
                 del env[k]
 
 
-#: Why a chain is one stage that is never recomputed (``Chain.replayable`` False); %s is the model's class.
-_NOT_REPLAYABLE = ("%s's forward does not reproduce its output from the same random state and buffers (does it write "
-                   "into its inputs in place, draw from a generator that is not a torch.Generator attribute of one "
-                   "of its modules, or read the clock?): recomputation would differ from the first forward, so it "
-                   "trains as one stage that is never recomputed (micro-batching only)")
-
-
-#: Why a model whose forward draws from torch's generator while being traced is not traced (%s: its class).
-_TRACED_RANDOM = ("%s's forward draws from torch's generator where no traced tensor is involved (torch.rand([]) "
-                  "deciding whether a layer runs, as LayerDrop does), which a traced graph would freeze into "
-                  "constants; its blocks are the stages instead (a recomputation replays their draws)")
-
-
-#: Why a model that draws from NumPy's or Python's generator is not traced (%s is the model's class).
-_HOST_RANDOM = ("%s's forward draws from NumPy's or Python's random generator, which a traced graph would freeze "
-                "into constants; its blocks are the stages instead (a recomputation replays those generators)")
-
-
 def capture(model: nn.Module, example_inputs: Any, *, max_stages: int = 48, strict: bool = False,
             carry_cuts: bool = True, writers: Sequence[str] | None = None,
             isolate: Callable[[Callable[[], Any]], Any] | None = None) -> Chain:
@@ -431,18 +413,23 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
         if not reproducible(model, env):
             chain = _single_stage(model, names, mutates)
             chain.replayable = False
-            chain.warning = _NOT_REPLAYABLE % type(model).__name__
+            chain.warning = NOT_REPLAYABLE % type(model).__name__
             log.info(chain.warning)
             return chain
         if not reproducible(model, env, host_rngs=False):  # torch.fx would freeze its draws into constants
-            return _fallback(model, env, names, mutates, _HOST_RANDOM % type(model).__name__, strict)
+            return _fallback(model, env, names, mutates, HOST_RANDOM % type(model).__name__, strict)
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
             drawn = rng_state()
             gm, leaves = _trace(model, concrete)
             if rng_moved(drawn, rng_state()):  # a draw ran while tracing, not on a traced tensor: frozen in the graph
                 set_rng_state(state)
-                return _fallback(model, env, names, mutates, _TRACED_RANDOM % type(model).__name__, strict)
+                return _fallback(model, env, names, mutates, TRACED_RANDOM % type(model).__name__, strict)
+            with torch.enable_grad():  # a step runs with gradients on; the trace above ran without
+                branches = _trace(model, concrete)[0].code != gm.code
+            if branches:
+                set_rng_state(state)
+                return _fallback(model, env, names, mutates, GRAD_MODE % type(model).__name__, strict)
             hooked = hooked_traced_modules(model, _RetryTracer(leaves).is_leaf_module)
             if hooked:
                 set_rng_state(state)
