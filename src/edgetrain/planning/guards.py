@@ -82,9 +82,12 @@ _PLAIN = (bool, int, float, complex, str, type(None))
 def attribute_key(model: nn.Module) -> dict[str, Any]:
     """The plain attributes of the modules whose code a torch.fx trace runs through (every module not defined in
     ``torch.nn``, whose modules run as calls of their own): Python numbers, strings, tuples of those, by
-    value; tensors that are neither parameters nor buffers, by identity (the graph holds the object, so
-    writes into it are seen; an assigned new tensor is not). A trace bakes such values into its code."""
+    value, also inside a configuration object or dict the module holds (``self.cfg.scale``, a Hugging Face
+    ``config``; :func:`_settings`); tensors that are neither parameters nor buffers, by identity (the graph holds
+    the object, so writes into it are seen; an assigned new tensor is not). A trace bakes such values into its
+    code. A value read from outside the model (a module-level global) is not seen."""
     key: dict[str, Any] = {}
+    seen: set[int] = set()
     for name, m in model.named_modules():
         if type(m).__module__.startswith("torch.nn."):
             continue
@@ -92,13 +95,33 @@ def attribute_key(model: nn.Module) -> dict[str, Any]:
             if k.startswith("_") or k == "training":
                 continue
             where = f"{name}.{k}" if name else k
-            if isinstance(v, _PLAIN):
-                key[where] = v
-            elif isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor):
                 key[where] = ("tensor", id(v))
-            elif isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v):
-                key[where] = tuple(v)
+            else:
+                _settings(v, where, key, seen, 2)
     return key
+
+
+_MAX_SETTINGS = 256  # a dict or object with more entries (a vocabulary, a tokenizer) is not a configuration
+
+
+def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: int) -> None:
+    """Put the plain values of ``v`` in ``key``: ``v`` itself, a tuple or list of plain values, or, ``depth``
+    levels down, the entries of a dict with string keys and the attributes of a configuration object (a dataclass,
+    a ``SimpleNamespace``, a Hugging Face ``PretrainedConfig``), each object once."""
+    if isinstance(v, _PLAIN):
+        key[where] = v
+    elif isinstance(v, (tuple, list)):
+        if all(isinstance(x, _PLAIN) for x in v):
+            key[where] = tuple(v)
+    elif depth > 0 and id(v) not in seen and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v):
+        entries = v if isinstance(v, dict) else getattr(v, "__dict__", None)
+        if not isinstance(entries, dict) or len(entries) > _MAX_SETTINGS:
+            return
+        seen.add(id(v))
+        for k, x in entries.items():
+            if isinstance(k, str) and not k.startswith("_"):
+                _settings(x, f"{where}[{k!r}]" if isinstance(v, dict) else f"{where}.{k}", key, seen, depth - 1)
 
 
 def changed_attributes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
