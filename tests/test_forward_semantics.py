@@ -204,6 +204,42 @@ def test_settings_in_a_configuration_object_set_between_steps_are_used_by_traced
     assert "scale" in caplog.text and "changed" in caplog.text
 
 
+_CURRICULUM = {"scale": 1.0}
+
+
+class _GlobalScaled(nn.Module):
+    """Reads a module-level setting the training loop changes between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)) * _CURRICULUM["scale"])
+
+
+def test_a_module_level_setting_the_forward_reads_is_used_by_traced_stages(caplog):
+    """A global dict read by name in a module's forward was baked into the trace like an attribute."""
+    torch.manual_seed(0)
+    model = _GlobalScaled()
+    batches = [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    m, step = prepared(model, *batches[0], solver="recompute_all")
+    assert step.chain.method == "fx"
+    try:
+        for i, (x, y) in enumerate(batches):
+            _CURRICULUM["scale"] = 1.0 + i
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(plain(x), y).backward()
+            opt.step()
+            step(x, y)
+    finally:
+        _CURRICULUM["scale"] = 1.0
+    assert_same_state(plain, m)
+    assert "global _CURRICULUM['scale'] (1.0 -> 2.0) changed" in caplog.text
+
+
 class _InPlaceResidual(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 import warnings
 from typing import Any, Callable
 
@@ -85,7 +86,8 @@ def attribute_key(model: nn.Module) -> dict[str, Any]:
     value, also inside a configuration object or dict the module holds (``self.cfg.scale``, a Hugging Face
     ``config``; :func:`_settings`); tensors that are neither parameters nor buffers, by identity (the graph holds
     the object, so writes into it are seen; an assigned new tensor is not). A trace bakes such values into its
-    code. A value read from outside the model (a module-level global) is not seen."""
+    code. So are the module-level globals the modules' ``forward`` reads by name (not those read in functions it
+    calls)."""
     key: dict[str, Any] = {}
     seen: set[int] = set()
     for name, m in model.named_modules():
@@ -99,6 +101,11 @@ def attribute_key(model: nn.Module) -> dict[str, Any]:
                 key[where] = ("tensor", id(v))
             else:
                 _settings(v, where, key, seen, 2)
+        forward = getattr(type(m).forward, "__code__", None)
+        for g in forward.co_names if forward is not None else ():  # globals its forward reads (a curriculum dict)
+            v = type(m).forward.__globals__.get(g, key)
+            if v is not key and not isinstance(v, (types.ModuleType, torch.Tensor)):
+                _settings(v, f"global {g}", key, seen, 2)
     return key
 
 
