@@ -97,14 +97,11 @@ def attribute_key(model: nn.Module) -> dict[str, Any]:
             if k.startswith("_") or k == "training":
                 continue
             where = f"{name}.{k}" if name else k
-            if isinstance(v, torch.Tensor):
-                key[where] = ("tensor", id(v))
-            else:
-                _settings(v, where, key, seen, 2)
+            _settings(v, where, key, seen, 2)
         forward = getattr(type(m).forward, "__code__", None)
         for g in forward.co_names if forward is not None else ():  # globals its forward reads (a curriculum dict)
             v = type(m).forward.__globals__.get(g, key)
-            if v is not key and not isinstance(v, (types.ModuleType, torch.Tensor)):
+            if v is not key and not isinstance(v, types.ModuleType):
                 _settings(v, f"global {g}", key, seen, 2)
     return key
 
@@ -113,14 +110,16 @@ _MAX_SETTINGS = 256  # a dict or object with more entries (a vocabulary, a token
 
 
 def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: int) -> None:
-    """Put the plain values of ``v`` in ``key``: ``v`` itself, a tuple or list of plain values, or, ``depth``
-    levels down, the entries of a dict with string keys and the attributes of a configuration object (a dataclass,
-    a ``SimpleNamespace``, a Hugging Face ``PretrainedConfig``), each object once."""
+    """Put the plain values of ``v`` in ``key``: ``v`` itself (a tensor by identity), a tuple or list of plain
+    values and tensors, or, ``depth`` levels down, the entries of a dict with string keys and the attributes of a configuration
+    object (a dataclass, a ``SimpleNamespace``, a Hugging Face ``PretrainedConfig``), each object once."""
     if isinstance(v, _PLAIN):
         key[where] = v
+    elif isinstance(v, torch.Tensor):
+        key[where] = ("tensor", id(v))
     elif isinstance(v, (tuple, list)):
-        if all(isinstance(x, _PLAIN) for x in v):
-            key[where] = tuple(v)
+        if all(isinstance(x, (*_PLAIN, torch.Tensor)) for x in v):
+            key[where] = tuple(("tensor", id(x)) if isinstance(x, torch.Tensor) else x for x in v)
     elif depth > 0 and id(v) not in seen and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v):
         entries = v if isinstance(v, dict) else getattr(v, "__dict__", None)
         if not isinstance(entries, dict) or len(entries) > _MAX_SETTINGS:
@@ -135,8 +134,8 @@ def changed_attributes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The attributes of :func:`attribute_key` whose values differ, each as ``name (old -> new)``."""
     missing = object()
 
-    def tensor(v: Any) -> bool:
-        return isinstance(v, tuple) and v[:1] == ("tensor",)
+    def tensor(v: Any) -> bool:  # a tensor by identity, or a list holding one
+        return isinstance(v, tuple) and (v[:1] == ("tensor",) or any(tensor(x) for x in v))
 
     out = []
     for k in sorted(set(old) | set(new)):
