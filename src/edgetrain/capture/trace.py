@@ -420,14 +420,14 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
             return _fallback(model, env, names, mutates, HOST_RANDOM % type(model).__name__, strict)
         try:
             concrete = {k: v for k, v in env.items() if not isinstance(v, torch.Tensor)}
+            with preserved_model_state(model), torch.enable_grad():  # as a step runs; the trace below runs without
+                with_grad = _trace(model, concrete)[0].code  # (a trace assigns proxies to what `self.n += 1` writes)
             drawn = rng_state()
             gm, leaves = _trace(model, concrete)
             if rng_moved(drawn, rng_state()):  # a draw ran while tracing, not on a traced tensor: frozen in the graph
                 set_rng_state(state)
                 return _fallback(model, env, names, mutates, TRACED_RANDOM % type(model).__name__, strict)
-            with torch.enable_grad():  # a step runs with gradients on; the trace above ran without
-                branches = _trace(model, concrete)[0].code != gm.code
-            if branches:
+            if with_grad != gm.code:
                 set_rng_state(state)
                 return _fallback(model, env, names, mutates, GRAD_MODE % type(model).__name__, strict)
             hooked = hooked_traced_modules(model, _RetryTracer(leaves).is_leaf_module)

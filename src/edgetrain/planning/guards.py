@@ -98,9 +98,10 @@ def attribute_key(model: nn.Module) -> dict[str, Any]:
                 continue
             where = f"{name}.{k}" if name else k
             _settings(v, where, key, seen, 2)
-        forward = getattr(type(m).forward, "__code__", None)
-        for g in forward.co_names if forward is not None else ():  # globals its forward reads (a curriculum dict)
-            v = type(m).forward.__globals__.get(g, key)
+        forward = inspect.getattr_static(type(m), "forward", None)  # TorchScript's is no function
+        names = forward.__code__.co_names if isinstance(forward, types.FunctionType) else ()
+        for g in names:  # the module-level globals its forward reads (a curriculum dict)
+            v = forward.__globals__.get(g, key)
             if v is not key and not isinstance(v, types.ModuleType):
                 _settings(v, f"global {g}", key, seen, 2)
     return key
