@@ -124,6 +124,25 @@ def test_custom_autograd_functions_keep_their_backward_when_recomputed():
     assert_same_state(plain, m)
 
 
+def _retraced_side_by_side(model: nn.Module, change: Callable[[nn.Module, int], None]) -> None:
+    """Three steps of ``model`` through a traced, fully recomputed plan beside plain PyTorch on a copy, with
+    ``change(net, i)`` applied to both before step ``i``; they must end in the same state."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    m, step = prepared(model, *batches[0], solver="recompute_all")
+    assert step.chain.method == "fx"
+    for i, (x, y) in enumerate(batches):
+        for net in (plain, m):
+            change(net, i)
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(plain(x), y).backward()
+        opt.step()
+        step(x, y)
+    assert_same_state(plain, m)
+
+
 class _Annealed(nn.Module):
     """Logits divided by a temperature and hidden units masked by a tensor, both plain attributes the training
     loop sets between steps."""
@@ -142,22 +161,12 @@ def test_plain_attributes_set_between_steps_are_used_by_traced_stages(caplog):
     """A trace bakes a float attribute into its code and holds the tensor object an attribute had: a temperature
     or mask assigned between steps was ignored by the traced stages (recompute-all 2.2e-2 off plain after three
     steps). The step now re-traces once such an attribute changes."""
+    def change(net: nn.Module, i: int) -> None:
+        net.temperature = 1.0 + i
+        net.keep = (torch.arange(32) % (i + 2) != 0).float()
+
     torch.manual_seed(0)
-    model = _Annealed()
-    batches = [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
-    plain = copy.deepcopy(model)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    m, step = prepared(model, *batches[0], solver="recompute_all")
-    assert step.chain.method == "fx"
-    for i, (x, y) in enumerate(batches):
-        for net in (plain, m):
-            net.temperature = 1.0 + i
-            net.keep = (torch.arange(32) % (i + 2) != 0).float()
-        opt.zero_grad()
-        nn.CrossEntropyLoss()(plain(x), y).backward()
-        opt.step()
-        step(x, y)
-    assert_same_state(plain, m)
+    _retraced_side_by_side(_Annealed(), change)
     assert "keep (a new tensor) changed" in caplog.text
 
 
@@ -183,24 +192,14 @@ class _Configured(nn.Module):
 def test_settings_in_a_configuration_object_set_between_steps_are_used_by_traced_stages(as_dict, caplog):
     """The re-trace looked at a module's own plain attributes only: a setting inside a configuration object the
     module holds stayed baked into the trace (parameters 24% from plain's after three steps, silently)."""
+    def change(net: nn.Module, i: int) -> None:
+        if as_dict:
+            net.cfg["scale"] = 1.0 + i
+        else:
+            net.cfg.scale = 1.0 + i
+
     torch.manual_seed(0)
-    model = _Configured({"scale": 1.0} if as_dict else _Schedule())
-    batches = [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
-    plain = copy.deepcopy(model)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    m, step = prepared(model, *batches[0], solver="recompute_all")
-    assert step.chain.method == "fx"
-    for i, (x, y) in enumerate(batches):
-        for net in (plain, m):
-            if as_dict:
-                net.cfg["scale"] = 1.0 + i
-            else:
-                net.cfg.scale = 1.0 + i
-        opt.zero_grad()
-        nn.CrossEntropyLoss()(plain(x), y).backward()
-        opt.step()
-        step(x, y)
-    assert_same_state(plain, m)
+    _retraced_side_by_side(_Configured({"scale": 1.0} if as_dict else _Schedule()), change)
     assert "scale" in caplog.text and "changed" in caplog.text
 
 
@@ -220,23 +219,14 @@ class _GlobalScaled(nn.Module):
 
 def test_a_module_level_setting_the_forward_reads_is_used_by_traced_stages(caplog):
     """A global dict read by name in a module's forward was baked into the trace like an attribute."""
+    def change(net: nn.Module, i: int) -> None:
+        _CURRICULUM["scale"] = 1.0 + i
+
     torch.manual_seed(0)
-    model = _GlobalScaled()
-    batches = [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
-    plain = copy.deepcopy(model)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    m, step = prepared(model, *batches[0], solver="recompute_all")
-    assert step.chain.method == "fx"
     try:
-        for i, (x, y) in enumerate(batches):
-            _CURRICULUM["scale"] = 1.0 + i
-            opt.zero_grad()
-            nn.CrossEntropyLoss()(plain(x), y).backward()
-            opt.step()
-            step(x, y)
+        _retraced_side_by_side(_GlobalScaled(), change)
     finally:
         _CURRICULUM["scale"] = 1.0
-    assert_same_state(plain, m)
     assert "global _CURRICULUM['scale'] (1.0 -> 2.0) changed" in caplog.text
 
 
@@ -478,20 +468,10 @@ class _MaskedByDict(nn.Module):
 def test_tensors_replaced_in_a_dict_or_list_between_steps_are_used_by_traced_stages(caplog):
     """A tensor in a dict or list the module holds was baked into the trace by identity, unseen when replaced
     (7.6% from plain's after three steps)."""
+    def change(net: nn.Module, i: int) -> None:
+        net.masks["keep"] = (torch.arange(32) % (i + 2) != 0).float()
+        net.extra[0] = (torch.arange(32) % (i + 3) != 1).float()
+
     torch.manual_seed(0)
-    model = _MaskedByDict()
-    batches = [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
-    plain = copy.deepcopy(model)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    m, step = prepared(model, *batches[0], solver="recompute_all")
-    assert step.chain.method == "fx"
-    for i, (x, y) in enumerate(batches):
-        for net in (plain, m):
-            net.masks["keep"] = (torch.arange(32) % (i + 2) != 0).float()
-            net.extra[0] = (torch.arange(32) % (i + 3) != 1).float()
-        opt.zero_grad()
-        nn.CrossEntropyLoss()(plain(x), y).backward()
-        opt.step()
-        step(x, y)
-    assert_same_state(plain, m)
+    _retraced_side_by_side(_MaskedByDict(), change)
     assert "masks['keep'] (a new tensor) changed" in caplog.text
