@@ -84,6 +84,27 @@ def test_budget_drop_and_rise_match_final_plans_exactly():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_budget_change_that_splits_the_batch_says_what_splitting_changes():
+    """prepare warns when its plan splits the batch of a model with BatchNorm or dropout (each micro-batch
+    normalised with its own statistics, drawing its own masks); a budget drop that split a batch kept whole
+    did the same silently."""
+    torch.manual_seed(0)
+    model = convnet(width=16)  # BatchNorm and dropout
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 5, (32,))
+    step = edgetrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, y))
+    assert step.plan.micro_batch_size == 32
+    step(x, y)
+    lo, _ = _budgets(step)
+    with pytest.warns(UserWarning) as record:
+        try:
+            plan = step.set_memory_budget(lo)
+        except edgetrain.BudgetError as e:  # the margin and a new size's first run: the named budget works
+            plan = step.set_memory_budget(e.min_feasible_bytes)
+    assert plan.num_micro_batches > 1 and plan.bn_micro_batched
+    said = " ".join(str(w.message) for w in record)
+    assert "BatchNorm normalises each micro-batch" in said and "draws random numbers" in said, said
+
+
 def test_budget_drop_between_micro_batches_loses_no_sample():
     ref = mlp(d=64, n_blocks=6)
     ours = copy.deepcopy(ref)

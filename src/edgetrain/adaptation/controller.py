@@ -139,7 +139,9 @@ class BudgetController:
                 "caches of the shapes run since). The plan in force is unchanged; raise the budget to at least "
                 "that.", budget_bytes=budget, min_feasible_bytes=least)
         plan = table.plans[fits[-1]]
-        plan = mark_micro_batched(plan, step.has_batchnorm, getattr(step, "draws_random", False))
+        # a change that splits a batch the plan in force kept whole says what that changes, as prepare does
+        whole = step.plan.micro_batch_size >= step.plan.batch_size
+        plan = mark_micro_batched(plan, step.has_batchnorm, getattr(step, "draws_random", False), warn=whole)
         step.budget_bytes, step.margin_bytes = budget, margin  # first: the executor is chosen under a budget
         step.set_plan(plan.replace(budget_bytes=budget))
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one
