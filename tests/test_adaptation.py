@@ -105,6 +105,37 @@ def test_a_budget_change_that_splits_the_batch_says_what_splitting_changes():
     assert "BatchNorm normalises each micro-batch" in said and "draws random numbers" in said, said
 
 
+def test_a_budget_change_keeps_batchnorm_exact_where_a_whole_batch_plan_fits():
+    """prepare keeps a BatchNorm model's batch whole wherever a plan fits (exact_batchnorm); a budget change
+    took the fastest plan of any micro-batch size instead, splitting the batch (each micro-batch normalised on
+    its own) where a whole-batch plan recomputing a little fitted. It now keeps the whole batch there, and
+    trains as plain PyTorch's full-batch step."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 5))
+    ours = copy.deepcopy(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    o_ours = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(64, 3, 48, 48), torch.randint(0, 5, (64,))
+    step = edgetrain.prepare(ours, o_ours, loss_fn, (x, y), memory_budget="2GiB")
+    assert step.plan.micro_batch_size == 64 and "recompute" not in step.plan.policies
+    assert step(x, y) == plain_step(ref, o_ref, loss_fn, x, y)
+    whole = min_feasible_bytes(step.costs, micro_batch_sizes=[64])
+    _, keep_all = _budgets(step)
+    budget = int((whole + (keep_all - whole) // 3 + step.budget.drift()) / (1 - step.margin_share)) + 2**20
+    plan = step.set_memory_budget(budget)
+    assert plan.micro_batch_size == 64 and not plan.bn_micro_batched and "recompute" in plan.policies, plan.summary()
+    for i in range(2):
+        xb, yb = torch.randn(64, 3, 48, 48), torch.randint(0, 5, (64,))
+        assert step(xb, yb) == pytest.approx(plain_step(ref, o_ref, loss_fn, xb, yb, i), rel=1e-6)
+    # the layers past 8 MiB of input and output are lean convolutions: weight gradients summed over slices
+    for a, b in zip(ours.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_budget_drop_between_micro_batches_loses_no_sample():
     ref = mlp(d=64, n_blocks=6)
     ours = copy.deepcopy(ref)

@@ -235,6 +235,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                          loss_norm=loss_norm, capture=analysis.capture_chain, state_pager=state_pager, fused=fused,
                          layout=layout)
         step.budget.micro_sizes = outcome.sizes
+        step.budget.prefer_full_batch = has_bn and cfg.exact_batchnorm  # as the plan was chosen here
         step.draws_random = random
         if budget is not None:
             step.budget.validate = analysis.validator(chain)

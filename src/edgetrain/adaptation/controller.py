@@ -84,6 +84,10 @@ class BudgetController:
         self.opt_state_bytes = 0
         self.update_bytes = 0  # what the update adds to the fixed bytes (a paged state read back included)
         self.source: Callable[[], int | str | None] | None = None
+        # BatchNorm kept exact (prepare(exact_batchnorm=True)): a whole-batch plan is taken wherever one fits, as
+        # prepare takes it, before the fastest of every size (each micro-batch normalised on its own)
+        self.prefer_full_batch = False
+        self.full_table: PlanTable | None = None
 
     def build_table(self) -> PlanTable:
         """The table a budget change looks plans up in (built on the first call)."""
@@ -105,6 +109,12 @@ class BudgetController:
                     self.seen_micro.add(probed[0])
                     self.first_run_bytes = probed[1]
             self.table = table
+            if self.prefer_full_batch and self.micro_sizes != [step.costs.batch_size]:
+                try:
+                    self.full_table = PlanTable.build(step.costs, micro_batch_sizes=[step.costs.batch_size],
+                                                      **block_solver_options(step.chain, "dp"))
+                except BudgetError:
+                    self.full_table = None  # no whole-batch plan at any budget: the table's plans it is
         return self.table
 
     def set_budget(self, memory_budget: int | str) -> Plan:
@@ -117,22 +127,29 @@ class BudgetController:
         drift = self.drift()
 
         batch = step.plan.batch_size
-        new = {m for m in {p.micro_batch_size for p in table.plans}
+        tables = [t for t in (self.full_table, table) if t is not None]  # whole-batch plans first, where preferred
+        new = {m for m in {p.micro_batch_size for t in tables for p in t.plans}
                if not self.seen_micro.issuperset(run_micro_batch_sizes(batch, m))}
 
         update = step.costs.fixed_bytes + self.update_bytes
 
-        def need(i: int) -> int:  # plan budget table entry i needs, with the first run of a new size
-            extra = self.first_run_bytes if table.plans[i].micro_batch_size in new else 0
-            return max(table.budgets[i], update) + drift + extra
+        def need(t: PlanTable, i: int) -> int:  # plan budget table entry i needs, with the first run of a new size
+            extra = self.first_run_bytes if t.plans[i].micro_batch_size in new else 0
+            return max(t.budgets[i], update) + drift + extra
 
         plan_budget = budget - margin
-        fits = [i for i in range(len(table)) if need(i) <= plan_budget]
+        fits: list[int] = []
+        for t in tables:
+            fits = [i for i in range(len(t)) if need(t, i) <= plan_budget]
+            if fits:
+                table = t
+                break
         if not fits:
             # what this process needs now, with prepare's retry slack: kernel caches and allocator slack differ
             # from one process to the next (2% was too little: a fresh process at the named 28.7 MiB held
             # 0.7 MiB more and was refused again), and a retry at the named budget must work
-            least = math.ceil(budget_for(min(need(i) for i in range(len(table))), step.margin_share) * RETRY_SLACK)
+            least = math.ceil(budget_for(min(need(table, i) for i in range(len(table))), step.margin_share)
+                              * RETRY_SLACK)
             raise BudgetError(
                 f"no plan fits the new budget {format_bytes(budget)}: the smallest this process can train in now "
                 f"is {format_bytes(least)} (it holds {format_bytes(drift)} more than when it was planned: kernel "
