@@ -57,7 +57,8 @@ class _Distilled(nn.Module):
 
 
 def test_a_no_grad_block_in_the_forward_is_not_trained():
-    """torch.fx does not record torch.no_grad: the traced graph gave the teacher gradients, and SGD moved it (2.9e-3)."""
+    """torch.fx does not record torch.no_grad: the traced graph gave the teacher gradients, and SGD moved it
+    (2.9e-3)."""
     torch.manual_seed(0)
     model = _Distilled()
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))

@@ -18,8 +18,8 @@ from torch import nn
 
 from ..errors import CaptureError
 
-__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "buffer_sample", "managed_buffer", "mutated_buffers", "written_parameters",
-           "stage_inputs", "grad_outputs", "argument_writer_nodes", "unwrap_compiled", "torchscript_in"]
+__all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "buffer_sample", "managed_buffer", "mutated_buffers",
+           "written_parameters", "stage_inputs", "grad_outputs", "argument_writer_nodes", "unwrap_compiled", "torchscript_in"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm
@@ -49,12 +49,7 @@ def mutated_buffers(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str
     way, and a recomputation that did not put them back observed each batch twice (min_val 1.6% off plain's
     after 3 steps, silently).
     """
-    bufs = list(model.named_buffers())
-    before = [(b._version, _contents(b)) for _, b in bufs]
-    out = run()
-    now = dict(model.named_buffers())
-    return tuple(n for (n, b), (v, old) in zip(bufs, before)
-                 if b._version != v or now.get(n) is not b or not _same(_contents(b), old)), out
+    return _written(list(model.named_buffers()), lambda: dict(model.named_buffers()), run)
 
 
 def written_parameters(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[str, ...], Any]:
@@ -63,11 +58,18 @@ def written_parameters(model: nn.Module, run: Callable[[], Any]) -> tuple[tuple[
     renormed = {id(m.weight) for m in model.modules()
                 if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None}
     params = [(n, p) for n, p in model.named_parameters() if id(p) not in renormed]
-    before = [(p._version, _contents(p)) for _, p in params]
+    return _written(params, lambda: dict(model.named_parameters()), run)
+
+
+def _written(named: list[tuple[str, torch.Tensor]], current: Callable[[], dict[str, torch.Tensor]],
+             run: Callable[[], Any]) -> tuple[tuple[str, ...], Any]:
+    """Names of the ``named`` tensors ``run()`` wrote (version counter, identity under ``current()``, or contents
+    changed), and its result."""
+    before = [(t._version, _contents(t)) for _, t in named]
     out = run()
-    now = dict(model.named_parameters())
-    return tuple(n for (n, p), (v, old) in zip(params, before)
-                 if p._version != v or now.get(n) is not p or not _same(_contents(p), old)), out
+    now = current()
+    return tuple(n for (n, t), (v, old) in zip(named, before)
+                 if t._version != v or now.get(n) is not t or not _same(_contents(t), old)), out
 
 
 #: buffers up to this size are compared whole; larger ones (attention masks, rotary tables: constants in

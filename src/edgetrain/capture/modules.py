@@ -186,8 +186,8 @@ def replay_kwargs(model: nn.Module, env: dict[str, Any]) -> dict[str, Any]:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return {}
-    takes = "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and \
-        isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool)
+    takes = "use_cache" in params or (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+                                      and isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool))
     return {"use_cache": False} if takes and not env.get("use_cache") else {}
 
 

@@ -112,8 +112,9 @@ _MAX_SETTINGS = 256  # a dict or object with more entries (a vocabulary, a token
 
 def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: int) -> None:
     """Put the plain values of ``v`` in ``key``: ``v`` itself (a tensor by identity), a tuple or list of plain
-    values and tensors, or, ``depth`` levels down, the entries of a dict with string keys and the attributes of a configuration
-    object (a dataclass, a ``SimpleNamespace``, a Hugging Face ``PretrainedConfig``), each object once."""
+    values and tensors, or, ``depth`` levels down, the entries of a dict with string keys and the attributes of a
+    configuration object (a dataclass, a ``SimpleNamespace``, a Hugging Face ``PretrainedConfig``), each object
+    once."""
     if isinstance(v, _PLAIN):
         key[where] = v
     elif isinstance(v, torch.Tensor):
