@@ -30,6 +30,16 @@ def fresh_compiler():
     yield
 
 
+@pytest.fixture
+def one_setting(monkeypatch):
+    """Compiled trials at PyTorch's default setting only. Each setting costs a fork that compiles afresh and again
+    from the cache; the tests using this one are not about choosing between settings (the dropout-BERT tests below
+    try both, and the bench times both)."""
+    from edgetrain.planning import compiled as planning_compiled
+
+    monkeypatch.setattr(planning_compiled, "RATIOS", (None,))
+
+
 def _resnet() -> torch.nn.Module:
     cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                     layer_type="basic", num_labels=5)
@@ -49,7 +59,7 @@ def _close(a: torch.nn.Module, b: torch.nn.Module) -> None:
             assert torch.equal(p, q), name  # num_batches_tracked: counted once a step
 
 
-def test_compiled_step_trains_as_the_eager_step_and_follows_the_budget(caplog):
+def test_compiled_step_trains_as_the_eager_step_and_follows_the_budget(caplog, one_setting):
     model = _resnet()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
@@ -85,7 +95,7 @@ def test_compiled_step_trains_as_the_eager_step_and_follows_the_budget(caplog):
     assert step.set_memory_budget("1GiB").peak_bytes == compiled_peak and step.runs_compiled
 
 
-def test_a_compiled_trial_over_the_budget_runs_eagerly_naming_the_budget_that_runs_it_compiled(caplog):
+def test_a_compiled_trial_over_the_budget_runs_eagerly_naming_the_budget_that_runs_it_compiled(caplog, one_setting):
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
 
     def prepare(budget):
@@ -221,6 +231,7 @@ def counted(fn):
     return res
 
 planning_compiled.fork.run_in_child = counted
+planning_compiled.RATIOS = (None,)  # one setting: the cache's behaviour is the same at each
 cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                 layer_type="basic", num_labels=5)
 x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
@@ -265,7 +276,7 @@ class _Scaled(torch.nn.Module):
         return self.body(x) / self.temperature
 
 
-def test_an_attribute_changed_after_compiling_runs_the_step_eagerly_from_then_on(caplog):
+def test_an_attribute_changed_after_compiling_runs_the_step_eagerly_from_then_on(caplog, one_setting):
     torch.manual_seed(0)
     model = _Scaled()
     eager = copy.deepcopy(model)
@@ -308,7 +319,7 @@ def test_the_joint_graph_pass_marks_every_random_draw_to_be_saved_and_nothing_el
     assert inductor_options()["joint_custom_post_pass"] is random_draws_saved()
 
 
-def test_verify_says_when_the_step_it_checked_ran_compiled(fresh_compiler):
+def test_verify_says_when_the_step_it_checked_ran_compiled(fresh_compiler, one_setting):
     """A compiled step rounds otherwise than plain eager PyTorch: verify's report says the step ran compiled and
     how to compare edgetrain's plan bit for bit (its eager twin, which it then does)."""
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))
