@@ -231,6 +231,64 @@ def test_a_module_level_setting_the_forward_reads_is_used_by_traced_stages(caplo
     assert "global _CURRICULUM['scale'] (1.0 -> 2.0) changed" in caplog.text
 
 
+_NOISE_FLOOR = 0.0
+
+
+def _gated(h: torch.Tensor) -> torch.Tensor:
+    """A helper function of the model's module: the global it reads is not in any forward's code."""
+    return torch.relu(h - _NOISE_FLOOR)
+
+
+class _HelperGlobal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_gated(self.a(x)))
+
+
+def test_a_global_a_helper_function_reads_is_used_by_traced_stages(caplog):
+    """Only the globals a forward itself names were keyed: one read in a helper function it calls stayed baked
+    into the trace, and steps after a change trained with the old value, silently (0.029 apart in a parameter
+    after one step). Every global the trace's Python code loads is keyed now."""
+    global _NOISE_FLOOR
+
+    def change(net: nn.Module, i: int) -> None:
+        global _NOISE_FLOOR
+        _NOISE_FLOOR = 0.25 * i
+
+    torch.manual_seed(0)
+    try:
+        _retraced_side_by_side(_HelperGlobal(), change)
+    finally:
+        _NOISE_FLOOR = 0.0
+    assert "global _NOISE_FLOOR (0.0 -> 0.25) changed" in caplog.text
+
+
+class _Mixing(nn.Module):
+    """Mixing weights as a list of lists in a configuration dict (a schedule the training loop edits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.cfg = {"mix": [[1.0, 0.0], [0.5, 0.5]]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(h * self.cfg["mix"][0][0] + h.flip(1) * self.cfg["mix"][0][1])
+
+
+def test_a_nested_list_setting_is_used_by_traced_stages(caplog):
+    """A list of lists of numbers was not keyed (only flat lists were): a change to it trained silently with the
+    value of the capture."""
+    def change(net: nn.Module, i: int) -> None:
+        net.cfg["mix"][0][:] = [1.0 - 0.25 * i, 0.25 * i]
+
+    _retraced_side_by_side(_Mixing(), change)
+    assert "cfg['mix'] (((1.0, 0.0), (0.5, 0.5)) -> ((0.75, 0.25), (0.5, 0.5))) changed" in caplog.text
+
+
 class _InPlaceResidual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -476,3 +534,24 @@ def test_tensors_replaced_in_a_dict_or_list_between_steps_are_used_by_traced_sta
     torch.manual_seed(0)
     _retraced_side_by_side(_MaskedByDict(), change)
     assert "masks['keep'] (a new tensor) changed" in caplog.text
+
+
+def test_recording_the_globals_a_trace_reads_puts_back_a_tracer_installed_before():
+    """A debugger's or coverage's trace function is in force again after a capture, and library code (PyTorch's,
+    the standard library's) does not count as the model's."""
+    import sys
+
+    from edgetrain.capture.reads import globals_read, recording_globals
+
+    def tracer(frame, event, arg):
+        return None
+
+    before = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        with recording_globals() as ran:
+            _gated(torch.ones(2))
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(before)
+    assert [label for label, _, _ in globals_read(ran)] == [f"global {__name__}._NOISE_FLOOR"]

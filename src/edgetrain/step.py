@@ -150,7 +150,7 @@ class TrainStep:
         else:
             executor = make_executor(self.chain, plan, self._bn, self._pager)
             if self.chain.method == "fx":  # traced code: plain attributes are baked in (see _retrace_if_changed)
-                self._traced_attributes = attribute_key(self.model)
+                self._traced_attributes = attribute_key(self.model, self.chain.globals_read)
         if self.compiled is not None and self.compiled.fits(plan, self.budget_bytes, self.margin_bytes):
             return self.compiled.executor(self.model, executor)
         return executor
@@ -221,7 +221,7 @@ class TrainStep:
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
         if self._traced_attributes is not None or self.compiled is not None:
-            now = attribute_key(self.model)  # once a step: it walks every module
+            now = attribute_key(self.model, getattr(self._chain, "globals_read", ()))  # once a step: every module
             self._retrace_if_changed(now)
             self._uncompile_if_changed(now)
         check_autocast(self._autocast)

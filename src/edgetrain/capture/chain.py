@@ -196,6 +196,8 @@ class Chain:
     warning: str = ""
     # False: an op writes into an argument autograd saves (see argument_writer_nodes); replays run to the end
     early_stop: bool = True
+    # "fx" chains: the module-level globals the trace read, baked into its code (edgetrain.capture.reads)
+    globals_read: tuple[tuple[str, dict[str, Any], str], ...] = ()
 
     def __len__(self) -> int:
         return len(self.stages)

@@ -29,6 +29,7 @@ from .checks import (GRAD_MODE, HOOKED, HOST_RANDOM, NOT_REPLAYABLE, TRACED_RAND
 from .fxnodes import GraphRun, node_values
 from .lean import memory_format_of
 from .modules import blocks_behind, module_chain
+from .reads import globals_read, recording_globals
 from .rewrite import MODULE_META, disown_stage_inputs, fresh_activation, keeps_input, rewrite
 
 __all__ = ["capture"]
@@ -423,7 +424,8 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
             with preserved_model_state(model), torch.enable_grad():  # as a step runs; the trace below runs without
                 with_grad = _trace(model, concrete)[0].code  # (a trace assigns proxies to what `self.n += 1` writes)
             drawn = rng_state()
-            gm, leaves = _trace(model, concrete)
+            with recording_globals() as ran:  # the Python code the trace runs, and so the globals it bakes in
+                gm, leaves = _trace(model, concrete)
             if rng_moved(drawn, rng_state()):  # a draw ran while tracing, not on a traced tensor: frozen in the graph
                 set_rng_state(state)
                 return _fallback(model, env, names, mutates, TRACED_RANDOM % type(model).__name__, strict)
@@ -478,6 +480,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
         if finer is not None:
             return finer
     chain = Chain(stages, names, "fx", tuple(sorted(leaves)), last_use, model)
+    chain.globals_read = globals_read(ran)
     _replay_to_the_end(chain, writers)
     return chain
 

@@ -80,16 +80,29 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
 _PLAIN = (bool, int, float, complex, str, type(None))
 
 
-def attribute_key(model: nn.Module) -> dict[str, Any]:
+def attribute_key(model: nn.Module, globals_read: tuple[tuple[str, dict[str, Any], str], ...] = ()) -> dict[str, Any]:
     """The plain attributes of the modules whose code a torch.fx trace runs through (every module not defined in
-    ``torch.nn``, whose modules run as calls of their own): Python numbers, strings, tuples of those, by
-    value, also inside a configuration object or dict the module holds (``self.cfg.scale``, a Hugging Face
-    ``config``; :func:`_settings`); tensors that are neither parameters nor buffers, by identity (the graph holds
-    the object, so writes into it are seen; an assigned new tensor is not). A trace bakes such values into its
-    code. So are the module-level globals the modules' ``forward`` reads by name (not those read in functions it
-    calls)."""
+    ``torch.nn``, whose modules run as calls of their own): Python numbers, strings, tuples and lists of those
+    (nested too), by value, also inside a configuration object or dict the module holds (``self.cfg.scale``, a
+    Hugging Face ``config``; :func:`_settings`); tensors that are neither parameters nor buffers, by identity (the
+    graph holds the object, so writes into it are seen; an assigned new tensor is not). A trace bakes such values
+    into its code. So are the module-level globals the modules' ``forward`` reads by name, and ``globals_read``:
+    those the trace read anywhere in the model's code, helper functions included
+    (:func:`edgetrain.capture.reads.globals_read`, kept on the chain)."""
     key: dict[str, Any] = {}
     seen: set[int] = set()
+    owner: dict[str, int] = {}  # "global NAME" -> the globals dict it came from (another module's is qualified)
+
+    def read_global(label: str, g: dict[str, Any], name: str) -> None:
+        where = f"global {name}"
+        if owner.setdefault(where, id(g)) != id(g):
+            where = label
+        v = g.get(name, _DELETED)
+        if v is _DELETED:
+            key[where] = "<deleted>"
+        elif not isinstance(v, types.ModuleType):
+            _settings(v, where, key, seen, 2)
+
     for name, m in model.named_modules():
         if type(m).__module__.startswith("torch.nn."):
             continue
@@ -101,13 +114,18 @@ def attribute_key(model: nn.Module) -> dict[str, Any]:
         forward = inspect.getattr_static(type(m), "forward", None)  # TorchScript's is no function
         names = forward.__code__.co_names if isinstance(forward, types.FunctionType) else ()
         for g in names:  # the module-level globals its forward reads (a curriculum dict)
-            v = forward.__globals__.get(g, key)
-            if v is not key and not isinstance(v, types.ModuleType):
-                _settings(v, f"global {g}", key, seen, 2)
+            if g in forward.__globals__:
+                read_global(f"global {forward.__globals__.get('__name__', '?')}.{g}", forward.__globals__, g)
+    for label, g, name in globals_read:
+        read_global(label, g, name)
     return key
 
 
+_DELETED = object()
+
+
 _MAX_SETTINGS = 256  # a dict or object with more entries (a vocabulary, a tokenizer) is not a configuration
+_MAX_SEQUENCE = 1 << 16  # plain values in one (nested) list or tuple: past that it is data, not a setting
 
 
 def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: int) -> None:
@@ -120,8 +138,9 @@ def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: in
     elif isinstance(v, torch.Tensor):
         key[where] = ("tensor", id(v))
     elif isinstance(v, (tuple, list)):
-        if all(isinstance(x, (*_PLAIN, torch.Tensor)) for x in v):
-            key[where] = tuple(("tensor", id(x)) if isinstance(x, torch.Tensor) else x for x in v)
+        flat = _plain_sequence(v, [_MAX_SEQUENCE])
+        if flat is not None:
+            key[where] = flat
     elif depth > 0 and id(v) not in seen and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v):
         entries = v if isinstance(v, dict) else getattr(v, "__dict__", None)
         if not isinstance(entries, dict) or len(entries) > _MAX_SETTINGS:
@@ -130,6 +149,28 @@ def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: in
         for k, x in entries.items():
             if isinstance(k, str) and not k.startswith("_"):
                 _settings(x, f"{where}[{k!r}]" if isinstance(v, dict) else f"{where}.{k}", key, seen, depth - 1)
+
+
+def _plain_sequence(v: tuple[Any, ...] | list[Any], room: list[int]) -> tuple[Any, ...] | None:
+    """``v`` as a tuple of its plain values, tensors by identity and nested tuples / lists the same way (a list
+    of lists of mixing weights); None where it holds anything else or more than ``room[0]`` entries in all."""
+    out = []
+    for x in v:
+        room[0] -= 1
+        if room[0] < 0:
+            return None
+        if isinstance(x, _PLAIN):
+            out.append(x)
+        elif isinstance(x, torch.Tensor):
+            out.append(("tensor", id(x)))
+        elif isinstance(x, (tuple, list)):
+            inner = _plain_sequence(x, room)
+            if inner is None:
+                return None
+            out.append(inner)
+        else:
+            return None
+    return tuple(out)
 
 
 def changed_attributes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
