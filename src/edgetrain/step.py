@@ -185,7 +185,11 @@ class TrainStep:
         """Run eagerly from now on where a plain attribute of the model changed since it was compiled: its compiled
         code would compile again for the new value, and that compile's memory was never measured."""
         c = self.compiled
-        if c is None or now == c.attributes:
+        if c is None:
+            return
+        # those it was compiled with: the chain may have been captured since, the globals it read joining the key
+        now = {k: now[k] for k in c.attributes if k in now}
+        if now == c.attributes:
             return
         log.warning("model attribute(s) %s changed since the step was compiled: it runs eagerly from now on (its "
                     "compiled code would compile again, unmeasured)", ", ".join(changed_attributes(c.attributes, now)))

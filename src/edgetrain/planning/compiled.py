@@ -77,12 +77,12 @@ class CompiledStep:
     """
 
     def __init__(self, module: Any, peak_bytes: int | None, micro_batch_size: int,
-                 shapes: set[tuple[Any, ...]], ratio: float | None = None) -> None:
+                 shapes: set[tuple[Any, ...]], ratio: float | None = None, globals_read: tuple[Any, ...] = ()) -> None:
         self.module = module
         self.ratio = ratio
-        #: the model's plain attributes when compiled (:func:`~edgetrain.planning.guards.attribute_key`): a change
-        #: would compile again, unmeasured, and the step then runs eagerly
-        self.attributes = attribute_key(module._orig_mod)
+        #: the model's plain attributes when compiled (:func:`~edgetrain.planning.guards.attribute_key`, with the
+        #: globals its trace read): a change would compile again, unmeasured, and the step then runs eagerly
+        self.attributes = attribute_key(module._orig_mod, globals_read)
         self.peak_bytes = peak_bytes
         self.micro_batch_size = micro_batch_size
         self.shapes = shapes
@@ -292,7 +292,8 @@ def compile_step(step: Any, inputs: Any, targets: Any, reason: str | None) -> No
             _not_compiled(step, plan, f"the compiled step did not train as the eager step does ({why}): compiled "
                                       "code that would change the result is not run")
             return
-        step.compiled = CompiledStep(compiled_forward(step.model), None, plan.micro_batch_size, shapes)
+        step.compiled = CompiledStep(compiled_forward(step.model), None, plan.micro_batch_size, shapes,
+                                     globals_read=getattr(step._chain, "globals_read", ()))
         step.set_plan(plan)
         return
     # a forward that draws random numbers (dropout) is tried at every setting: random_draws_saved keeps its draws
@@ -334,7 +335,7 @@ def compile_step(step: Any, inputs: Any, targets: Any, reason: str | None) -> No
     log.info("compile=True: running compiled (%s); trials: %s; eager plan %s", best.describe(), tried,
              format_bytes(plan.peak_bytes))
     step.compiled = CompiledStep(compiled_forward(step.model), best.peak_bytes, plan.micro_batch_size, shapes,
-                                 best.ratio)
+                                 best.ratio, getattr(step._chain, "globals_read", ()))
     step.set_plan(plan.replace(metadata={**plan.metadata, "compile_first_step_s": best.first_s,
                                          "compiled_step_s": best.step_s, "compiled_ratio": best.ratio,
                                          "compile_trials": tried}))
