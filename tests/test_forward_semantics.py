@@ -5,6 +5,7 @@ the modules a trace would run through, blocks writing into their inputs, attribu
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import edgetrain
@@ -534,6 +536,52 @@ def test_tensors_replaced_in_a_dict_or_list_between_steps_are_used_by_traced_sta
     torch.manual_seed(0)
     _retraced_side_by_side(_MaskedByDict(), change)
     assert "masks['keep'] (a new tensor) changed" in caplog.text
+
+
+def _leaky(x: torch.Tensor) -> torch.Tensor:
+    return F.leaky_relu(x, 0.1)
+
+
+def _leakier(x: torch.Tensor) -> torch.Tensor:
+    return F.leaky_relu(x, 0.5)
+
+
+_ACTIVATION = _leaky
+
+
+class _Swappable(nn.Module):
+    """An activation held as a partial, and one named by a module-level global: either swapped between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 3)
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_ACTIVATION(self.act(self.a(x))))
+
+
+@pytest.mark.parametrize("swap", ["attribute", "global"])
+def test_a_function_swapped_after_the_trace_is_used_by_traced_stages(caplog, swap):
+    """A trace inlines the function it called: a partial assigned to a module attribute, or a function a global
+    names, swapped between steps trained silently with the old one (functions were never keyed)."""
+    global _ACTIVATION
+
+    def change(net: nn.Module, i: int) -> None:
+        global _ACTIVATION
+        if i == 1 and swap == "attribute":
+            net.act = functools.partial(F.leaky_relu, negative_slope=0.5)
+        elif i == 1:
+            _ACTIVATION = _leakier
+
+    torch.manual_seed(0)
+    try:
+        _retraced_side_by_side(_Swappable(), change)
+    finally:
+        _ACTIVATION = _leaky
+    expected = "act (partial leaky_relu -> partial leaky_relu)" if swap == "attribute" else \
+        "global _ACTIVATION (_leaky -> _leakier)"
+    assert expected in caplog.text
 
 
 def test_recording_the_globals_a_trace_reads_puts_back_a_tracer_installed_before():

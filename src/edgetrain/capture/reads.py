@@ -4,8 +4,8 @@ A trace runs the forward once and keeps only tensor operations: a global read on
 curriculum setting) is baked into the graph as the value it had then. The model's own ``forward`` is not the only
 place such a read happens: a helper function it calls (``x * SCALE`` in a function of the model's module), a
 method of a submodule, a lambda. :func:`recording_globals` notes every Python function that runs during the
-trace; :func:`globals_read` names the globals those functions load (``LOAD_GLOBAL``, read from their bytecode)
-whose values are settings rather than code, so that a step sees one change and traces the model again
+trace; :func:`globals_read` names the globals those functions load (``LOAD_GLOBAL``, read from their bytecode),
+so that a step sees one change and traces the model again
 (:func:`edgetrain.planning.guards.attribute_key`) instead of training with the value of the capture.
 
 PyTorch's own code, edgetrain's (but for its model definitions) and the standard library's are left out: their
@@ -66,14 +66,16 @@ def _model_code(code: types.CodeType) -> bool:
     f = code.co_filename
     if f.startswith(_MODELS):
         return True
+    if not (os.path.isabs(f) or f.startswith("<ipython-input")):  # code made at run time: a namedtuple's __new__
+        return False
     stdlib = f.startswith(_STDLIB) and not f.startswith(_INSTALLED)
     return not (stdlib or f.startswith(_SKIPPED) or f.startswith("<frozen"))
 
 
 def globals_read(seen: dict[types.CodeType, dict[str, Any]]) -> tuple[tuple[str, dict[str, Any], str], ...]:
     """``(label, globals dict, name)`` of each global the model's code in ``seen`` (:func:`recording_globals`)
-    loads whose value is not code (a module, class or function) or a logger: the values a trace may have baked
-    in. The label names the module."""
+    loads but for modules and loggers: the values a trace may have baked in (a function by identity: the trace
+    inlined the one it called). The label names the module."""
     out: dict[tuple[int, str], tuple[str, dict[str, Any], str]] = {}
     for code, g in seen.items():
         if not _model_code(code):
@@ -82,7 +84,7 @@ def globals_read(seen: dict[types.CodeType, dict[str, Any]]) -> tuple[tuple[str,
             if name not in g:  # a builtin
                 continue
             v = g[name]
-            if isinstance(v, (types.ModuleType, type, logging.Logger, logging.LoggerAdapter)) or callable(v):
+            if isinstance(v, (types.ModuleType, logging.Logger, logging.LoggerAdapter)):
                 continue
             out.setdefault((id(g), name), (f"global {g.get('__name__', '?')}.{name}", g, name))
     return tuple(out[k] for k in sorted(out, key=lambda k: out[k][0]))

@@ -83,12 +83,12 @@ _PLAIN = (bool, int, float, complex, str, type(None))
 def attribute_key(model: nn.Module, globals_read: tuple[tuple[str, dict[str, Any], str], ...] = ()) -> dict[str, Any]:
     """The plain attributes of the modules whose code a torch.fx trace runs through (every module not defined in
     ``torch.nn``, whose modules run as calls of their own): Python numbers, strings, tuples and lists of those
-    (nested too), by value, also inside a configuration object or dict the module holds (``self.cfg.scale``, a
-    Hugging Face ``config``; :func:`_settings`); tensors that are neither parameters nor buffers, by identity (the
-    graph holds the object, so writes into it are seen; an assigned new tensor is not). A trace bakes such values
-    into its code. So are the module-level globals the modules' ``forward`` reads by name, and ``globals_read``:
-    those the trace read anywhere in the model's code, helper functions included
-    (:func:`edgetrain.capture.reads.globals_read`, kept on the chain)."""
+    (nested too), by value; functions, partials and classes, by identity; also inside a configuration object or
+    dict the module holds (``self.cfg.scale``, a Hugging Face ``config``; :func:`_settings`); tensors that are
+    neither parameters nor buffers, by identity (the graph holds the object, so writes into it are seen; an
+    assigned new tensor is not). A trace bakes such values into its code. So are the module-level globals the
+    modules' ``forward`` reads by name, and ``globals_read``: those the trace read anywhere in the model's code,
+    helper functions included (:func:`edgetrain.capture.reads.globals_read`, kept on the chain)."""
     key: dict[str, Any] = {}
     seen: set[int] = set()
     owner: dict[str, int] = {}  # "global NAME" -> the globals dict it came from (another module's is qualified)
@@ -137,6 +137,8 @@ def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: in
         key[where] = v
     elif isinstance(v, torch.Tensor):
         key[where] = ("tensor", id(v))
+    elif callable(v) and not isinstance(v, nn.Module):  # a function, partial or class the traced code called
+        key[where] = ("callable", v)  # held, so that a replacement can never reuse its id
     elif isinstance(v, (tuple, list)):
         flat = _plain_sequence(v, [_MAX_SEQUENCE])
         if flat is not None:
@@ -187,9 +189,23 @@ def changed_attributes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             continue
         if tensor(a) or tensor(b):
             out.append(f"{k} (a new tensor)")
+        elif _is_callable_key(a) or _is_callable_key(b):
+            out.append(f"{k} ({_callable_name(a)} -> {_callable_name(b)})")
         else:
             out.append(f"{k} ({'unset' if a is missing else repr(a)} -> {'unset' if b is missing else repr(b)})")
     return out
+
+
+def _is_callable_key(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) == 2 and v[0] == "callable"
+
+
+def _callable_name(v: Any) -> str:
+    if not _is_callable_key(v):
+        return "unset" if not isinstance(v, tuple) else repr(v)
+    fn = v[1]
+    name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None)
+    return f"{type(fn).__name__} {name}" if name and type(fn).__name__ != "function" else (name or type(fn).__name__)
 
 
 def check_optimizer(optimizer: Any) -> None:
