@@ -603,3 +603,34 @@ def test_recording_the_globals_a_trace_reads_puts_back_a_tracer_installed_before
     finally:
         sys.settrace(before)
     assert [label for label, _, _ in globals_read(ran)] == [f"global {__name__}._NOISE_FLOOR"]
+
+
+_COLLECTIONS = 0
+
+
+def _count_collection(phase: str, info: dict) -> None:
+    global _COLLECTIONS
+    _COLLECTIONS += 1
+
+
+def test_a_garbage_collector_callback_that_ran_during_the_trace_is_not_the_models_code(caplog):
+    """A gc callback (Hypothesis times every collection in globals of its own) that ran while the model was traced
+    had its globals keyed as the model's: each step then saw them change, traced the model again, and one such
+    re-trace refused the step (a CI run of the suite). Collections are off while a trace is recorded."""
+    import gc
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(_count_collection)
+    gc.set_threshold(1)  # a collection at nearly every allocation, the trace's included
+    try:
+        model, step = prepared(Stack(), torch.randn(8, 16), torch.randint(0, 3, (8,)), solver="recompute_all")
+        assert step.chain.method == "fx"
+        before = _COLLECTIONS
+        for _ in range(2):
+            step(torch.randn(8, 16), torch.randint(0, 3, (8,)))
+        assert _COLLECTIONS > before  # collections ran between the steps: the global the callback writes moved
+    finally:
+        gc.callbacks.remove(_count_collection)
+        gc.set_threshold(*threshold)
+    assert not any(name == "_COLLECTIONS" for _, _, name in step.chain.globals_read)
+    assert "changed since the model was traced" not in caplog.text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import gc
 import logging
 import os
 import sys
@@ -40,19 +41,23 @@ _INSTALLED = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "plat
 def recording_globals() -> Iterator[dict[types.CodeType, dict[str, Any]]]:
     """Within the block, collect the code object of every Python function called, with its globals (this thread
     only). Line tracing stays off: the hook sees each call and returns at once. A tracer installed before (a
-    debugger, coverage) is put back afterwards."""
+    debugger, coverage) is put back afterwards. The garbage collector is off in the block: its callbacks are not
+    the model's code (Hypothesis times every collection in globals of its own)."""
     seen: dict[types.CodeType, dict[str, Any]] = {}
 
     def hook(frame: types.FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code not in seen:
             seen[frame.f_code] = frame.f_globals
 
-    previous = sys.gettrace()
+    previous, collecting = sys.gettrace(), gc.isenabled()
+    gc.disable()  # a collection would run gc.callbacks (a library's timing hooks) as if the model had called them
     sys.settrace(hook)
     try:
         yield seen
     finally:
         sys.settrace(previous)
+        if collecting:
+            gc.enable()
 
 
 @functools.lru_cache(maxsize=4096)
