@@ -116,16 +116,9 @@ def _hf_resnet() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.ResNetConfig(num_channels=3, embedding_size=32, hidden_sizes=[32, 64, 128], depths=[1, 1, 1],
                                     layer_type="basic", num_labels=5)
-    return _Logits(transformers.ResNetForImageClassification(cfg))
+    from edgetrain.spec.models import _PixelLogits  # what `edgetrain train model=hf:...` trains on images
 
-
-class _Logits(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(pixel_values=x).logits
+    return _PixelLogits(transformers.ResNetForImageClassification(cfg))
 
 
 @pytest.mark.parametrize("make, size, batch", [(_bn_convnet, 48, 64), (_hf_resnet, 112, 32)])

@@ -150,7 +150,7 @@ class TrainStep:
         else:
             executor = make_executor(self.chain, plan, self._bn, self._pager)
             if self.chain.method == "fx":  # traced code: plain attributes are baked in (see _retrace_if_changed)
-                self._traced_attributes = attribute_key(self.model, self.chain.globals_read)
+                self._traced_attributes = attribute_key(self.model, self.chain)
         if self.compiled is not None and self.compiled.fits(plan, self.budget_bytes, self.margin_bytes):
             return self.compiled.executor(self.model, executor)
         return executor
@@ -184,15 +184,11 @@ class TrainStep:
     def _uncompile_if_changed(self, now: Any) -> None:
         """Run eagerly from now on where a plain attribute of the model changed since it was compiled: its compiled
         code would compile again for the new value, and that compile's memory was never measured."""
-        c = self.compiled
-        if c is None:
-            return
-        # those it was compiled with: the chain may have been captured since, the globals it read joining the key
-        now = {k: now[k] for k in c.attributes if k in now}
-        if now == c.attributes:
+        changed = self.compiled.changed(now) if self.compiled is not None else []
+        if not changed:
             return
         log.warning("model attribute(s) %s changed since the step was compiled: it runs eagerly from now on (its "
-                    "compiled code would compile again, unmeasured)", ", ".join(changed_attributes(c.attributes, now)))
+                    "compiled code would compile again, unmeasured)", ", ".join(changed))
         self.compiled = None
         meta = self._plan.metadata
         self.set_plan(self._plan.replace(peak_bytes=meta.get("eager_peak_bytes", self._plan.peak_bytes),
@@ -225,7 +221,7 @@ class TrainStep:
                              "(e.g. model.train() before training), or call edgetrain.prepare again for the "
                              "model as it is now.")
         if self._traced_attributes is not None or self.compiled is not None:
-            now = attribute_key(self.model, getattr(self._chain, "globals_read", ()))  # once a step: every module
+            now = attribute_key(self.model, self._chain)  # once a step: it walks every module
             self._retrace_if_changed(now)
             self._uncompile_if_changed(now)
         check_autocast(self._autocast)

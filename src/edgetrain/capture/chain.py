@@ -19,7 +19,8 @@ from torch import nn
 from ..errors import CaptureError
 
 __all__ = ["Stage", "Chain", "OUTPUT_KEY", "bind_inputs", "buffer_sample", "managed_buffer", "mutated_buffers",
-           "written_parameters", "stage_inputs", "grad_outputs", "argument_writer_nodes", "unwrap_compiled", "torchscript_in"]
+           "written_parameters", "stage_inputs", "grad_outputs", "argument_writer_nodes", "unwrap_compiled",
+           "torchscript_in"]
 
 OUTPUT_KEY = "__output__"
 _BN = nn.modules.batchnorm._BatchNorm

@@ -24,7 +24,8 @@ from ..forking import answer_in_fork
 from .chain import argument_writer_nodes, buffer_sample
 
 __all__ = ["HOOKED", "NOT_REPLAYABLE", "TRACED_RANDOM", "HOST_RANDOM", "GRAD_MODE", "autograd_nodes",
-           "hooked_traced_modules", "reproducible", "same", "own_graph", "gradient_mismatch", "graph_checks", "isolated", "buffer_values", "unlike_buffers"]
+           "hooked_traced_modules", "reproducible", "same", "own_graph", "gradient_mismatch", "graph_checks",
+           "isolated", "buffer_values", "unlike_buffers"]
 
 log = logging.getLogger(__name__)
 

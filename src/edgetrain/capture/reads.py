@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["recording_globals", "globals_read"]
+__all__ = ["recording_globals", "globals_read", "loaded_globals"]
 
 _EDGETRAIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SKIPPED = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, _EDGETRAIN)
@@ -61,7 +61,7 @@ def recording_globals() -> Iterator[dict[types.CodeType, dict[str, Any]]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _loaded_globals(code: types.CodeType) -> tuple[str, ...]:
+def loaded_globals(code: types.CodeType) -> tuple[str, ...]:
     """The names ``code`` loads as globals (not those of code objects nested in it: those run as frames of their
     own and are recorded apart)."""
     return tuple(sorted({i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}))
@@ -85,7 +85,7 @@ def globals_read(seen: dict[types.CodeType, dict[str, Any]]) -> tuple[tuple[str,
     for code, g in seen.items():
         if not _model_code(code):
             continue
-        for name in _loaded_globals(code):
+        for name in loaded_globals(code):
             if name not in g:  # a builtin
                 continue
             v = g[name]

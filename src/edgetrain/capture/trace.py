@@ -479,8 +479,7 @@ def _capture(model: nn.Module, env: dict[str, Any], mutates: tuple[str, ...], re
         finer = blocks_behind(model, env, names, mutates, leaves, len(stages))
         if finer is not None:
             return finer
-    chain = Chain(stages, names, "fx", tuple(sorted(leaves)), last_use, model)
-    chain.globals_read = globals_read(ran)
+    chain = Chain(stages, names, "fx", tuple(sorted(leaves)), last_use, model, globals_read=globals_read(ran))
     _replay_to_the_end(chain, writers)
     return chain
 

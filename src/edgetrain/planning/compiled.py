@@ -33,7 +33,7 @@ from ..profile import fork
 from ..runtime.compiled import CompiledExecutor, compiled_forward, shape_key
 from ..units import format_bytes
 from .budgets import RETRY_SLACK, budget_for
-from .guards import attribute_key
+from .guards import attribute_key, changed_attributes
 
 __all__ = ["CompiledStep", "why_not_compiled", "compile_step", "losses_agree", "relative_l2"]
 
@@ -77,15 +77,22 @@ class CompiledStep:
     """
 
     def __init__(self, module: Any, peak_bytes: int | None, micro_batch_size: int,
-                 shapes: set[tuple[Any, ...]], ratio: float | None = None, globals_read: tuple[Any, ...] = ()) -> None:
+                 shapes: set[tuple[Any, ...]], ratio: float | None = None, chain: Any = None) -> None:
         self.module = module
         self.ratio = ratio
         #: the model's plain attributes when compiled (:func:`~edgetrain.planning.guards.attribute_key`, with the
         #: globals its trace read): a change would compile again, unmeasured, and the step then runs eagerly
-        self.attributes = attribute_key(module._orig_mod, globals_read)
+        self.attributes = attribute_key(module._orig_mod, chain)
         self.peak_bytes = peak_bytes
         self.micro_batch_size = micro_batch_size
         self.shapes = shapes
+
+    def changed(self, now: dict[str, Any]) -> list[str]:
+        """The attributes in :attr:`attributes` that differ in ``now`` (an attribute key of the model), each as
+        ``name (old -> new)``. Entries only ``now`` has are not changes: the chain may have been captured since
+        compiling, the globals its trace read joining the key."""
+        now = {k: now[k] for k in self.attributes if k in now}
+        return [] if now == self.attributes else changed_attributes(self.attributes, now)
 
     def fits(self, plan: Plan, budget_bytes: int | None, margin_bytes: int) -> bool:
         """Whether ``plan`` may run compiled: it keeps everything, splits the batch as measured, and the measured
@@ -293,7 +300,7 @@ def compile_step(step: Any, inputs: Any, targets: Any, reason: str | None) -> No
                                       "code that would change the result is not run")
             return
         step.compiled = CompiledStep(compiled_forward(step.model), None, plan.micro_batch_size, shapes,
-                                     globals_read=getattr(step._chain, "globals_read", ()))
+                                     chain=step._chain)
         step.set_plan(plan)
         return
     # a forward that draws random numbers (dropout) is tried at every setting: random_draws_saved keeps its draws
@@ -335,7 +342,7 @@ def compile_step(step: Any, inputs: Any, targets: Any, reason: str | None) -> No
     log.info("compile=True: running compiled (%s); trials: %s; eager plan %s", best.describe(), tried,
              format_bytes(plan.peak_bytes))
     step.compiled = CompiledStep(compiled_forward(step.model), best.peak_bytes, plan.micro_batch_size, shapes,
-                                 best.ratio, getattr(step._chain, "globals_read", ()))
+                                 best.ratio, step._chain)
     step.set_plan(plan.replace(metadata={**plan.metadata, "compile_first_step_s": best.first_s,
                                          "compiled_step_s": best.step_s, "compiled_ratio": best.ratio,
                                          "compile_trials": tried}))

@@ -31,6 +31,7 @@ from torch import nn
 
 from .._state import autocast_state, describe_autocast
 from ..batch import clone_tensors
+from ..capture.reads import loaded_globals
 from ..errors import InputError
 from ..units import format_bytes
 from .loss import LossNorm, loss_normalisation
@@ -78,17 +79,18 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
 
 
 _PLAIN = (bool, int, float, complex, str, type(None))
+_DELETED = object()
 
 
-def attribute_key(model: nn.Module, globals_read: tuple[tuple[str, dict[str, Any], str], ...] = ()) -> dict[str, Any]:
+def attribute_key(model: nn.Module, chain: Any = None) -> dict[str, Any]:
     """The plain attributes of the modules whose code a torch.fx trace runs through (every module not defined in
     ``torch.nn``, whose modules run as calls of their own): Python numbers, strings, tuples and lists of those
     (nested too), by value; functions, partials and classes, by identity; also inside a configuration object or
     dict the module holds (``self.cfg.scale``, a Hugging Face ``config``; :func:`_settings`); tensors that are
     neither parameters nor buffers, by identity (the graph holds the object, so writes into it are seen; an
     assigned new tensor is not). A trace bakes such values into its code. So are the module-level globals the
-    modules' ``forward`` reads by name, and ``globals_read``: those the trace read anywhere in the model's code,
-    helper functions included (:func:`edgetrain.capture.reads.globals_read`, kept on the chain)."""
+    modules' ``forward`` reads by name, and those ``chain``'s trace read anywhere in the model's code, helper
+    functions included (``chain.globals_read``: :func:`edgetrain.capture.reads.globals_read`; None: no chain)."""
     key: dict[str, Any] = {}
     seen: set[int] = set()
     owner: dict[str, int] = {}  # "global NAME" -> the globals dict it came from (another module's is qualified)
@@ -112,16 +114,13 @@ def attribute_key(model: nn.Module, globals_read: tuple[tuple[str, dict[str, Any
             where = f"{name}.{k}" if name else k
             _settings(v, where, key, seen, 2)
         forward = inspect.getattr_static(type(m), "forward", None)  # TorchScript's is no function
-        names = forward.__code__.co_names if isinstance(forward, types.FunctionType) else ()
+        names = loaded_globals(forward.__code__) if isinstance(forward, types.FunctionType) else ()
         for g in names:  # the module-level globals its forward reads (a curriculum dict)
             if g in forward.__globals__:
                 read_global(f"global {forward.__globals__.get('__name__', '?')}.{g}", forward.__globals__, g)
-    for label, g, name in globals_read:
+    for label, g, name in getattr(chain, "globals_read", ()):
         read_global(label, g, name)
     return key
-
-
-_DELETED = object()
 
 
 _MAX_SETTINGS = 256  # a dict or object with more entries (a vocabulary, a tokenizer) is not a configuration
@@ -129,10 +128,10 @@ _MAX_SEQUENCE = 1 << 16  # plain values in one (nested) list or tuple: past that
 
 
 def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: int) -> None:
-    """Put the plain values of ``v`` in ``key``: ``v`` itself (a tensor by identity), a tuple or list of plain
-    values and tensors, or, ``depth`` levels down, the entries of a dict with string keys and the attributes of a
-    configuration object (a dataclass, a ``SimpleNamespace``, a Hugging Face ``PretrainedConfig``), each object
-    once."""
+    """Put the plain values of ``v`` in ``key``: ``v`` itself (a tensor, function, partial or class by identity), a
+    tuple or list of plain values and tensors (nested too), or, ``depth`` levels down, the entries of a dict with
+    string keys and the attributes of a configuration object (a dataclass, a ``SimpleNamespace``, a Hugging Face
+    ``PretrainedConfig``), each object once."""
     if isinstance(v, _PLAIN):
         key[where] = v
     elif isinstance(v, torch.Tensor):
@@ -143,7 +142,7 @@ def _settings(v: Any, where: str, key: dict[str, Any], seen: set[int], depth: in
         flat = _plain_sequence(v, [_MAX_SEQUENCE])
         if flat is not None:
             key[where] = flat
-    elif depth > 0 and id(v) not in seen and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v):
+    elif depth > 0 and id(v) not in seen and not isinstance(v, nn.Module):
         entries = v if isinstance(v, dict) else getattr(v, "__dict__", None)
         if not isinstance(entries, dict) or len(entries) > _MAX_SETTINGS:
             return
