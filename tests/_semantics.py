@@ -41,6 +41,27 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
             assert torch.equal(p.grad, q.grad), name
 
 
+def retraced_side_by_side(model: nn.Module, change: Callable[[nn.Module, int], None],
+                          batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    """Three steps of ``model`` through a traced, fully recomputed plan beside plain PyTorch on a copy, with
+    ``change(net, i)`` applied to both before step ``i``; they must end in the same state. ``batches``: the
+    steps' batches (default: 8 samples of 16 features, 3 classes)."""
+    torch.manual_seed(0)
+    batches = batches or [(torch.randn(8, 16), torch.randint(0, 3, (8,))) for _ in range(3)]
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    m, step = prepared(model, *batches[0], solver="recompute_all")
+    assert step.chain.method == "fx"
+    for i, (x, y) in enumerate(batches):
+        for net in (plain, m):
+            change(net, i)
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(plain(x), y).backward()
+        opt.step()
+        step(x, y)
+    assert_same_state(plain, m)
+
+
 def assert_trains_whole(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                         solver: str | None, tolerance: float) -> None:
     """A model that runs on no part of its batch verifies whole (every stage recomputed with ``recompute_all``)
