@@ -31,6 +31,7 @@ from .profile import memory
 from .profile.fork import analyse_safely
 from .profile.stages import optimizer_costs
 from .runtime import pool
+from .capture.draws import PROBE_SAMPLES, BatchDraws, batch_draws
 from .runtime.executor import needs_stages
 from .step import TrainStep
 from .units import parse_bytes
@@ -216,7 +217,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         if layout != "keep":
             plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: layout})
         random = draws_random(model, env, replay_kwargs(model, env))
-        plan = mark_micro_batched(plan, has_bn, random, warn=True)
+        example = {k: slice_batch(v, 0, PROBE_SAMPLES) for k, v in env.items()} if random else None
+        exact = False
+        if random and not has_bn and budget is not None and plan.micro_batch_size < batch:  # split, traced graph
+            chain = chain if chain is not None else analysis.capture_chain()
+            exact = isinstance(batch_draws(chain, example, batch, plan.peak_bytes, budget - margin), BatchDraws)
+        plan = mark_micro_batched(plan, has_bn, random, warn=True, exact_draws=exact)
         log.info("edgetrain plan:\n%s", plan.summary())
         if pager is not None and "page" not in plan.policies:
             pager.close()
@@ -236,7 +242,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                          layout=layout)
         step.budget.micro_sizes = outcome.sizes
         step.budget.prefer_full_batch = has_bn and cfg.exact_batchnorm  # as the plan was chosen here
-        step.draws_random = random
+        step.draws_random, step.draw_example = random, example
         if budget is not None:
             step.budget.validate = analysis.validator(chain)
             step.budget.seen_micro = set(run_micro_batch_sizes(batch, plan.micro_batch_size))
@@ -255,5 +261,5 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         if cfg.compile:  # last: its trial forks from the state the first step starts from
             compile_step(step, inputs, targets, why_not_compiled(
                 step.plan, has_batchnorm=has_bn, paging=paging_cfg is not None, elastic=speedup is not None,
-                grad_filter=grad_filter is not None))
+                grad_filter=grad_filter is not None, exact_draws=exact))
     return step

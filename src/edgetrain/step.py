@@ -18,6 +18,7 @@ from .adaptation.table import PlanTable
 from .batch import (batch_signature, batch_size_of, channels_last_images, describe_signature, signature_misfit,
                     slice_batch, split_batch)
 from .capture import bind_inputs
+from .capture.draws import drawing
 from .errors import BudgetError, EdgetrainError, InputError
 from .graph import CostChain, run_micro_batch_sizes
 from .plan import Plan
@@ -29,7 +30,7 @@ from .planning.layout import LAYOUT_KEY
 from .planning.loss import LossNorm
 from .runtime.batchnorm import FullBatchStats
 from .runtime.compiled import CompiledExecutor
-from .runtime.executor import PlainExecutor, make_executor, needs_stages
+from .runtime.executor import PlainExecutor, make_executor, needs_stages, step_draws
 
 __all__ = ["TrainStep"]
 
@@ -114,8 +115,9 @@ class TrainStep:
         """The plan in force."""
         return self._plan
 
-    #: whether the model's forward draws random numbers (dropout): a split batch then draws per micro-batch
+    #: the forward draws random numbers (dropout); prepare's first samples, to check a split step's draws on
     draws_random: bool = False
+    draw_example: dict[str, Any] | None = None
 
     @property
     def has_batchnorm(self) -> bool:
@@ -291,7 +293,7 @@ class TrainStep:
         # compiled: the compiler's settings around forward and backward (each compiles at its first run)
         compiler = self._executor.context() if self.runs_compiled else nullcontext()
         try:
-            with compiler:
+            with compiler, drawing(step_draws(self, n)) as draws:
                 while start < n:
                     size = run_micro_batch_sizes(n - start, self._plan.micro_batch_size)[0]  # a budget may change m
                     # the whole batch is not sliced: a process's first slice faults in indexing code (up to 0.6 MiB
@@ -300,6 +302,7 @@ class TrainStep:
                                                             for k, v in env_full.items()}
                     part = targets if size == n else slice_batch(targets, start, start + size)
                     self._bn.micro_batch()
+                    draws.micro_batch(start, size)
                     # the output is not held through backward (plain PyTorch's loop frees it once the loss is made)
                     loss = self.loss_fn(self._executor.forward(env), part)
                     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -471,18 +474,14 @@ class TrainStep:
         return plan
 
     def report(self, path: str, batch: Any = None, **options: Any) -> Any:
-        """Write the plan report (HTML with embedded figures, and the PNGs beside it) to ``path``.
-
-        ``batch`` (inputs, targets) is run once, model and optimizer restored afterwards, to measure the
-        memory timeline; see :func:`edgetrain.report.write_report` for ``options``.
-        """
+        """Write the plan report (HTML with embedded figures, and PNGs beside it) to ``path``; ``batch`` (inputs,
+        targets) is run once to measure the memory timeline (see :func:`edgetrain.report.write_report`)."""
         from .report import write_report
 
         return write_report(self, path, batch=batch, **options)
 
     def close(self) -> None:
-        """Remove the hooks edgetrain put on the model and the optimizer, and the page files, if any (the
-        optimizer state is read back first)."""
+        """Remove edgetrain's hooks on the model and the optimizer, and its page files (state read back first)."""
         self._bn.close()
         if self._pager is not None:
             self._pager.close(raise_errors=False)

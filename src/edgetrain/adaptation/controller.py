@@ -22,6 +22,7 @@ from ..planning.guards import mark_micro_batched
 from ..planning.runs import first_run_cost
 from ..profile import memory
 from ..runtime import pool
+from ..capture.draws import BatchDraws, batch_draws
 from ..units import format_bytes, parse_bytes
 from .table import PlanTable
 
@@ -158,7 +159,10 @@ class BudgetController:
         plan = table.plans[fits[-1]]
         # a change that splits a batch the plan in force kept whole says what that changes, as prepare does
         whole = step.plan.micro_batch_size >= step.plan.batch_size
-        plan = mark_micro_batched(plan, step.has_batchnorm, getattr(step, "draws_random", False), warn=whole)
+        random = getattr(step, "draws_random", False)
+        exact = random and not step.has_batchnorm and plan.micro_batch_size < batch and isinstance(batch_draws(
+            step.chain, getattr(step, "draw_example", None), batch, plan.peak_bytes, plan_budget), BatchDraws)
+        plan = mark_micro_batched(plan, step.has_batchnorm, random, warn=whole, exact_draws=exact)
         step.budget_bytes, step.margin_bytes = budget, margin  # first: the executor is chosen under a budget
         step.set_plan(plan.replace(budget_bytes=budget))
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one

@@ -199,6 +199,8 @@ class Chain:
     early_stop: bool = True
     # "fx" chains: the module-level globals the trace read, baked into its code (edgetrain.capture.reads)
     globals_read: tuple[tuple[str, dict[str, Any], str], ...] = ()
+    # "fx" chains: what edgetrain.capture.draws.probe found of its dropout sites (None: not checked yet)
+    draw_sites: Any = None
 
     def __len__(self) -> int:
         return len(self.stages)

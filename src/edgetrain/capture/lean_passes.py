@@ -2,8 +2,9 @@
 
 Each takes a traced graph module and replaces calls in place by the lean functions of :mod:`.lean`,
 :mod:`.lean_bn` and :mod:`.lean_dropout` (same values, less memory kept for backward), returning how many
-it replaced. The predicates :func:`has_dropout` and ``calls_module(gm, BATCHNORMS)`` answer, without
-loading a native kernel, whether a graph has anything for the BatchNorm and dropout passes to do.
+it replaced; the dropout pass numbers each call it rewrites (a site of :mod:`edgetrain.capture.draws`). The
+predicates :func:`has_dropout` and ``calls_module(gm, BATCHNORMS)`` answer, without loading a native kernel,
+whether a graph has anything for the BatchNorm and dropout passes to do.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from .fxnodes import (MODULE_META, has_backward_hooks, has_foreign_forward_hooks
                       replace_node)
 from .lean import chunk_bytes, lean_conv2d, lean_hardtanh
 from .lean_bn import lean_batch_norm
-from .lean_dropout import dropout_module_out_of_place, lean_dropout, lean_dropout_module
+from .lean_dropout import dropout_module_out_of_place
+from .draws import dropout_module_site, dropout_site
 
 __all__ = ["BATCHNORMS", "activation_replacement", "lean_activations", "lean_convs", "lean_batch_norms",
-           "has_dropout", "lean_dropouts", "sibling_selects", "unbound"]
+           "has_dropout", "dropout_sites", "sibling_selects", "unbound"]
 
 #: BatchNorm module types the BatchNorm pass rewrites.
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -165,26 +167,28 @@ def _dropout_call(gm: fx.GraphModule, n: fx.Node) -> tuple[Callable[..., Any], t
         m = gm.get_submodule(str(n.target))
         if type(m) is not nn.Dropout or m.inplace or has_hooks(m) or len(n.args) != 1 or n.kwargs:
             return None
-        return lean_dropout_module, (n.args[0],), True
+        return dropout_module_site, (n.args[0],), True
     if n.op != "call_function":
         return None
     if n.target is dropout_module_out_of_place:
         if type(gm.get_submodule(str(n.args[1].target))) is not nn.Dropout:
             return None
-        return lean_dropout_module, tuple(n.args), False
+        return dropout_module_site, tuple(n.args), False
     if n.target in (F.dropout, torch.dropout):
         args = _dropout_args(n)
-        return None if args is None else (lean_dropout, (n.args[0], *args), False)
+        return None if args is None else (dropout_site, (n.args[0], *args), False)
     return None
 
 
 def has_dropout(gm: fx.GraphModule) -> bool:
-    """Whether the graph has a dropout call :func:`lean_dropouts` rewrites (a question that loads no kernel)."""
+    """Whether the graph has a dropout call :func:`dropout_sites` rewrites (a question that loads no kernel)."""
     return any(_dropout_call(gm, n) is not None for n in gm.graph.nodes)
 
 
-def lean_dropouts(gm: fx.GraphModule) -> int:
-    """Out-of-place ``nn.Dropout`` module calls and ``F.dropout`` / ``torch.dropout`` calls -> lean dropout (pass 6)."""
+def dropout_sites(gm: fx.GraphModule) -> int:
+    """Out-of-place ``nn.Dropout`` module calls and ``F.dropout`` / ``torch.dropout`` calls -> dropout sites (pass 6):
+    :func:`~edgetrain.capture.draws.dropout_site` calls, numbered in graph order, which run lean dropout (or torch's
+    where it is off) and, in a split step, the whole batch's masks."""
     count = 0
     for n in list(gm.graph.nodes):
         call = _dropout_call(gm, n)
@@ -194,7 +198,7 @@ def lean_dropouts(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(n):
             if module_last:
                 args = args + (gm.graph.get_attr(str(n.target)),)
-            new = gm.graph.call_function(fn, args)
+            new = gm.graph.call_function(fn, args, {"site": count})
         new.meta.update(n.meta)
         if module_last:
             new.meta[MODULE_META] = str(n.target)

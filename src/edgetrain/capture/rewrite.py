@@ -25,9 +25,12 @@
    copy of a stage input is read again only to re-run that stage, before its backward, and no selective
    checkpoint caches such a tensor.
 
-6. **Lean dropout** (:func:`edgetrain.capture.lean_dropout.lean_dropout`): out-of-place ``nn.Dropout``
-   calls and ``F.dropout`` / ``torch.dropout`` calls draw PyTorch's own masks in one compiled pass and keep
-   one bit per element for backward (on where its self-check finds it bit-exact against ``torch.dropout``).
+6. **Dropout sites** (:func:`edgetrain.capture.draws.dropout_site`): out-of-place ``nn.Dropout`` calls and
+   ``F.dropout`` / ``torch.dropout`` calls become numbered sites. A site runs lean dropout
+   (:func:`edgetrain.capture.lean_dropout.lean_dropout`: PyTorch's own masks drawn in one compiled pass, one
+   bit per element kept for backward, on where its self-check finds it bit-exact against ``torch.dropout``;
+   torch's dropout elsewhere) and, in a step that splits its batch, the whole batch's masks
+   (:mod:`edgetrain.capture.draws`).
 
 7. **Rows of one tensor unbound** (:func:`edgetrain.capture.lean_passes.sibling_selects`): ``x[0], x[1], x[2]``
    of one tensor (attention's ``q, k, v = qkv[0], qkv[1], qkv[2]``) become the items of ``x.unbind(0)``: the
@@ -55,10 +58,10 @@ from .. import settings
 from .fxnodes import MODULE_META, calls_module, has_hooks, is_view, replace_node
 from .lean import lean_conv2d, lean_hardtanh
 from .lean_bn import available as lean_bn_available, lean_batch_norm
-from .lean_dropout import (DROPOUT_FUNCTIONS, available as lean_dropout_available, dropout_module_out_of_place,
-                           lean_dropout, lean_dropout_module)
-from .lean_passes import (BATCHNORMS, activation_replacement, has_dropout, lean_activations, lean_batch_norms,
-                          lean_convs, lean_dropouts, sibling_selects)
+from .lean_dropout import DROPOUT_FUNCTIONS, dropout_module_out_of_place, lean_dropout, lean_dropout_module
+from .lean_passes import (BATCHNORMS, activation_replacement, dropout_sites, has_dropout, lean_activations,
+                          lean_batch_norms, lean_convs, sibling_selects)
+from .draws import dropout_module_site, dropout_site
 
 __all__ = ["MODULE_META", "Rewrites", "rewrite", "keeps_input", "disown_stage_inputs", "fresh_activation"]
 
@@ -246,7 +249,8 @@ def disown_stage_inputs(graph: fx.Graph, ownable: set[str] = frozenset()) -> boo
 # Ops whose backward needs none of their inputs: they read their output (ReLU, sigmoid, tanh), a mask
 # (dropout) or nothing (addition).
 _OUTPUT_SAVING_FUNCTIONS = (lean_hardtanh, torch.relu, F.relu, torch.sigmoid, torch.tanh, F.dropout,
-                            lean_dropout, lean_dropout_module, operator.add, operator.sub, torch.add, torch.sub)
+                            lean_dropout, lean_dropout_module, dropout_site, dropout_module_site, operator.add,
+                            operator.sub, torch.add, torch.sub)
 _OUTPUT_SAVING_METHODS = frozenset({"relu", "sigmoid", "tanh", "add", "sub"})
 _OUTPUT_SAVING_MODULES = (nn.ReLU, nn.Sigmoid, nn.Tanh, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
@@ -298,8 +302,8 @@ def rewrite(gm: fx.GraphModule, channels_last: bool = False) -> Rewrites:
             and lean_bn_available()):
         done.batchnorms = lean_batch_norms(gm)
         done.owned = _own_inputs(gm)
-    if has_dropout(gm) and lean_dropout_available():
-        done.dropouts = lean_dropouts(gm)
+    if has_dropout(gm):
+        done.dropouts = dropout_sites(gm)
     done.selects = sibling_selects(gm)
     gm.graph.lint()
     gm.recompile()

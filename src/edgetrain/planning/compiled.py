@@ -112,8 +112,10 @@ class CompiledStep:
         return plan.replace(peak_bytes=self.peak_bytes, metadata=metadata)
 
 
-def why_not_compiled(plan: Plan, *, has_batchnorm: bool, paging: bool, elastic: bool, grad_filter: bool) -> str | None:
-    """Why a step with ``plan`` cannot run compiled; None when it can."""
+def why_not_compiled(plan: Plan, *, has_batchnorm: bool, paging: bool, elastic: bool, grad_filter: bool,
+                     exact_draws: bool = False) -> str | None:
+    """Why a step with ``plan`` cannot run compiled; None when it can. ``exact_draws``: the split plan draws the
+    whole batch's dropout masks (:mod:`edgetrain.capture.draws`)."""
     if paging:
         return "a paging (POET) plan runs its stages through edgetrain's pager"
     if elastic:
@@ -127,6 +129,9 @@ def why_not_compiled(plan: Plan, *, has_batchnorm: bool, paging: bool, elastic: 
     if plan.micro_batch_size < plan.batch_size and has_batchnorm:
         return ("the plan splits the batch of a model with BatchNorm, whose statistics edgetrain combines across "
                 "micro-batches through hooks on every call")
+    if plan.micro_batch_size < plan.batch_size and exact_draws:
+        return ("the plan splits the batch of a model with dropout, whose masks edgetrain draws for the whole batch "
+                "at its first micro-batch (compiled code would draw each micro-batch's)")
     return None
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from .._state import autocast_state, describe_autocast
 from ..batch import clone_tensors
+from ..capture.draws import EXACT_DRAWS_NOTE
 from ..capture.reads import loaded_globals
 from ..errors import InputError
 from ..units import format_bytes
@@ -369,10 +370,13 @@ def _one_sample_trains(model: nn.Module, env: dict[str, Any]) -> bool:
     return True
 
 
-def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool = False) -> Any:
+def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool = False,
+                       exact_draws: bool = False) -> Any:
     """``plan`` with what a split batch changes said in it: ``bn_micro_batched`` for a model with BatchNorm in
-    training mode, the :data:`RANDOM_MICRO_BATCH_NOTE` for one whose forward draws random numbers; with
-    ``warn``, each also as a warning. A plan that does not split the batch comes back as it is."""
+    training mode, the :data:`RANDOM_MICRO_BATCH_NOTE` for one whose forward draws random numbers (unless
+    ``exact_draws``: its dropout draws the whole batch's masks, :mod:`edgetrain.capture.draws`, and the plan
+    says that instead); with ``warn``, each also as a warning. A plan that does not split the batch comes back
+    as it is."""
     if plan.micro_batch_size >= plan.batch_size:
         return plan
     if has_batchnorm and not plan.bn_micro_batched:
@@ -382,6 +386,8 @@ def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool 
                           f"{plan.micro_batch_size} with its own statistics, so gradients differ slightly from one "
                           "full-batch step (running statistics stay exact). Raise the budget to avoid it.",
                           stacklevel=3)
+    if random and exact_draws:
+        return plan if EXACT_DRAWS_NOTE in plan.notes else plan.replace(notes=plan.notes + (EXACT_DRAWS_NOTE,))
     if random and RANDOM_MICRO_BATCH_NOTE not in plan.notes:
         plan = plan.replace(notes=plan.notes + (RANDOM_MICRO_BATCH_NOTE,))
         if warn:

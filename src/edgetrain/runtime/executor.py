@@ -18,12 +18,14 @@ would never be written.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
+from ..capture.draws import EXACT_DRAWS_NOTE, BatchDraws, batch_draws
 from ..capture.modules import BlockCalls, check_calls, in_backward, replay_kwargs
 from ..capture import OUTPUT_KEY, Chain
 from ..errors import InputError
@@ -32,7 +34,7 @@ from ..plan import Plan
 from .batchnorm import FullBatchStats, RecomputeGuard
 from .selective import selective_context_fn
 
-__all__ = ["Executor", "ModuleExecutor", "PlainExecutor", "make_executor", "needs_stages", "checkpoint"]
+__all__ = ["Executor", "ModuleExecutor", "PlainExecutor", "make_executor", "needs_stages", "checkpoint", "step_draws"]
 
 
 def checkpoint(chain: Chain, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -304,3 +306,23 @@ def make_executor(chain: Chain, plan: Plan, bn: FullBatchStats | None = None, pa
     if chain.method == "modules":
         return ModuleExecutor(chain, plan, bn, pager)
     return Executor(chain, plan, bn, pager)
+
+
+def step_draws(step: Any, n: int) -> BatchDraws | None:
+    """The whole batch's dropout draws (:mod:`edgetrain.capture.draws`) for ``step``'s next split step of ``n``
+    samples, or None: the batch is not split, the forward draws nothing, the plan's BatchNorm normalises each
+    micro-batch (accumulation's semantics), the model's own forward or compiled code runs, or the check or the
+    budget rules them out (then a plan that said otherwise warns once)."""
+    plan = step.plan
+    if (not step.draws_random or plan.micro_batch_size >= n or plan.bn_micro_batched
+            or type(step._executor) is not Executor):
+        return None
+    room = None if step.budget_bytes is None else step.budget_bytes - step.margin_bytes
+    draws = batch_draws(step.chain, step.draw_example, n, plan.peak_bytes, room)
+    if isinstance(draws, str):
+        if EXACT_DRAWS_NOTE in plan.notes and getattr(step.chain, "draws_warned", None) is not True:
+            step.chain.draws_warned = True
+            warnings.warn("the split step now draws dropout masks per micro-batch, not as one full-batch step: "
+                          f"{draws}", stacklevel=3)
+        return None
+    return draws
