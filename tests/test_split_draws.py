@@ -123,11 +123,19 @@ def test_draws_the_check_cannot_match_stay_per_micro_batch(kind, why):
     step(x, y)  # trains, drawing per micro-batch
 
 
-@pytest.mark.parametrize("rows,shape", [(1, (6, 13)), (3, (18, 5)), (0, (1, 13))])
-def test_sliced_masks_equal_torch_dropout_across_byte_boundaries(rows, shape):
+@pytest.mark.parametrize("kernel", [True, False], ids=["lean-kernel", "torch-bernoulli"])
+@pytest.mark.parametrize("rows,shape", [(1, (6, 13)), (3, (18, 5)), (0, (1, 13)), (1, (6, 40000))])
+def test_sliced_masks_equal_torch_dropout_across_byte_boundaries(rows, shape, kernel, monkeypatch):
     """Micro-batches of two samples out of six take their rows of one whole-batch mask: outputs, gradients and
     the generator state equal one ``torch.dropout`` over the whole tensor bit for bit (rows of 13 and 15
-    elements start mid-byte; a tensor that does not grow with the batch is drawn once and shared)."""
+    elements start mid-byte; a tensor that does not grow with the batch is drawn once and shared; 240,000
+    elements take lean dropout's kernel four calls), drawn and applied by lean dropout's kernel where it runs
+    here, and by torch's Bernoulli and NumPy's bit unpacking (the path of a CPU where it does not)."""
+    from edgetrain.capture import draws as module
+
+    if not kernel:
+        monkeypatch.setattr(module, "draw_bits", lambda count, p: None)
+        monkeypatch.setattr(module, "times_bits", lambda x, bits, p: None)
     n, p = 6, 0.3
     x = torch.randn(shape)
     g = torch.randn(shape if rows else (n * shape[0], *shape[1:]))

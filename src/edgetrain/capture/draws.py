@@ -18,8 +18,10 @@ the check, and the step draws per micro-batch as before, its plan saying so. So 
 BatchNorm layers normalise each micro-batch on its own: gradient accumulation, whose masks it keeps.
 
 What it costs: one bit per element of each site's whole-batch tensor, held through the step, and at the first
-micro-batch one site's whole-batch draw for a moment (five bytes per element: the byte mask and the int32
-draw of MKL's Bernoulli). A plan draws this way only where both fit its budget beside its predicted peak.
+micro-batch a draw's scratch: 512 KiB where lean dropout's kernel draws the bits, else the whole-batch byte
+mask and the int32 draw of MKL's Bernoulli (five bytes per element) for a moment. A plan draws this way only
+where both fit its budget beside its predicted peak. Applying a slice is lean dropout's one-pass product where
+the slice starts on a whole byte (NumPy unpacks the bits otherwise).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..batch import batch_size_of, slice_batch
-from .lean_dropout import lean_dropout
+from .lean_dropout import DRAW_CHUNK, available as lean_available, draw_bits, lean_dropout, times_bits
 from ..graph import run_micro_batch_sizes
 
 __all__ = ["dropout_site", "dropout_module_site", "Sites", "BatchDraws", "drawing", "probe", "batch_draws",
@@ -86,29 +88,40 @@ class Sites:
 
     def extra_bytes(self, n: int) -> int:
         """Bytes the whole batch's masks add to a step of ``n`` samples: the bits of every site held through
-        the step, and the largest draw while it is made."""
+        the step, and the largest draw while it is made (lean dropout's two scratch buffers where it draws)."""
         sizes = [self.whole(s, n) for s in self.rows]
-        return sum(-(-s // 8) for s in sizes) + _DRAW_BYTES * max(sizes, default=0)
+        largest = max(sizes, default=0)
+        drawing = 2 * 4 * min(largest, DRAW_CHUNK) if lean_available() else _DRAW_BYTES * largest
+        return sum(-(-s // 8) for s in sizes) + drawing
 
 
 class _Mask:
-    """One site's whole-batch mask at one bit per element, drawn as ``torch.dropout`` draws its noise."""
+    """One site's whole-batch mask at one bit per element (little-endian in each byte), drawn as
+    ``torch.dropout`` draws its noise: by lean dropout's kernel where it runs (the same draws, no transient of
+    the whole batch's size), else by ``bernoulli_`` on a byte tensor of the whole shape."""
 
     __slots__ = ("bits", "p")
 
     def __init__(self, shape: tuple[int, ...], p: float) -> None:
-        drawn = torch.empty(shape, dtype=torch.uint8).bernoulli_(1 - p)
-        self.bits = np.packbits(drawn.numpy().reshape(-1), bitorder="little")
+        bits = draw_bits(math.prod(shape), p)
+        if bits is None:
+            drawn = torch.empty(shape, dtype=torch.uint8).bernoulli_(1 - p)
+            bits = torch.from_numpy(np.packbits(drawn.numpy().reshape(-1), bitorder="little"))
+        self.bits = bits
         self.p = p
 
-    def noise(self, first: int, like: torch.Tensor) -> torch.Tensor:
-        """The noise of elements ``first ..`` (as many as ``like`` has, in its shape and dtype): the mask divided
-        by ``1 - p`` as torch divides it."""
-        count = like.numel()
+    def times(self, first: int, x: torch.Tensor) -> torch.Tensor:
+        """``x * noise`` for the noise of elements ``first ..`` (as many as ``x`` has, in its shape): the mask
+        divided by ``1 - p`` as torch divides it, multiplied as torch multiplies."""
+        if first % 8 == 0:
+            y = times_bits(x, self.bits[first // 8:], self.p)
+            if y is not None:
+                return y
+        count = x.numel()
         byte = first // 8
-        bits = np.unpackbits(self.bits[byte:(first + count + 7) // 8], bitorder="little")
+        bits = np.unpackbits(self.bits[byte:(first + count + 7) // 8].numpy(), bitorder="little")
         cut = bits[first - 8 * byte:first - 8 * byte + count]
-        return torch.from_numpy(cut).view(like.shape).to(like.dtype).div_(1 - self.p)
+        return x * torch.from_numpy(cut).view(x.shape).to(x.dtype).div_(1 - self.p)
 
 
 class _Masked(torch.autograd.Function):
@@ -117,11 +130,11 @@ class _Masked(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mask: _Mask, first: int) -> torch.Tensor:  # type: ignore[override]
         ctx.mask, ctx.first = mask, first
-        return x * mask.noise(first, x)
+        return mask.times(first, x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return g * ctx.mask.noise(ctx.first, g), None, None
+        return ctx.mask.times(ctx.first, g.contiguous()), None, None
 
 
 class BatchDraws:

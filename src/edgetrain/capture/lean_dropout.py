@@ -37,7 +37,8 @@ from .. import settings
 from ..forking import answer_in_fork
 from ..native import NativeLibrary
 
-__all__ = ["lean_dropout", "lean_dropout_module", "available", "DROPOUT_FUNCTIONS", "dropout_module_out_of_place"]
+__all__ = ["lean_dropout", "lean_dropout_module", "available", "DROPOUT_FUNCTIONS", "dropout_module_out_of_place",
+           "draw_bits", "times_bits", "DRAW_CHUNK"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,45 @@ def _draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]
                            "set EDGETRAIN_LEAN_DROPOUT=0 to run dropout as written")
     torch.set_rng_state(state)
     return y, bits, scale
+
+
+#: elements per call of :func:`draw_bits` (a multiple of 8: each call fills whole bytes)
+DRAW_CHUNK = 1 << 16
+
+
+def draw_bits(count: int, p: float) -> torch.Tensor | None:
+    """The keep-mask ``torch.dropout`` draws for ``count`` elements, one bit each (little-endian in each byte),
+    the CPU generator advanced as that draw advances it; None where lean dropout does not run here.
+
+    Drawn in chunks through two scratch buffers of 256 KiB: torch's generic Bernoulli kernel draws element after
+    element from one stream, so chunks drawn in order are the whole draw."""
+    if not 0 < p < 1 or not available():
+        return None
+    lib = _NATIVE.lib
+    assert lib is not None
+    state = torch.get_rng_state()
+    scale = _scale(p)
+    bits = torch.empty(-(-count // 8), dtype=torch.uint8)
+    zeros = torch.zeros(min(count, DRAW_CHUNK))
+    out = torch.empty_like(zeros)
+    for start in range(0, count, DRAW_CHUNK):
+        if lib.et_dropout(zeros.data_ptr(), out.data_ptr(), bits.data_ptr() + start // 8,
+                          min(DRAW_CHUNK, count - start), state.data_ptr(), 1 - p, scale):
+            raise RuntimeError("lean dropout: the CPU generator's state is not one torch makes (was it set by hand?); "
+                               "set EDGETRAIN_LEAN_DROPOUT=0 to run dropout as written")
+    torch.set_rng_state(state)
+    return bits
+
+
+def times_bits(x: torch.Tensor, bits: torch.Tensor, p: float) -> torch.Tensor | None:
+    """``x * noise`` for the noise of ``torch.dropout`` whose mask is the first ``x.numel()`` bits of ``bits``
+    (the product autograd's ``MulBackward0`` makes of a gradient too), or None where the kernel does not apply
+    (not a contiguous float32 CPU tensor, lean dropout off)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu" or not available():
+        return None
+    y = torch.empty_like(x)
+    _NATIVE.lib.et_dropout_backward(x.data_ptr(), bits.data_ptr(), y.data_ptr(), x.numel(), _scale(p))
+    return y
 
 
 class _LeanDropoutFn(torch.autograd.Function):
