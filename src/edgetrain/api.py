@@ -218,11 +218,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: layout})
         random = draws_random(model, env, replay_kwargs(model, env))
         example = {k: slice_batch(v, 0, PROBE_SAMPLES) for k, v in env.items()} if random else None
-        exact = False
+        draws: Any = "without a memory budget the model's own forward runs (give one to draw whole-batch masks)"
         if random and not has_bn and budget is not None and plan.micro_batch_size < batch:  # split, traced graph
             chain = chain if chain is not None else analysis.capture_chain()
-            exact = isinstance(batch_draws(chain, example, batch, plan.peak_bytes, budget - margin), BatchDraws)
-        plan = mark_micro_batched(plan, has_bn, random, warn=True, exact_draws=exact)
+            draws = batch_draws(chain, example, batch, plan.peak_bytes, budget - margin)
+        exact = isinstance(draws, BatchDraws)
+        plan = mark_micro_batched(plan, has_bn, random, warn=True, exact_draws=exact,
+                                  why_per_micro_batch=draws if isinstance(draws, str) and not has_bn else "")
         log.info("edgetrain plan:\n%s", plan.summary())
         if pager is not None and "page" not in plan.policies:
             pager.close()

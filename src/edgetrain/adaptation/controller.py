@@ -160,9 +160,11 @@ class BudgetController:
         # a change that splits a batch the plan in force kept whole says what that changes, as prepare does
         whole = step.plan.micro_batch_size >= step.plan.batch_size
         random = getattr(step, "draws_random", False)
-        exact = random and not step.has_batchnorm and plan.micro_batch_size < batch and isinstance(batch_draws(
-            step.chain, getattr(step, "draw_example", None), batch, plan.peak_bytes, plan_budget), BatchDraws)
-        plan = mark_micro_batched(plan, step.has_batchnorm, random, warn=whole, exact_draws=exact)
+        draws = batch_draws(step.chain, getattr(step, "draw_example", None), batch, plan.peak_bytes, plan_budget) \
+            if random and not step.has_batchnorm and plan.micro_batch_size < batch else ""
+        plan = mark_micro_batched(plan, step.has_batchnorm, random, warn=whole,
+                                  exact_draws=isinstance(draws, BatchDraws),
+                                  why_per_micro_batch=draws if isinstance(draws, str) else "")
         step.budget_bytes, step.margin_bytes = budget, margin  # first: the executor is chosen under a budget
         step.set_plan(plan.replace(budget_bytes=budget))
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one

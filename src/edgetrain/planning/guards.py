@@ -371,12 +371,12 @@ def _one_sample_trains(model: nn.Module, env: dict[str, Any]) -> bool:
 
 
 def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool = False,
-                       exact_draws: bool = False) -> Any:
+                       exact_draws: bool = False, why_per_micro_batch: str = "") -> Any:
     """``plan`` with what a split batch changes said in it: ``bn_micro_batched`` for a model with BatchNorm in
     training mode, the :data:`RANDOM_MICRO_BATCH_NOTE` for one whose forward draws random numbers (unless
     ``exact_draws``: its dropout draws the whole batch's masks, :mod:`edgetrain.capture.draws`, and the plan
-    says that instead); with ``warn``, each also as a warning. A plan that does not split the batch comes back
-    as it is."""
+    says that instead); with ``warn``, each also as a warning, which gives ``why_per_micro_batch`` (why the
+    whole batch's masks are not drawn). A plan that does not split the batch comes back as it is."""
     if plan.micro_batch_size >= plan.batch_size:
         return plan
     if has_batchnorm and not plan.bn_micro_batched:
@@ -391,6 +391,7 @@ def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool 
     if random and RANDOM_MICRO_BATCH_NOTE not in plan.notes:
         plan = plan.replace(notes=plan.notes + (RANDOM_MICRO_BATCH_NOTE,))
         if warn:
-            warnings.warn(f"{plan.num_micro_batches} micro-batches: {RANDOM_MICRO_BATCH_NOTE}. Raise the budget "
+            why = f" (the whole batch's masks are not drawn: {why_per_micro_batch})" if why_per_micro_batch else ""
+            warnings.warn(f"{plan.num_micro_batches} micro-batches: {RANDOM_MICRO_BATCH_NOTE}{why}. Raise the budget "
                           "to avoid it.", stacklevel=3)
     return plan
