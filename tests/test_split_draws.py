@@ -178,3 +178,37 @@ def test_verify_compares_a_split_step_drawing_whole_batch_masks_with_one_full_ba
                                   "2GiB", planning=edgetrain.PlanConfig(micro_batch_size=4))
     assert report.passed, str(report)
     assert report.micro_batch_size == 4 and any("full-batch step" in n for n in report.notes), report.notes
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_whole_batch_draws_switch(switch, monkeypatch):
+    """``EDGETRAIN_WHOLE_BATCH_DRAWS=0`` draws per micro-batch (as gradient accumulation does), and says so."""
+    monkeypatch.setenv("EDGETRAIN_WHOLE_BATCH_DRAWS", switch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+    step, said = _prepared(model, torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    assert (EXACT_DRAWS_NOTE in step.plan.notes) == (switch == "1")
+    assert bool([s for s in said if "EDGETRAIN_WHOLE_BATCH_DRAWS=0" in s]) == (switch == "0")
+
+
+def test_a_plan_without_room_for_the_masks_is_made_again_with_their_bytes_held_back(monkeypatch):
+    """Where only the budget rules the masks out, prepare plans again with their bytes held back and takes that
+    plan (exact before fast); where no plan leaves room, the first plan stands, drawing per micro-batch."""
+    import edgetrain.api as api
+
+    real = api.batch_draws
+    calls = []
+
+    def first_without_room(chain, example, n, peak, room):  # the first plan used the room the masks need
+        calls.append(peak)
+        found = real(chain, example, n, peak, room)
+        return "the whole batch's masks do not fit (as if)" if len(calls) == 1 else found
+
+    monkeypatch.setattr(api, "batch_draws", first_without_room)
+    x, y = torch.randint(0, 200, (16, 32)), torch.randint(0, 2, (16,))
+    step, said = _prepared(_bert(), x, y)
+    assert len(calls) == 2 and EXACT_DRAWS_NOTE in step.plan.notes and not [s for s in said if "random" in s]
+    monkeypatch.setattr(api, "batch_draws", real)
+    monkeypatch.setattr(Sites, "extra_bytes", lambda self, n: 2**40)
+    step, said = _prepared(_bert(), x, y)
+    assert RANDOM_MICRO_BATCH_NOTE in step.plan.notes and [s for s in said if "do not fit" in s]

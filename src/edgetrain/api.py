@@ -16,7 +16,7 @@ from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
 from .capture.modules import replay_kwargs
 from .config import PagingConfig, PlanConfig, resolve_legacy
-from .errors import InputError
+from .errors import BudgetError, InputError
 from .graph import CostChain, run_micro_batch_sizes
 from .plan import Plan
 from .planning.analysis import FUSED_KEY, Analysis, Outcome
@@ -31,7 +31,7 @@ from .profile import memory
 from .profile.fork import analyse_safely
 from .profile.stages import optimizer_costs
 from .runtime import pool
-from .capture.draws import PROBE_SAMPLES, BatchDraws, batch_draws
+from .capture.draws import PROBE_SAMPLES, BatchDraws, Sites, batch_draws
 from .runtime.executor import needs_stages
 from .step import TrainStep
 from .units import parse_bytes
@@ -61,6 +61,33 @@ def _layout(cfg: PlanConfig, plan: Plan | None, model: nn.Module, inputs: Any, *
 
 def _split_example(example: Any) -> tuple[Any, Any]:
     return split_batch(example, "example")
+
+
+def _plan_for_whole_draws(analysis: Analysis, chain: Any, example: Any, room: int, can_fork: bool,
+                          layout: str) -> tuple[Any, Outcome, Any] | None:
+    """Where only the budget rules out drawing the whole batch's dropout masks (the check passed: ``chain``'s
+    ``draw_sites``), plan again with their bytes held back: ``(chain, outcome, draws)`` for a plan that draws them
+    (or keeps the batch whole: draws ``""``), or None where none fits (the first plan stands, drawing per
+    micro-batch)."""
+    sites = chain.draw_sites
+
+    def analyse(c: Any, costs: Any = None, *_: Any, **__: Any) -> Any:
+        return analysis.analyse(c, costs, reserve=sites.extra_bytes(analysis.batch))
+
+    try:
+        with explained(layout):
+            found, outcome = analyse_safely(analysis.capture_chain, analyse, analysis.budget, can_fork,
+                                            profile=analysis.profile, summary=analysis.profile_summary,
+                                            memo=analysis.profiles, more_threads=train_here)
+    except BudgetError as e:
+        log.info("no plan leaves room for the whole batch's dropout masks (%s): each micro-batch draws its own", e)
+        return None
+    found = found if found is not None else chain
+    found.draw_sites = sites  # the same model and capture: the check's finding stands
+    if outcome.plan.micro_batch_size >= analysis.batch:
+        return found, outcome, ""
+    draws = batch_draws(found, example, analysis.batch, outcome.plan.peak_bytes, room)
+    return (found, outcome, draws) if isinstance(draws, BatchDraws) else None
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
@@ -189,6 +216,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             analysis = with_layout(analysis, layout)
         layout = "keep" if analysis.inputs is inputs else "channels_last"
         inputs, env = analysis.inputs, analysis.env
+        given = plan is not None
         if plan is not None:
             chain = analysis.capture_chain()
             if costs is None or plan.num_stages != len(chain) or batch not in (plan.batch_size, costs.batch_size) \
@@ -222,6 +250,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         if random and not has_bn and budget is not None and plan.micro_batch_size < batch:  # split, traced graph
             chain = chain if chain is not None else analysis.capture_chain()
             draws = batch_draws(chain, example, batch, plan.peak_bytes, budget - margin)
+            if isinstance(draws, str) and isinstance(chain.draw_sites, Sites) and not given:
+                again = _plan_for_whole_draws(analysis, chain, example, budget - margin, pager is None, layout)
+                if again is not None:  # exact before fast, as BatchNorm's whole batch is (exact_batchnorm)
+                    chain, outcome, draws = again
+                    plan, costs = outcome.plan, outcome.costs
+                    if layout != "keep":
+                        plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: layout})
         exact = isinstance(draws, BatchDraws)
         plan = mark_micro_batched(plan, has_bn, random, warn=True, exact_draws=exact,
                                   why_per_micro_batch=draws if isinstance(draws, str) and not has_bn else "")

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["Setting", "SETTINGS", "allocator", "cache_dir", "cache_enabled", "conv_chunk_bytes", "flag",
-           "fork_enabled", "huge_pages", "native_enabled", "lean_batchnorm_enabled", "lean_dropout_enabled", "selective_enabled", "markdown_table", "override"]
+           "fork_enabled", "huge_pages", "native_enabled", "lean_batchnorm_enabled", "lean_dropout_enabled",
+           "whole_batch_draws_enabled", "selective_enabled", "markdown_table", "override"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -57,6 +58,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EDGETRAIN_LEAN_DROPOUT", "1", "captured graphs run training dropout through a compiled pass that "
             "draws PyTorch's own masks (bit-exact, checked at first use; off where torch draws otherwise) and "
             "keeps a one-bit mask; `0` runs dropout as written"),
+    Setting("EDGETRAIN_WHOLE_BATCH_DRAWS", "1", "a budgeted step that splits its batch draws each dropout's mask "
+            "for the whole batch at the first micro-batch, as one full-batch step draws it (checked at prepare); "
+            "`0` draws per micro-batch, as gradient accumulation does"),
     Setting("EDGETRAIN_SELECTIVE", "1", "per-op (selective) recompute options inside stages are profiled and "
             "planned; `0` plans whole-stage keep / recompute only"),
     Setting("EDGETRAIN_CONV_CHUNK_BYTES", str(DEFAULT_CONV_CHUNK_BYTES), "slice size of the lean "
@@ -124,6 +128,12 @@ def lean_dropout_enabled() -> bool:
     """``EDGETRAIN_LEAN_DROPOUT``: captured graphs run training dropout through lean dropout (default on; it
     stays off where its self-check finds torch drawing otherwise)."""
     return flag("EDGETRAIN_LEAN_DROPOUT")
+
+
+def whole_batch_draws_enabled() -> bool:
+    """``EDGETRAIN_WHOLE_BATCH_DRAWS``: a split step draws its dropout masks for the whole batch (default on;
+    :mod:`edgetrain.capture.draws`)."""
+    return flag("EDGETRAIN_WHOLE_BATCH_DRAWS")
 
 
 def selective_enabled() -> bool:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .. import settings
 from ..batch import batch_size_of, slice_batch
 from .lean_dropout import DRAW_CHUNK, available as lean_available, draw_bits, lean_dropout, times_bits
 from ..graph import run_micro_batch_sizes
@@ -310,6 +311,8 @@ def batch_draws(chain: Any, example: dict[str, Any] | None, n: int, peak_bytes: 
                 room: int | None) -> BatchDraws | str:
     """The draws of a split step of ``n`` samples whose plan predicts ``peak_bytes`` under ``room`` bytes
     (None: no budget), or why it draws per micro-batch."""
+    if not settings.whole_batch_draws_enabled():
+        return "EDGETRAIN_WHOLE_BATCH_DRAWS=0"
     if example is None or chain is None or getattr(chain, "method", None) != "fx":
         return "the model does not run as a traced graph"
     sites = probe(chain, example)
