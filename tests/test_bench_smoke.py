@@ -435,3 +435,32 @@ def test_a_checkpoint_sequential_config_over_the_budget_in_a_repeat_gives_way(tm
     assert "seg=2 over the budget in 1 of 2 runs" in md and "next fastest, seg=4" in md
     assert "edgetrain vs checkpoint_sequential throughput -- 100%: 1.45x" in md  # 0.80 / 0.55
     assert "NotMeasured" not in md
+
+
+def test_bench_draws_rounds_budget_and_table(monkeypatch) -> None:
+    """bench_draws.py on fake jobs: plain first in each round, the budget the share of plain's lowest peak
+    measured so far, parameter differences against plain's first round, step-time ratios to per-micro-batch's,
+    and why a row drew per micro-batch."""
+    import torch
+
+    import bench_draws as bd
+
+    seen = []
+
+    def fake(name, mode, budget, steps, threads):
+        seen.append((mode, budget))
+        shift = {"plain": 0.0, "whole": 1e-4, "per-micro-batch": 1e-2}[mode]
+        return {"times": [0.5 if mode == "whole" else 0.4] * 3, "peak": (400 if mode == "plain" else 200) * MIB,
+                "micro": 32 if mode == "plain" else 16, "params": {"w": torch.ones(3) + shift},
+                "notes": ["... drawn for the whole batch at its first micro-batch ..."] if mode == "whole" else [],
+                "why": "because" if mode == "per-micro-batch" else ""}
+
+    monkeypatch.setattr(bd, "_run", fake)
+    res = bd.measure("bert", 0.5, 2, 4, 1)
+    assert [m for m, _ in seen] == list(bd.MODES) * 2
+    assert all(b == int(400 * MIB * 0.5) for m, b in seen if m != "plain")
+    rows = res["rows"]
+    assert rows["whole"]["whole_masks"] and not rows["per-micro-batch"]["whole_masks"]
+    assert rows["whole"]["param_diff"] == pytest.approx(1e-4, rel=0.01) and rows["plain"]["param_diff"] == 0.0
+    text = bd.render([res], "x")
+    assert "| bert | whole | 16 | whole batch | 0.500 | 1.25x |" in text and "bert, per-micro-batch: because" in text
