@@ -129,7 +129,8 @@ def test_sliced_masks_equal_torch_dropout_across_byte_boundaries(rows, shape, ke
     """Micro-batches of two samples out of six take their rows of one whole-batch mask: outputs, gradients and
     the generator state equal one ``torch.dropout`` over the whole tensor bit for bit (rows of 13 and 15
     elements start mid-byte; a tensor that does not grow with the batch is drawn once and shared; 240,000
-    elements take lean dropout's kernel four calls), drawn and applied by lean dropout's kernel where it runs
+    elements cross the kernel's 4,096-element chunks and the generator's refills), drawn and applied by lean
+    dropout's kernel where it runs
     here, and by torch's Bernoulli and NumPy's bit unpacking (the path of a CPU where it does not)."""
     from edgetrain.capture import draws as module
 

@@ -93,7 +93,8 @@ static void store(const mt_t *mt, uint8_t *rng) {
     }
 }
 
-/* Returns 0, or -1 when the state is not one this code can continue (torch would not produce it). */
+/* Returns 0, or -1 when the state is not one this code can continue (torch would not produce it). x and y may
+ * both be NULL: the mask's bits only (a whole batch's mask, edgetrain.capture.draws). */
 int et_dropout(const float *x, float *y, uint8_t *bits, int64_t n, uint8_t *rng, double keep, float scale) {
     mt_t mt;
     uint32_t buf[2 * CHUNK];
@@ -114,9 +115,11 @@ int et_dropout(const float *x, float *y, uint8_t *bits, int64_t n, uint8_t *rng,
             const uint32_t hi = buf[2 * i] & 0x1fffffu, lo = buf[2 * i + 1];
             keep_of[i] = (uint8_t)((hi < th_hi) | ((hi == th_hi) & (lo < th_lo)));
         }
-        const float *xc = x + c0;
-        float *yc = y + c0;
-        for (int64_t i = 0; i < m; i++) yc[i] = xc[i] * (keep_of[i] ? scale : 0.0f);
+        if (x != NULL && y != NULL) {
+            const float *xc = x + c0;
+            float *yc = y + c0;
+            for (int64_t i = 0; i < m; i++) yc[i] = xc[i] * (keep_of[i] ? scale : 0.0f);
+        }
         const int64_t whole = m / 8;
         for (int64_t b = 0; b < whole; b++) {
             const uint8_t *k = keep_of + 8 * b;

@@ -18,8 +18,8 @@ the check, and the step draws per micro-batch as before, its plan saying so. So 
 BatchNorm layers normalise each micro-batch on its own: gradient accumulation, whose masks it keeps.
 
 What it costs: one bit per element of each site's whole-batch tensor, held through the step, and at the first
-micro-batch a draw's scratch: 512 KiB where lean dropout's kernel draws the bits, else the whole-batch byte
-mask and the int32 draw of MKL's Bernoulli (five bytes per element) for a moment. A plan draws this way only
+micro-batch, where lean dropout's kernel does not draw the bits, the whole-batch byte mask and the int32 draw
+of MKL's Bernoulli (five bytes per element) for a moment. A plan draws this way only
 where both fit its budget beside its predicted peak. Applying a slice is lean dropout's one-pass product where
 the slice starts on a whole byte (NumPy unpacks the bits otherwise).
 """
@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from .. import settings
 from ..batch import batch_size_of, slice_batch
-from .lean_dropout import DRAW_CHUNK, available as lean_available, draw_bits, lean_dropout, times_bits
+from .lean_dropout import available as lean_available, draw_bits, lean_dropout, times_bits
 from ..graph import run_micro_batch_sizes
 
 __all__ = ["dropout_site", "dropout_module_site", "Sites", "BatchDraws", "drawing", "probe", "batch_draws",
@@ -89,17 +89,16 @@ class Sites:
 
     def extra_bytes(self, n: int) -> int:
         """Bytes the whole batch's masks add to a step of ``n`` samples: the bits of every site held through
-        the step, and the largest draw while it is made (lean dropout's two scratch buffers where it draws)."""
+        the step, and the largest draw while it is made (nothing where lean dropout's kernel draws the bits)."""
         sizes = [self.whole(s, n) for s in self.rows]
-        largest = max(sizes, default=0)
-        drawing = 2 * 4 * min(largest, DRAW_CHUNK) if lean_available() else _DRAW_BYTES * largest
+        drawing = 0 if lean_available() else _DRAW_BYTES * max(sizes, default=0)
         return sum(-(-s // 8) for s in sizes) + drawing
 
 
 class _Mask:
     """One site's whole-batch mask at one bit per element (little-endian in each byte), drawn as
-    ``torch.dropout`` draws its noise: by lean dropout's kernel where it runs (the same draws, no transient of
-    the whole batch's size), else by ``bernoulli_`` on a byte tensor of the whole shape."""
+    ``torch.dropout`` draws its noise: by lean dropout's kernel where it runs (the same draws, straight into the
+    bits), else by ``bernoulli_`` on a byte tensor of the whole shape."""
 
     __slots__ = ("bits", "p")
 

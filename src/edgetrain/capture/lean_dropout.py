@@ -38,7 +38,7 @@ from ..forking import answer_in_fork
 from ..native import NativeLibrary
 
 __all__ = ["lean_dropout", "lean_dropout_module", "available", "DROPOUT_FUNCTIONS", "dropout_module_out_of_place",
-           "draw_bits", "times_bits", "DRAW_CHUNK"]
+           "draw_bits", "times_bits"]
 
 log = logging.getLogger(__name__)
 
@@ -75,30 +75,19 @@ def _draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]
     return y, bits, scale
 
 
-#: elements per call of :func:`draw_bits` (a multiple of 8: each call fills whole bytes)
-DRAW_CHUNK = 1 << 16
-
-
 def draw_bits(count: int, p: float) -> torch.Tensor | None:
     """The keep-mask ``torch.dropout`` draws for ``count`` elements, one bit each (little-endian in each byte),
-    the CPU generator advanced as that draw advances it; None where lean dropout does not run here.
-
-    Drawn in chunks through two scratch buffers of 256 KiB: torch's generic Bernoulli kernel draws element after
-    element from one stream, so chunks drawn in order are the whole draw."""
+    the CPU generator advanced as that draw advances it; None where lean dropout does not run here. The kernel
+    draws in chunks of 4,096 elements on its stack: nothing but the bits is allocated."""
     if not 0 < p < 1 or not available():
         return None
     lib = _NATIVE.lib
     assert lib is not None
     state = torch.get_rng_state()
-    scale = _scale(p)
     bits = torch.empty(-(-count // 8), dtype=torch.uint8)
-    zeros = torch.zeros(min(count, DRAW_CHUNK))
-    out = torch.empty_like(zeros)
-    for start in range(0, count, DRAW_CHUNK):
-        if lib.et_dropout(zeros.data_ptr(), out.data_ptr(), bits.data_ptr() + start // 8,
-                          min(DRAW_CHUNK, count - start), state.data_ptr(), 1 - p, scale):
-            raise RuntimeError("lean dropout: the CPU generator's state is not one torch makes (was it set by hand?); "
-                               "set EDGETRAIN_LEAN_DROPOUT=0 to run dropout as written")
+    if lib.et_dropout(None, None, bits.data_ptr(), count, state.data_ptr(), 1 - p, _scale(p)):
+        raise RuntimeError("lean dropout: the CPU generator's state is not one torch makes (was it set by hand?); "
+                           "set EDGETRAIN_LEAN_DROPOUT=0 to run dropout as written")
     torch.set_rng_state(state)
     return bits
 
