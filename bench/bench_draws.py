@@ -38,26 +38,18 @@ MODES = ("plain", "whole", "per-micro-batch")
 
 def _build(name: str) -> tuple[Any, Any, Any]:
     import torch
-    from torch import nn
 
     torch.manual_seed(0)
     if name == "bert":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import BertConfig, BertForSequenceClassification
 
+        from edgetrain.spec.models import _LogitsOnly
+
         cfg = BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                          intermediate_size=1024, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0,
                          max_position_embeddings=128, attn_implementation="eager")
-
-        class Logits(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = BertForSequenceClassification(cfg).train()
-
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return self.model(input_ids=ids).logits
-
-        return Logits(), torch.randint(0, 1000, (32, 128)), torch.randint(0, 2, (32,))
+        return _LogitsOnly(BertForSequenceClassification(cfg).train()), torch.randint(0, 1000, (32, 128)), torch.randint(0, 2, (32,))
     from edgetrain.models import get_model
 
     model = get_model("transformer", num_classes=4, vocab_size=1000, max_len=128, dropout=0.1)

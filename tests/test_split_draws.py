@@ -15,21 +15,11 @@ from torch import nn
 
 import edgetrain
 from edgetrain.planning.guards import RANDOM_MICRO_BATCH_NOTE
+from edgetrain.spec.models import _LogitsOnly
 from edgetrain.capture.draws import (EXACT_DRAWS_NOTE, BatchDraws, Sites, batch_draws, drawing,
                                      dropout_site)
 
 transformers = pytest.importorskip("transformers")
-
-
-class _Logits(nn.Module):
-    """A Hugging Face classifier called on token ids, returning its logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids).logits
 
 
 def _bert(attention_dropout: float = 0.0) -> nn.Module:
@@ -38,7 +28,7 @@ def _bert(attention_dropout: float = 0.0) -> nn.Module:
                                   intermediate_size=128, hidden_dropout_prob=0.2,
                                   attention_probs_dropout_prob=attention_dropout, max_position_embeddings=64,
                                   attn_implementation="eager")
-    return _Logits(transformers.BertForSequenceClassification(cfg).train())
+    return _LogitsOnly(transformers.BertForSequenceClassification(cfg).train())
 
 
 def _prepared(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **planning: object) -> tuple[object, list[str]]:

@@ -14,6 +14,7 @@ from .approx import ElasticConfig, GradFilter
 from .batch import batch_signature, batch_size_of, slice_batch, split_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
+from .capture.draws import PROBE_SAMPLES, BatchDraws, Sites, batch_draws
 from .capture.modules import replay_kwargs
 from .config import PagingConfig, PlanConfig, resolve_legacy
 from .errors import BudgetError, InputError
@@ -31,7 +32,6 @@ from .profile import memory
 from .profile.fork import analyse_safely
 from .profile.stages import optimizer_costs
 from .runtime import pool
-from .capture.draws import PROBE_SAMPLES, BatchDraws, Sites, batch_draws
 from .runtime.executor import needs_stages
 from .step import TrainStep
 from .units import parse_bytes
@@ -246,7 +246,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
             plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: layout})
         random = draws_random(model, env, replay_kwargs(model, env))
         example = {k: slice_batch(v, 0, PROBE_SAMPLES) for k, v in env.items()} if random else None
-        draws: Any = "without a memory budget the model's own forward runs (give one to draw whole-batch masks)"
+        draws: Any = None if has_bn or budget is not None else \
+            "without a memory budget the model's own forward runs (give one to draw whole-batch masks)"
         if random and not has_bn and budget is not None and plan.micro_batch_size < batch:  # split, traced graph
             chain = chain if chain is not None else analysis.capture_chain()
             draws = batch_draws(chain, example, batch, plan.peak_bytes, budget - margin)
@@ -257,9 +258,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
                     plan, costs = outcome.plan, outcome.costs
                     if layout != "keep":
                         plan = plan.replace(metadata={**plan.metadata, LAYOUT_KEY: layout})
-        exact = isinstance(draws, BatchDraws)
-        plan = mark_micro_batched(plan, has_bn, random, warn=True, exact_draws=exact,
-                                  why_per_micro_batch=draws if isinstance(draws, str) and not has_bn else "")
+        plan = mark_micro_batched(plan, has_bn, random, warn=True, draws=draws)
         log.info("edgetrain plan:\n%s", plan.summary())
         if pager is not None and "page" not in plan.policies:
             pager.close()
@@ -298,5 +297,5 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         if cfg.compile:  # last: its trial forks from the state the first step starts from
             compile_step(step, inputs, targets, why_not_compiled(
                 step.plan, has_batchnorm=has_bn, paging=paging_cfg is not None, elastic=speedup is not None,
-                grad_filter=grad_filter is not None, exact_draws=exact))
+                grad_filter=grad_filter is not None, exact_draws=isinstance(draws, BatchDraws)))
     return step

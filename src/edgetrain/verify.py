@@ -30,8 +30,8 @@ from ._state import (backward_outside_autocast, batchnorm_modules, host_rng_stat
 from .batch import batch_size_of, channels_last_images, slice_batch
 from .capture import bind_inputs
 from .capture.chain import unwrap_compiled
-from .graph import run_micro_batch_sizes
 from .capture.draws import EXACT_DRAWS_NOTE
+from .graph import run_micro_batch_sizes
 
 __all__ = ["VerifyReport", "verify"]
 

@@ -13,6 +13,7 @@ import logging
 import math
 from typing import Any, Callable, Protocol
 
+from ..capture.draws import batch_draws
 from ..errors import BudgetError
 from ..graph import run_micro_batch_sizes
 from ..plan import Plan
@@ -22,7 +23,6 @@ from ..planning.guards import mark_micro_batched
 from ..planning.runs import first_run_cost
 from ..profile import memory
 from ..runtime import pool
-from ..capture.draws import BatchDraws, batch_draws
 from ..units import format_bytes, parse_bytes
 from .table import PlanTable
 
@@ -161,10 +161,8 @@ class BudgetController:
         whole = step.plan.micro_batch_size >= step.plan.batch_size
         random = getattr(step, "draws_random", False)
         draws = batch_draws(step.chain, getattr(step, "draw_example", None), batch, plan.peak_bytes, plan_budget) \
-            if random and not step.has_batchnorm and plan.micro_batch_size < batch else ""
-        plan = mark_micro_batched(plan, step.has_batchnorm, random, warn=whole,
-                                  exact_draws=isinstance(draws, BatchDraws),
-                                  why_per_micro_batch=draws if isinstance(draws, str) else "")
+            if random and not step.has_batchnorm and plan.micro_batch_size < batch else None
+        plan = mark_micro_batched(plan, step.has_batchnorm, random, warn=whole, draws=draws)
         step.budget_bytes, step.margin_bytes = budget, margin  # first: the executor is chosen under a budget
         step.set_plan(plan.replace(budget_bytes=budget))
         pool.reset_peak()  # the old plan's high-water mark must not let the cache hold more than the new one

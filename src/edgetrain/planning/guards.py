@@ -31,7 +31,7 @@ from torch import nn
 
 from .._state import autocast_state, describe_autocast
 from ..batch import clone_tensors
-from ..capture.draws import EXACT_DRAWS_NOTE
+from ..capture.draws import EXACT_DRAWS_NOTE, BatchDraws
 from ..capture.reads import loaded_globals
 from ..errors import InputError
 from ..units import format_bytes
@@ -370,13 +370,12 @@ def _one_sample_trains(model: nn.Module, env: dict[str, Any]) -> bool:
     return True
 
 
-def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool = False,
-                       exact_draws: bool = False, why_per_micro_batch: str = "") -> Any:
+def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool = False, draws: Any = None) -> Any:
     """``plan`` with what a split batch changes said in it: ``bn_micro_batched`` for a model with BatchNorm in
     training mode, the :data:`RANDOM_MICRO_BATCH_NOTE` for one whose forward draws random numbers (unless
-    ``exact_draws``: its dropout draws the whole batch's masks, :mod:`edgetrain.capture.draws`, and the plan
-    says that instead); with ``warn``, each also as a warning, which gives ``why_per_micro_batch`` (why the
-    whole batch's masks are not drawn). A plan that does not split the batch comes back as it is."""
+    ``draws`` is the :class:`~edgetrain.capture.draws.BatchDraws` of the whole batch's masks: the plan says that
+    instead); with ``warn``, each also as a warning, which gives ``draws`` where it is a string (why the whole
+    batch's masks are not drawn). A plan that does not split the batch comes back as it is."""
     if plan.micro_batch_size >= plan.batch_size:
         return plan
     if has_batchnorm and not plan.bn_micro_batched:
@@ -386,12 +385,12 @@ def mark_micro_batched(plan: Any, has_batchnorm: bool, random: bool, warn: bool 
                           f"{plan.micro_batch_size} with its own statistics, so gradients differ slightly from one "
                           "full-batch step (running statistics stay exact). Raise the budget to avoid it.",
                           stacklevel=3)
-    if random and exact_draws:
+    if random and isinstance(draws, BatchDraws):
         return plan if EXACT_DRAWS_NOTE in plan.notes else plan.replace(notes=plan.notes + (EXACT_DRAWS_NOTE,))
     if random and RANDOM_MICRO_BATCH_NOTE not in plan.notes:
         plan = plan.replace(notes=plan.notes + (RANDOM_MICRO_BATCH_NOTE,))
         if warn:
-            why = f" (the whole batch's masks are not drawn: {why_per_micro_batch})" if why_per_micro_batch else ""
+            why = f" (the whole batch's masks are not drawn: {draws})" if isinstance(draws, str) else ""
             warnings.warn(f"{plan.num_micro_batches} micro-batches: {RANDOM_MICRO_BATCH_NOTE}{why}. Raise the budget "
                           "to avoid it.", stacklevel=3)
     return plan
